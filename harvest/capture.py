@@ -1,0 +1,118 @@
+"""What a capture asks for, and the on-device reduction every engine applies to it.
+
+An engine runs the forward passes and hands each prompt's `[n_layers_kept, n_tokens, hidden]`
+activations, still on the device, to `PromptReducer.reduce`. The reducer projects onto the
+unit directions (if any), folds the statistics partial in float64, and only then converts to
+the stored dtype and copies to host memory, so projections and statistics never need the raw
+stream on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harvest.errors import CaptureFailed
+from harvest.stats import RunningStats
+
+__all__ = ["CaptureSpec", "ShardCapture", "PromptReducer", "StopForward", "block_hooks", "check_capture"]
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to keep from each forward pass."""
+
+    layers: list[int]
+    """Block indices to capture, ascending; layer k is block k's output before the final norm."""
+    directions: np.ndarray | None = None
+    """Unit directions, float32 `[n_directions, hidden]`; None keeps the raw residual stream."""
+
+    @property
+    def contents(self) -> str:
+        return "activations" if self.directions is None else "projections"
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.directions is None else torch.float32
+
+    def n_features(self, hidden_size: int) -> int:
+        return hidden_size if self.directions is None else self.directions.shape[0]
+
+
+@dataclass
+class ShardCapture:
+    """An engine's answer for one shard: host tensors in prompt order, plus a stats partial."""
+
+    values: list[torch.Tensor]
+    """Per prompt, `[n_layers_kept, n_tokens, n_features]` in the stored dtype, on the host."""
+    stats: RunningStats
+    forward_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class PromptReducer:
+    """Projection, statistics and the device → host copy, shared by every engine."""
+
+    def __init__(self, spec: CaptureSpec, hidden_size: int, device: torch.device):
+        self.spec = spec
+        self.device = device
+        self.directions = None if spec.directions is None else torch.from_numpy(spec.directions).to(device, torch.float32)
+        self.stats = RunningStats(len(spec.layers), spec.n_features(hidden_size), device=device)
+
+    @torch.inference_mode()
+    def reduce(self, acts: torch.Tensor) -> torch.Tensor:
+        """`acts` `[n_layers_kept, n_tokens, hidden]` on the device → the stored host tensor."""
+        values = acts if self.directions is None else acts.float() @ self.directions.T
+        self.stats.update(values[:, 1:])  # a prompt's first position never enters the statistics
+        return values.to(self.spec.stored_dtype).cpu()
+
+    def finish(self, values: list[torch.Tensor], started: float) -> ShardCapture:
+        return ShardCapture(values=values, stats=self.stats.to("cpu"), forward_s=time.perf_counter() - started)
+
+
+class StopForward(Exception):
+    """Raised by the deepest wanted block's hook: nothing above it is needed."""
+
+
+@contextmanager
+def block_hooks(blocks: Sequence[torch.nn.Module], layers: Sequence[int], *, stop_after_last: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward hooks on the requested blocks only, removed in `finally`.
+
+    Yields a dict that fills with layer → block output `[batch, seq, hidden]` during a forward
+    pass. With `stop_after_last`, the hook on the deepest requested block ends the forward pass
+    (the caller catches `StopForward`), since the blocks above it and the LM head are not needed.
+    """
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layers)
+
+    def make_hook(layer: int):
+        def hook(_module, _args, output):
+            captured[layer] = output[0] if isinstance(output, tuple) else output
+            if stop_after_last and layer == deepest:
+                raise StopForward
+
+        return hook
+
+    handles = [blocks[layer].register_forward_hook(make_hook(layer)) for layer in layers]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+
+def check_capture(captured: dict[int, torch.Tensor], layers: Sequence[int], shape: tuple[int, int]) -> None:
+    """Fail loudly when a hook missed a layer or returned a short tensor (never write partial data)."""
+    missing = [layer for layer in layers if layer not in captured]
+    if missing:
+        raise CaptureFailed(f"The capture missed layer(s) {missing}: no activations came back for them.")
+    for layer in layers:
+        got = tuple(captured[layer].shape[:2])
+        if got != shape:
+            raise CaptureFailed(f"The capture of layer {layer} has shape {got} for a batch of shape {shape}.")

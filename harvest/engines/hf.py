@@ -1,0 +1,102 @@
+"""The Hugging Face transformers engine: the numerical reference (`HARVEST_USE_VLLM=0`).
+
+Prompts are sorted by length and run in right-padded batches, so padding only ever sits
+after a prompt's real tokens: with a causal mask it cannot change them, and each prompt's
+activations are sliced to its own length before anything else sees them. Forward hooks sit on
+the requested blocks only, and the forward pass stops after the deepest of them. On the CPU
+the model runs in float32; on a GPU in the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from harvest.capture import CaptureSpec, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
+from harvest.engines.base import Engine
+from harvest.registry import ModelInfo
+
+__all__ = ["HFEngine", "load_hf_model"]
+
+# Padded tokens per forward batch when the request gives no batch_size: large enough to
+# keep the matmuls efficient, small enough that [batch, seq, hidden] per layer stays modest.
+DEFAULT_BATCH_TOKENS = 16384
+
+
+def load_hf_model(model: ModelInfo, device: torch.device | None = None):
+    """Load the checkpoint with the standard HF code: float32 on CPU, its own dtype on GPU."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if device.type == "cpu" else "auto"
+    hf_model = AutoModelForCausalLM.from_pretrained(model.require_path(), dtype=dtype)
+    return hf_model.to(device).eval()
+
+
+class HFEngine(Engine):
+    name = "hf"
+
+    def __init__(self, model: ModelInfo, device: torch.device | None = None):
+        self.model = model
+        self.hf_model = load_hf_model(model, device)
+        self.device = next(self.hf_model.parameters()).device
+
+    @property
+    def blocks(self):
+        return self.hf_model.model.layers
+
+    def _batches(self, lengths: list[int], batch_size: int | None) -> list[list[int]]:
+        """Prompt indices grouped by length (shortest first), by count or by padded tokens."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        batches: list[list[int]] = []
+        current: list[int] = []
+        for index in order:
+            rows = len(current) + 1
+            too_many = batch_size is not None and rows > batch_size
+            too_big = batch_size is None and current and rows * lengths[index] > DEFAULT_BATCH_TOKENS
+            if too_many or too_big:
+                batches.append(current)
+                current = []
+            current.append(index)
+        if current:
+            batches.append(current)
+        return batches
+
+    @torch.inference_mode()
+    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
+        started = time.perf_counter()
+        reducer = PromptReducer(spec, self.model.hidden_size, self.device)
+        values: list[torch.Tensor | None] = [None] * len(prompts)
+        lengths = [len(p) for p in prompts]
+        for batch in self._batches(lengths, batch_size):
+            width = max(lengths[i] for i in batch)
+            input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, index in enumerate(batch):
+                input_ids[row, : lengths[index]] = torch.tensor(prompts[index])
+                attention_mask[row, : lengths[index]] = 1
+            with block_hooks(self.blocks, spec.layers) as captured:
+                try:
+                    self.hf_model.model(
+                        input_ids=input_ids.to(self.device),
+                        attention_mask=attention_mask.to(self.device),
+                        use_cache=False,
+                    )
+                except StopForward:
+                    pass
+            check_capture(captured, spec.layers, (len(batch), width))
+            stacked = torch.stack([captured[layer] for layer in spec.layers])  # [L, batch, seq, hidden]
+            for row, index in enumerate(batch):
+                values[index] = reducer.reduce(stacked[:, row, : lengths[index]])
+        return reducer.finish(values, started)
+
+    def versions(self) -> dict[str, str]:
+        import transformers
+
+        return {"engine": self.name, "torch": torch.__version__, "transformers": transformers.__version__}
+
+    def close(self) -> None:
+        del self.hf_model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

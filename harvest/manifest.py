@@ -1,0 +1,75 @@
+"""`manifest.json`: the index of a finished harvest, written last (version 2 of the layout).
+
+Its presence means every other file of the job is complete.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from harvest.shards import ShardRecord
+
+__all__ = ["MANIFEST", "STATS", "PromptEntry", "Manifest", "statistics_sentence"]
+
+MANIFEST = "manifest.json"
+STATS = "stats.safetensors"
+
+
+class PromptEntry(BaseModel):
+    index: int
+    """Global prompt index i (the `prompt_{i}` key)."""
+    text: str
+    """The prompt as submitted."""
+    n_tokens: int
+    """Tokens that ran (BOS included when added)."""
+    truncated: bool
+    """True when the prompt was longer than max_model_len and only its first tokens ran."""
+
+
+class ModelEntry(BaseModel):
+    name: str
+    """Served name."""
+    weights: str
+    """Checkpoint id (Hugging Face repo id or path)."""
+
+
+class Manifest(BaseModel):
+    version: Literal[2] = 2
+    job_id: str
+    model: ModelEntry
+    layer_indices: list[int]
+    """Blocks kept, ascending; the layer axis of every tensor follows this list."""
+    residual_stream_convention: str
+    contents: Literal["activations", "projections"]
+    dtype: Literal["bfloat16", "float32"]
+    """Dtype of every `prompt_{i}` tensor."""
+    hidden_size: int
+    add_special_tokens: bool
+    bos_token_id: int | None
+    max_model_len: int
+    shard_size: int
+    shards: list[ShardRecord]
+    prompts: list[PromptEntry]
+    n_prompts: int
+    tokens: int
+    """Token positions in the files, start tokens included."""
+    statistics: str
+    """What stats.safetensors describes."""
+    mean_token_norm: dict[str, float]
+    """Per layer index: mean L2 norm of the stored vectors over the statistics' positions."""
+    projection: dict | None = None
+    """For projections: normalized, n_directions, input dtype, sha256 of the directions."""
+    engine: dict[str, str]
+    """The engine and the library versions that computed the numbers."""
+    created_at: str
+
+
+def statistics_sentence(contents: str) -> str:
+    what = "the projections onto the unit directions" if contents == "projections" else "the residual stream"
+    return (
+        f"stats.safetensors holds the per-layer mean and standard deviation (population, float32, "
+        f"computed in float64 with Welford/Chan merging) of {what}, over every token position "
+        f"except the first of each prompt; count is the number of positions."
+    )

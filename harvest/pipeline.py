@@ -1,0 +1,190 @@
+"""One harvest job, from resolved request to files: shards, statistics, manifest last.
+
+The work is split so orchestration can spread it out: `run_shards` writes any range of shards
+(skipping those already written and verified), `finalize` merges the shards' statistics
+partials and writes `stats.safetensors` then `manifest.json`. `run_job` does both in one
+process, which is what `harvest run` and a single-worker flow use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from safetensors.torch import save as save_tensors
+
+from harvest.engines.base import Engine
+from harvest.layers import RESIDUAL_STREAM_CONVENTION
+from harvest.manifest import MANIFEST, STATS, Manifest, ModelEntry, PromptEntry, statistics_sentence
+from harvest.request import ResolvedJob, check_token_total
+from harvest.shards import ShardRecord, encode_shard, shard_name, shard_ranges, verified_part, write_part
+from harvest.stats import RunningStats
+from harvest.storage import Storage
+from harvest.tokenize import TokenizedPrompt, load_tokenizer, tokenize_prompts
+
+__all__ = ["Timings", "JobSummary", "tokenize_job", "run_shards", "finalize", "run_job", "Cancelled"]
+
+
+class Cancelled(Exception):
+    """The job was cancelled between two shards."""
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    forward_s: float = 0.0
+    save_s: float = 0.0
+    upload_s: float = 0.0
+
+    def add(self, other: "Timings") -> None:
+        for name in ("load_s", "forward_s", "save_s", "upload_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in vars(self).items()}
+
+
+@dataclass
+class JobSummary:
+    n_shards: int
+    tokens: int
+    bytes_written: int
+    timings: Timings = field(default_factory=Timings)
+    shards_skipped: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "n_shards": self.n_shards,
+            "tokens": self.tokens,
+            "bytes_written": self.bytes_written,
+            "timings": self.timings.as_dict(),
+            "shards_skipped": self.shards_skipped,
+        }
+
+
+def tokenize_job(job: ResolvedJob) -> list[TokenizedPrompt]:
+    tokenizer = load_tokenizer(job.model.require_path())
+    tokenized = tokenize_prompts(
+        tokenizer, job.request.prompts, add_special_tokens=job.request.add_special_tokens, max_len=job.model.max_model_len
+    )
+    check_token_total(sum(len(t.ids) for t in tokenized))
+    return tokenized
+
+
+def run_shards(
+    job: ResolvedJob,
+    storage: Storage,
+    engine: Engine,
+    shard_ids: Iterable[int] | None = None,
+    *,
+    tokenized: list[TokenizedPrompt] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_shard: Callable[[ShardRecord, bool], None] = lambda record, skipped: None,
+) -> tuple[Timings, int]:
+    """Write the given shards (all by default); returns timings and how many were skipped.
+
+    A shard already written and verified is skipped. `should_stop` is asked before each shard
+    so a cancel lands between shards, never in the middle of a file.
+    """
+    tokenized = tokenized or tokenize_job(job)
+    ranges = shard_ranges(len(tokenized), job.request.shard_size)
+    timings = Timings()
+    skipped = 0
+    for k in range(len(ranges)) if shard_ids is None else shard_ids:
+        if should_stop():
+            raise Cancelled(f"cancelled before shard {k}")
+        done = verified_part(storage, k)
+        if done is not None:
+            skipped += 1
+            on_shard(done[0], True)
+            continue
+        indices = ranges[k]
+        ids = [tokenized[i].ids for i in indices]
+        capture = engine.capture(ids, job.spec, batch_size=job.request.batch_size)
+        timings.forward_s += capture.forward_s
+
+        started = time.perf_counter()
+        data = encode_shard(indices, ids, capture.values)
+        record = ShardRecord(
+            file=shard_name(k),
+            index=k,
+            prompt_range=[indices.start, indices.stop - 1],
+            token_counts=[len(x) for x in ids],
+            bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+        timings.save_s += time.perf_counter() - started
+
+        started = time.perf_counter()
+        storage.write_bytes(record.file, data)
+        write_part(storage, record, capture.stats)  # after the shard: its presence vouches for it
+        timings.upload_s += time.perf_counter() - started
+        on_shard(record, False)
+    return timings, skipped
+
+
+def finalize(job: ResolvedJob, storage: Storage, engine_versions: dict[str, str], job_id: str, *, tokenized: list[TokenizedPrompt] | None = None) -> JobSummary:
+    """Merge every shard's statistics, write stats.safetensors, then the manifest, last."""
+    tokenized = tokenized or tokenize_job(job)
+    ranges = shard_ranges(len(tokenized), job.request.shard_size)
+    records: list[ShardRecord] = []
+    stats = RunningStats(len(job.layers), job.spec.n_features(job.model.hidden_size))
+    for k in range(len(ranges)):
+        part = verified_part(storage, k, check_hash=False)
+        if part is None:
+            raise RuntimeError(f"shard {k} is missing or does not match its record; the job cannot be finalised")
+        records.append(part[0])
+        stats.merge(part[1])
+
+    started = time.perf_counter()
+    stats_bytes = save_tensors(stats.export(job.layers))
+    storage.write_bytes(STATS, stats_bytes)
+    norms = stats.mean_token_norm.tolist()
+    manifest = Manifest(
+        job_id=job_id,
+        model=ModelEntry(name=job.model.name, weights=job.model.weights),
+        layer_indices=job.layers,
+        residual_stream_convention=RESIDUAL_STREAM_CONVENTION,
+        contents=job.contents,
+        dtype="bfloat16" if job.directions is None else "float32",
+        hidden_size=job.model.hidden_size,
+        add_special_tokens=job.request.add_special_tokens,
+        bos_token_id=load_tokenizer(job.model.require_path()).bos_token_id,
+        max_model_len=job.model.max_model_len,
+        shard_size=job.request.shard_size,
+        shards=records,
+        prompts=[
+            PromptEntry(index=i, text=text, n_tokens=len(t.ids), truncated=t.truncated)
+            for i, (text, t) in enumerate(zip(job.request.prompts, tokenized, strict=True))
+        ],
+        n_prompts=len(tokenized),
+        tokens=sum(len(t.ids) for t in tokenized),
+        statistics=statistics_sentence(job.contents),
+        mean_token_norm={str(layer): norm for layer, norm in zip(job.layers, norms, strict=True)},
+        projection=None if job.directions is None else job.directions.manifest_entry(),
+        engine=engine_versions,
+        created_at=datetime.now(timezone.utc).isoformat(),
+    )
+    manifest_bytes = manifest.model_dump_json(indent=2).encode()
+    storage.write_bytes(MANIFEST, manifest_bytes)
+    timings = Timings(upload_s=time.perf_counter() - started)
+    return JobSummary(
+        n_shards=len(records),
+        tokens=manifest.tokens,
+        bytes_written=sum(r.bytes for r in records) + len(stats_bytes) + len(manifest_bytes),
+        timings=timings,
+    )
+
+
+def run_job(job: ResolvedJob, storage: Storage, engine: Engine, job_id: str, **kwargs) -> JobSummary:
+    """Every shard, then the statistics and manifest, in this process."""
+    tokenized = tokenize_job(job)
+    timings, skipped = run_shards(job, storage, engine, tokenized=tokenized, **kwargs)
+    summary = finalize(job, storage, engine.versions(), job_id, tokenized=tokenized)
+    timings.add(summary.timings)
+    summary.timings = timings
+    summary.shards_skipped = skipped
+    return summary

@@ -1,0 +1,173 @@
+"""The model registry: which models the service serves, where their weights are, what they can do.
+
+Shapes come from the checkpoint's own `config.json` whenever the weights are present; the
+registry file only adds operational settings (lane, context the service runs, inline cap).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable
+from harvest.settings import Settings, get_settings
+
+__all__ = ["ModelInfo", "Registry", "load_registry"]
+
+LANES = ("small", "large")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One served model, with its shapes resolved."""
+
+    name: str
+    """Served name, as clients send it in `model`."""
+    weights: str
+    """Weights as written in the registry (repo id, relative path or URL)."""
+    path: Path | None
+    """Local checkpoint directory, or None when the weights are not on this machine."""
+    lane: str
+    harvest: bool
+    inline: bool
+    n_layers: int
+    hidden_size: int
+    max_model_len: int
+    max_activation_prompt_tokens: int
+    builtin: bool = False
+
+    @property
+    def display_name(self) -> str:
+        """How messages name the checkpoint: its repo id, or the served name for local builds."""
+        return self.name if self.builtin else self.weights
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
+
+    def require_path(self) -> Path:
+        if self.path is None:
+            raise ModelUnavailable(
+                f"The weights of {self.name} ({self.weights}) are not on this machine: looked in "
+                + ", ".join(str(p) for p in _candidate_dirs(self.weights, get_settings()))
+                + ". Download them there, or set HARVEST_MODELS_FILE to a registry that points at them."
+            )
+        return self.path
+
+    def capabilities(self) -> dict:
+        return {
+            "n_layers": self.n_layers,
+            "hidden_size": self.hidden_size,
+            "max_model_len": self.max_model_len,
+            "max_activation_prompt_tokens": self.max_activation_prompt_tokens,
+            "harvest": self.harvest,
+            "inline": self.inline,
+            "lane": self.lane,
+        }
+
+
+def _candidate_dirs(weights: str, settings: Settings) -> list[Path]:
+    if weights.startswith("/"):
+        return [Path(weights)]
+    candidates = [settings.home / weights]
+    if "/" in weights:
+        hub = Path(os.environ.get("HF_HUB_CACHE", Path.home() / ".cache" / "huggingface" / "hub"))
+        snapshots = hub / ("models--" + weights.replace("/", "--")) / "snapshots"
+        if snapshots.is_dir():
+            candidates.extend(sorted(snapshots.iterdir()))
+        else:
+            candidates.append(snapshots)
+    return candidates
+
+
+def _find_checkpoint(weights: str, settings: Settings) -> Path | None:
+    for candidate in _candidate_dirs(weights, settings):
+        if (candidate / "config.json").exists():
+            return candidate
+    return None
+
+
+def _shapes_from_config(path: Path) -> dict:
+    config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config", config)  # multimodal wrappers nest the text model
+    return {
+        "n_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+    }
+
+
+class Registry:
+    """Served models by name; builds the embedded model the first time it is asked for."""
+
+    def __init__(self, entries: dict[str, dict], settings: Settings):
+        self._entries = entries
+        self._settings = settings
+        self._cache: dict[str, ModelInfo] = {}
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def get(self, name: str) -> ModelInfo:
+        if name not in self._entries:
+            raise ModelNotFound(
+                f"The model {name!r} does not exist. Served models: {', '.join(self._entries)}.", param="model"
+            )
+        if name not in self._cache:
+            self._cache[name] = self._resolve(name, self._entries[name])
+        return self._cache[name]
+
+    def for_harvest(self, name: str) -> ModelInfo:
+        info = self.get(name)
+        if not info.harvest:
+            raise HarvestUnsupported(f"The model {name} is served, but not for harvests.", param="model")
+        return info
+
+    def all(self) -> list[ModelInfo]:
+        return [self.get(name) for name in self._entries]
+
+    def _resolve(self, name: str, entry: dict) -> ModelInfo:
+        lane = entry.get("lane", "small")
+        if lane not in LANES:
+            raise ValueError(f"models.toml: {name} has lane {lane!r}; lanes are {LANES}")
+        weights = entry["weights"]
+        if entry.get("builtin"):
+            from harvest.tiny_model import ensure_tiny_model
+
+            path = ensure_tiny_model(self._settings.home / weights)
+        else:
+            path = _find_checkpoint(weights, self._settings)
+        declared = entry.get("declared", {})
+        if path is not None:
+            shapes = _shapes_from_config(path)
+            for key, value in declared.items():
+                if shapes.get(key) != value:
+                    raise ValueError(f"models.toml: {name} declares {key}={value} but its config says {shapes.get(key)}")
+        elif declared:
+            shapes = declared
+        else:
+            raise ValueError(f"models.toml: {name} has no weights here and declares no shapes")
+        max_model_len = min(entry.get("max_model_len", shapes["max_position_embeddings"]), shapes["max_position_embeddings"])
+        return ModelInfo(
+            name=name,
+            weights=weights,
+            path=path,
+            lane=lane,
+            harvest=bool(entry.get("harvest", True)),
+            inline=bool(entry.get("inline", True)),
+            n_layers=shapes["n_layers"],
+            hidden_size=shapes["hidden_size"],
+            max_model_len=max_model_len,
+            max_activation_prompt_tokens=int(entry.get("max_activation_prompt_tokens", max_model_len)),
+            builtin=bool(entry.get("builtin", False)),
+        )
+
+
+def load_registry(settings: Settings | None = None) -> Registry:
+    settings = settings or get_settings()
+    with open(settings.models_file, "rb") as handle:
+        entries = tomllib.load(handle).get("models", {})
+    return Registry(entries, settings)

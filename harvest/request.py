@@ -1,0 +1,104 @@
+"""The harvest request (`POST /v1/harvest` body, also what `harvest run` builds) and its resolution.
+
+`HarvestRequest` checks what can be checked without the model; `resolve_job` checks the rest
+against the registry (layers, directions) so a bad request is refused before a GPU starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from harvest.capture import CaptureSpec
+from harvest.errors import InvalidRequest
+from harvest.layers import resolve_layers
+from harvest.projection import Directions, decode_directions
+from harvest.registry import ModelInfo, Registry
+
+__all__ = ["MAX_PROMPTS", "MAX_TOKENS", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
+
+MAX_PROMPTS = 4096
+MAX_TOKENS = 2_000_000
+
+
+class ProjectOnto(BaseModel):
+    """Directions to project the residual stream onto, as a raw little-endian buffer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str
+    """base64 of the raw little-endian bytes, `n_directions × hidden × itemsize` long."""
+    dtype: Literal["float32", "float16", "bfloat16"]
+    """Element type of `data`."""
+    shape: list[int]
+    """`[n_directions, hidden_size]`; at most 64 directions."""
+    compression: str | None = "none"
+    """Only "none" is accepted."""
+
+
+class HarvestRequest(BaseModel):
+    """A bulk harvest: which model, which prompts, which layers, how to write them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    """Served model name, as in `GET /v1/models`."""
+    prompts: list[str] = Field(min_length=1, max_length=MAX_PROMPTS)
+    """1 to 4096 non-empty prompt texts."""
+    layers: list[int] | Literal["all"] | None = None
+    """Block indices to keep, "all", or None for the quartile blocks."""
+    shard_size: int = Field(default=32, ge=1, le=4096)
+    """Prompts per shard file."""
+    batch_size: int | None = Field(default=None, ge=1, le=4096)
+    """Forward batch (prompts) on the HF reference engine only; vLLM batches on its own."""
+    add_special_tokens: bool = True
+    """True prepends the model's BOS token to each prompt; false tokenizes the text verbatim."""
+    project_onto: ProjectOnto | None = None
+    """Directions to project onto instead of returning the raw stream."""
+
+    @field_validator("prompts")
+    @classmethod
+    def _non_empty(cls, prompts: list[str]) -> list[str]:
+        empty = [i for i, p in enumerate(prompts) if not p]
+        if empty:
+            raise ValueError(f"prompts must be non-empty strings; prompt(s) {empty[:10]} are empty")
+        return prompts
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A request checked against its model: everything a run needs."""
+
+    request: HarvestRequest
+    model: ModelInfo
+    layers: list[int]
+    directions: Directions | None
+
+    @property
+    def spec(self) -> CaptureSpec:
+        return CaptureSpec(self.layers, None if self.directions is None else self.directions.unit)
+
+    @property
+    def contents(self) -> str:
+        return self.spec.contents
+
+
+def resolve_job(request: HarvestRequest, registry: Registry) -> ResolvedJob:
+    """Check the request against the registry: model, layers and directions."""
+    model = registry.for_harvest(request.model)
+    layers = resolve_layers(model, request.layers)
+    directions = None
+    if request.project_onto is not None:
+        p = request.project_onto
+        directions = decode_directions(p.data, p.dtype, p.shape, model.hidden_size, p.compression)
+    return ResolvedJob(request=request, model=model, layers=layers, directions=directions)
+
+
+def check_token_total(total: int) -> None:
+    if total > MAX_TOKENS:
+        raise InvalidRequest(
+            f"The prompts come to {total:,} tokens; a harvest takes at most {MAX_TOKENS:,}. Split them into several jobs.",
+            param="prompts",
+        )

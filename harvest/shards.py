@@ -1,0 +1,93 @@
+"""Shard files and the small record kept beside each one.
+
+`shard_{k:05d}.safetensors` holds prompts `k*shard_size .. (k+1)*shard_size-1`: for the prompt
+at global index i, `prompt_{i}` (`[n_layers_kept, n_tokens, n_features]`) and `tokens_{i}`
+(int32 `[n_tokens]`, the ids that ran). Beside it, `_parts/shard_{k:05d}.safetensors` keeps the
+shard's exact float64 statistics partial and, in its metadata, the shard's size and sha256.
+That record is written after the shard, so a shard whose record exists and matches is
+complete: a retry or resume skips it, and the final merge needs no shard to be read back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from pydantic import BaseModel
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from harvest.stats import RunningStats
+from harvest.storage import Storage
+
+__all__ = ["ShardRecord", "shard_name", "shard_ranges", "encode_shard", "write_part", "read_part", "verified_part"]
+
+PARTS = "_parts"
+
+
+class ShardRecord(BaseModel):
+    """One shard file, as listed in the manifest."""
+
+    file: str
+    """File name under the job's prefix."""
+    index: int
+    """Shard number k."""
+    prompt_range: list[int]
+    """`[first, last]` global prompt indices held, inclusive."""
+    token_counts: list[int]
+    """Tokens per prompt, in prompt order."""
+    bytes: int
+    """File size."""
+    sha256: str
+    """Hex digest of the file."""
+
+
+def shard_name(k: int) -> str:
+    return f"shard_{k:05d}.safetensors"
+
+
+def shard_ranges(n_prompts: int, shard_size: int) -> list[range]:
+    return [range(start, min(start + shard_size, n_prompts)) for start in range(0, n_prompts, shard_size)]
+
+
+def encode_shard(indices: range, tokens: list[list[int]], values: list[torch.Tensor]) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    for i, ids, value in zip(indices, tokens, values, strict=True):
+        tensors[f"prompt_{i}"] = value.contiguous()
+        tensors[f"tokens_{i}"] = torch.tensor(ids, dtype=torch.int32)
+    return save_tensors(tensors, metadata={"format": "pt"})
+
+
+def _part_name(k: int) -> str:
+    return f"{PARTS}/{shard_name(k)}"
+
+
+def write_part(storage: Storage, record: ShardRecord, stats: RunningStats) -> None:
+    storage.write_bytes(_part_name(record.index), save_tensors(stats.state_dict(), metadata={"record": record.model_dump_json()}))
+
+
+def read_part(storage: Storage, k: int) -> tuple[ShardRecord, RunningStats]:
+    raw = storage.read_bytes(_part_name(k))
+    # safetensors keeps string metadata in its JSON header: 8 bytes of length, then the header.
+    header_len = int.from_bytes(raw[:8], "little")
+    metadata = json.loads(raw[8 : 8 + header_len])["__metadata__"]
+    record = ShardRecord.model_validate_json(metadata["record"])
+    return record, RunningStats.from_state_dict(load_tensors(raw))
+
+
+def verified_part(storage: Storage, k: int, *, check_hash: bool = True) -> tuple[ShardRecord, RunningStats] | None:
+    """The record of shard k if the shard on storage is complete and matches it, else None.
+
+    `check_hash=False` checks only the size: enough right after this job wrote the shard,
+    where re-reading every file to hash it would double the I/O.
+    """
+    try:
+        record, stats = read_part(storage, k)
+    except FileNotFoundError:
+        return None
+    if not storage.exists(record.file) or storage.size(record.file) != record.bytes:
+        return None
+    if check_hash and hashlib.sha256(storage.read_bytes(record.file)).hexdigest() != record.sha256:
+        return None
+    return record, stats

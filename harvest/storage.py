@@ -1,0 +1,90 @@
+"""Job files on any fsspec filesystem: local disk by default, S3 in production, memory in tests.
+
+Every write is all-or-nothing from a reader's point of view: on local disk a file is written
+beside its target and renamed into place, and an object store's PUT is atomic already. So a
+file that exists is complete, which is what lets `manifest.json`, written last, mean "done".
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from harvest.settings import get_settings
+
+__all__ = ["Storage", "open_storage"]
+
+
+def _options_for(url: str) -> dict:
+    """Connection options per protocol (an S3 endpoint for S3-compatible servers)."""
+    settings = get_settings()
+    if url.startswith("s3://") and settings.s3_endpoint_url:
+        return {"client_kwargs": {"endpoint_url": settings.s3_endpoint_url}}
+    return {}
+
+
+class Storage:
+    """A folder of files under one URL prefix."""
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None, root: str | None = None):
+        self.url = url.rstrip("/")
+        if fs is None:
+            fs, root = url_to_fs(self.url, **_options_for(self.url))
+        self.fs = fs
+        self.root = root.rstrip("/")
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    def child(self, prefix: str) -> "Storage":
+        """The storage of a sub-folder, e.g. one job's prefix."""
+        return Storage(f"{self.url}/{prefix}", self.fs, posixpath.join(self.root, prefix))
+
+    def path(self, name: str) -> str:
+        return posixpath.join(self.root, name)
+
+    def write_bytes(self, name: str, data: bytes) -> int:
+        """Write a whole file atomically, replacing any earlier version; returns its size."""
+        target = self.path(name)
+        if self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            staging = f"{target}.{uuid.uuid4().hex}.partial"
+            with open(staging, "wb") as handle:
+                handle.write(data)
+            os.replace(staging, target)
+        else:
+            self.fs.pipe_file(target, data)
+        return len(data)
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.fs.cat_file(self.path(name))
+
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self.path(name))
+
+    def size(self, name: str) -> int:
+        return self.fs.size(self.path(name))
+
+    def delete(self, name: str) -> None:
+        if self.exists(name):
+            self.fs.rm(self.path(name))
+
+    def delete_all(self) -> None:
+        """Remove the whole folder (retention sweep, tests)."""
+        if self.fs.exists(self.root):
+            self.fs.rm(self.root, recursive=True)
+
+    def listdir(self) -> list[str]:
+        if not self.fs.exists(self.root):
+            return []
+        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
+
+
+def open_storage(url: str | None = None) -> Storage:
+    """The service's storage root (HARVEST_STORAGE_URL, default a folder under HARVEST_HOME)."""
+    return Storage(url or get_settings().resolved_storage_url)

@@ -1,0 +1,109 @@
+"""The embedded model `llama-tiny`: a small Llama checkpoint built deterministically.
+
+No weights can be downloaded on a fresh machine, so the project makes its own checkpoint:
+random weights from a fixed seed and a byte-level BPE tokenizer trained on a text corpus
+shipped in `harvest/data/`. It is written in the standard Hugging Face layout and loaded by
+the same `from_pretrained` code as any real checkpoint, so nothing downstream knows it is
+special. head_dim is 64 because vLLM's CPU attention only supports some head sizes (≥ 32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["TINY_CONFIG", "BOS", "EOS", "build_tiny_model", "ensure_tiny_model"]
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+CORPUS = Path(__file__).with_name("data") / "tokenizer_corpus.txt"
+SEED = 20261130
+
+TINY_CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    # Random weights at the default 0.02 scale make every block nearly the identity;
+    # a larger scale gives layers that differ visibly, which the parity tests need.
+    initializer_range=0.1,
+)
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(CORPUS)], trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    # Prepend BOS when the caller asks for special tokens, as Llama 3's tokenizer does.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tokenizer
+
+
+def build_tiny_model(target: Path, *, config_overrides: dict | None = None, vocab_size: int = 2048) -> Path:
+    """Write a deterministic random-weight Llama checkpoint into `target` (replaced atomically)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+
+    tokenizer = _train_tokenizer(vocab_size)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS)
+    fast.save_pretrained(staging)
+    # Name the generic fast class so older readers (vLLM's tokenizer loader) accept it too.
+    config_path = staging / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config["model_max_length"] = TINY_CONFIG["max_position_embeddings"]
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+    params = {**TINY_CONFIG, **(config_overrides or {})}
+    # Round the embedding table up to a multiple of 64, as real checkpoints do.
+    vocab = -(-tokenizer.get_vocab_size() // 64) * 64
+    config = LlamaConfig(
+        vocab_size=vocab,
+        bos_token_id=tokenizer.token_to_id(BOS),
+        eos_token_id=tokenizer.token_to_id(EOS),
+        torch_dtype="float32",
+        **params,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(staging, safe_serialization=True)
+    (staging / "BUILT_BY").write_text(json.dumps({"builder": "harvest.tiny_model", "seed": SEED}) + "\n")
+
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    os.replace(staging, target)
+    return target
+
+
+def ensure_tiny_model(target: Path) -> Path:
+    """Build the checkpoint the first time it is needed; later calls only check it is there."""
+    target = Path(target)
+    if not (target / "model.safetensors").exists():
+        build_tiny_model(target)
+    return target
