@@ -63,6 +63,10 @@ class Manifest(BaseModel):
     """For projections: normalized, n_directions, input dtype, sha256 of the directions."""
     engine: dict[str, str]
     """The engine and the library versions that computed the numbers."""
+    timings: dict[str, float]
+    """Seconds spent: load_s, forward_s, save_s, upload_s (summed over workers)."""
+    bytes_written: int
+    """Bytes of the shards and stats.safetensors."""
     created_at: str
 
 

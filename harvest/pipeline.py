@@ -126,8 +126,21 @@ def run_shards(
     return timings, skipped
 
 
-def finalize(job: ResolvedJob, storage: Storage, engine_versions: dict[str, str], job_id: str, *, tokenized: list[TokenizedPrompt] | None = None) -> JobSummary:
-    """Merge every shard's statistics, write stats.safetensors, then the manifest, last."""
+def finalize(
+    job: ResolvedJob,
+    storage: Storage,
+    engine_versions: dict[str, str],
+    job_id: str,
+    *,
+    timings: Timings | None = None,
+    tokenized: list[TokenizedPrompt] | None = None,
+) -> JobSummary:
+    """Merge every shard's statistics, write stats.safetensors, then the manifest, last.
+
+    `timings` (of the shard work, possibly summed over workers) go into the manifest with the
+    time spent here added, so whoever reads the manifest has the whole job's summary.
+    """
+    timings = timings or Timings()
     tokenized = tokenized or tokenize_job(job)
     ranges = shard_ranges(len(tokenized), job.request.shard_size)
     records: list[ShardRecord] = []
@@ -142,6 +155,7 @@ def finalize(job: ResolvedJob, storage: Storage, engine_versions: dict[str, str]
     started = time.perf_counter()
     stats_bytes = save_tensors(stats.export(job.layers))
     storage.write_bytes(STATS, stats_bytes)
+    timings.upload_s += time.perf_counter() - started
     norms = stats.mean_token_norm.tolist()
     manifest = Manifest(
         job_id=job_id,
@@ -166,25 +180,25 @@ def finalize(job: ResolvedJob, storage: Storage, engine_versions: dict[str, str]
         mean_token_norm={str(layer): norm for layer, norm in zip(job.layers, norms, strict=True)},
         projection=None if job.directions is None else job.directions.manifest_entry(),
         engine=engine_versions,
+        timings=timings.as_dict(),
+        bytes_written=sum(r.bytes for r in records) + len(stats_bytes),
         created_at=datetime.now(timezone.utc).isoformat(),
     )
     manifest_bytes = manifest.model_dump_json(indent=2).encode()
     storage.write_bytes(MANIFEST, manifest_bytes)
-    timings = Timings(upload_s=time.perf_counter() - started)
     return JobSummary(
         n_shards=len(records),
         tokens=manifest.tokens,
-        bytes_written=sum(r.bytes for r in records) + len(stats_bytes) + len(manifest_bytes),
+        bytes_written=manifest.bytes_written + len(manifest_bytes),
         timings=timings,
     )
 
 
-def run_job(job: ResolvedJob, storage: Storage, engine: Engine, job_id: str, **kwargs) -> JobSummary:
+def run_job(job: ResolvedJob, storage: Storage, engine: Engine, job_id: str, *, load_s: float = 0.0, **kwargs) -> JobSummary:
     """Every shard, then the statistics and manifest, in this process."""
     tokenized = tokenize_job(job)
     timings, skipped = run_shards(job, storage, engine, tokenized=tokenized, **kwargs)
-    summary = finalize(job, storage, engine.versions(), job_id, tokenized=tokenized)
-    timings.add(summary.timings)
-    summary.timings = timings
+    timings.load_s = load_s
+    summary = finalize(job, storage, engine.versions(), job_id, timings=timings, tokenized=tokenized)
     summary.shards_skipped = skipped
     return summary

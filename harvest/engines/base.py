@@ -9,13 +9,50 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from functools import lru_cache
+
+import torch
 
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
 
-__all__ = ["Engine", "load_engine", "vllm_available"]
+__all__ = ["Engine", "SamplingSpec", "Generation", "load_engine", "vllm_available"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample one completion (OpenAI completions semantics)."""
+
+    max_tokens: int = 16
+    """Tokens to generate (at least 1)."""
+    temperature: float = 1.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    seed: int | None = None
+    """Same seed, same engine, same draw."""
+    stop: tuple[str, ...] = ()
+    """Generation ends before any of these strings; they are not returned."""
+    logprobs: int | None = None
+    """Top-k log-probabilities per generated token (0..5), or None."""
+
+
+@dataclass
+class Generation:
+    """One completion, and the residual stream over every position that ran."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    """Generated ids (after stop-string trimming)."""
+    text: str
+    finish_reason: str
+    """"length" or "stop"."""
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[dict[str, float]] | None = None
+    residual: torch.Tensor | None = None
+    """bf16 `[n_layers_asked, n_prompt + n_generated - 1, hidden]` on the host, or None."""
+    extra: dict = field(default_factory=dict)
 
 
 class Engine(ABC):
@@ -27,6 +64,10 @@ class Engine(ABC):
     @abstractmethod
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
         """Run every prompt (token ids, as given) and return one shard's values in prompt order."""
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingSpec], layers: list[int] | None) -> list[Generation]:
+        """Complete every prompt in one batch, capturing `layers` (None: no capture)."""
+        raise NotImplementedError(f"the {self.name} engine does not generate")
 
     @abstractmethod
     def versions(self) -> dict[str, str]:
