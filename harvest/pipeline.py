@@ -194,9 +194,18 @@ def finalize(
     )
 
 
-def run_job(job: ResolvedJob, storage: Storage, engine: Engine, job_id: str, *, load_s: float = 0.0, **kwargs) -> JobSummary:
+def run_job(
+    job: ResolvedJob,
+    storage: Storage,
+    engine: Engine,
+    job_id: str,
+    *,
+    load_s: float = 0.0,
+    tokenized: list[TokenizedPrompt] | None = None,
+    **kwargs,
+) -> JobSummary:
     """Every shard, then the statistics and manifest, in this process."""
-    tokenized = tokenize_job(job)
+    tokenized = tokenized or tokenize_job(job)
     timings, skipped = run_shards(job, storage, engine, tokenized=tokenized, **kwargs)
     timings.load_s = load_s
     summary = finalize(job, storage, engine.versions(), job_id, timings=timings, tokenized=tokenized)

@@ -1,0 +1,142 @@
+"""The `harvest` command.
+
+`harvest run` harvests a corpus in this process (the core pipeline, no server needed). The
+other subcommands drive the layers above the core, so they live with those layers and are
+imported only when called: the core never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import uuid
+from pathlib import Path
+
+__all__ = ["main"]
+
+# subcommand → module with `main(argv) -> int` (loaded lazily; see the module docstring)
+DELEGATED = {
+    "up": "flows.stack",
+    "schedule": "flows.schedule",
+    "sweep": "flows.retention",
+    "keys": "api.admin",
+    "spend-cap": "api.admin",
+}
+
+
+def _parse_layers(text: str | None):
+    if text is None:
+        return None
+    if text == "all":
+        return "all"
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"harvest run: --layers must be comma-separated integers or 'all', not {text!r}") from None
+
+
+def _directions_payload(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    import base64
+
+    import numpy as np
+
+    try:
+        array = np.load(path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"harvest run: cannot read {path} as a .npy array: {exc}") from None
+    names = {np.dtype("float32"): "float32", np.dtype("float16"): "float16"}
+    if array.dtype not in names:
+        array = array.astype(np.float32)
+    array = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<")))
+    return {
+        "data": base64.b64encode(array.tobytes()).decode("ascii"),
+        "dtype": names[np.dtype(array.dtype.name)],
+        "shape": list(array.shape),
+    }
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="harvest run", description="Harvest a prompt corpus into safetensors shards.")
+    parser.add_argument("--model", required=True, help="served model name, e.g. llama-tiny")
+    parser.add_argument("--prompts", required=True, help=".jsonl (text field), .txt (one per line) or .parquet")
+    parser.add_argument("--out", required=True, help="output folder or fsspec URL (file://, s3://, ...)")
+    parser.add_argument("--layers", help="comma-separated block indices, or 'all' (default: quartiles)")
+    parser.add_argument("--shard-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, help="forward batch on the HF engine")
+    parser.add_argument("--no-special-tokens", action="store_true", help="tokenize verbatim, add no BOS")
+    parser.add_argument("--project-onto", help=".npy array of directions [n_directions, hidden]")
+    parser.add_argument("--column", default="text", help="column (parquet) or field (jsonl) with the text")
+    parser.add_argument("--job-id", help="job id for the manifest (default: a new uuid)")
+    args = parser.parse_args(argv)
+
+    from pydantic import ValidationError
+    from tqdm import tqdm
+
+    from harvest.corpus import read_prompts
+    from harvest.engines import load_engine
+    from harvest.errors import HarvestError
+    from harvest.pipeline import run_job, tokenize_job
+    from harvest.registry import load_registry
+    from harvest.request import HarvestRequest, resolve_job
+    from harvest.storage import Storage
+
+    out = args.out if "://" in args.out else f"file://{Path(args.out).expanduser().resolve()}"
+    try:
+        request = HarvestRequest(
+            model=args.model,
+            prompts=read_prompts(args.prompts, column=args.column),
+            layers=_parse_layers(args.layers),
+            shard_size=args.shard_size,
+            batch_size=args.batch_size,
+            add_special_tokens=not args.no_special_tokens,
+            project_onto=_directions_payload(args.project_onto),
+        )
+        job = resolve_job(request, load_registry())
+        tokenized = tokenize_job(job)
+        started = time.perf_counter()
+        engine = load_engine(job.model)
+        load_s = time.perf_counter() - started
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        print(f"harvest run: {where}: {first['msg']}", file=sys.stderr)
+        return 2
+    except HarvestError as exc:
+        print(f"harvest run: {exc.message}", file=sys.stderr)
+        return 2
+
+    total_tokens = sum(len(t.ids) for t in tokenized)
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"{job.model.name} on {engine.name}", file=sys.stderr)
+
+    def on_shard(record, skipped):
+        bar.update(sum(record.token_counts))
+
+    job_id = args.job_id or str(uuid.uuid4())
+    summary = run_job(job, Storage(out), engine, job_id, load_s=load_s, tokenized=tokenized, on_shard=on_shard)
+    bar.close()
+    print(f"wrote {summary.n_shards} shard(s), {summary.tokens} tokens, {summary.bytes_written:,} bytes to {out}")
+    print(f"  manifest:  {out}/manifest.json")
+    print(f"  stats:     {out}/stats.safetensors")
+    print("  read with: from safetensors.torch import load_file; load_file('<out>/shard_00000.safetensors')['prompt_0']")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = ["run", *DELEGATED]
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(f"usage: harvest {{{','.join(commands)}}} ...", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        return _run(rest)
+    module = importlib.import_module(DELEGATED[command])
+    return module.main([command, *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the service and its tests need, from nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/pip install --quiet --upgrade pip
+# torch==2.13.0 first, on its own: the CPU wheel on this machine's disk satisfies it, and
+# nothing after it may pull a CUDA build.
+.venv/bin/pip install --quiet "torch==2.13.0"
+.venv/bin/pip install --quiet -e ".[test]"
+
+# The vLLM engine (the default where installed) has its own install steps and traps.
+if [ -f infra/install_vllm.sh ] && [ "${HARVEST_SKIP_VLLM:-0}" != "1" ]; then
+    bash infra/install_vllm.sh
+fi

@@ -1,0 +1,1 @@
+"""API server fixtures (session-scoped); filled in by the API layer."""

@@ -1,0 +1,1 @@
+"""Prefect server fixtures (session-scoped); filled in by the orchestration layer."""
