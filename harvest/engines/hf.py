@@ -91,6 +91,11 @@ class HFEngine(Engine):
                 values[index] = reducer.reduce(stacked[:, row, : lengths[index]])
         return reducer.finish(values, started)
 
+    def generate(self, prompts, sampling, layers):
+        from harvest.engines.hf_generate import hf_generate  # batched decoding lives in its own module
+
+        return hf_generate(self, prompts, sampling, layers)
+
     def versions(self) -> dict[str, str]:
         import transformers
 

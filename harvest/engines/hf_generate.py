@@ -1,0 +1,216 @@
+"""Batched generation on the HF reference engine, capturing the residual stream as it runs.
+
+All prompts of a call run as one left-padded batch with a KV cache: one prefill forward pass,
+then one forward pass per generated token for the whole batch. Left padding keeps every row's
+newest token in the last column, so each decode step feeds one column; `position_ids` are
+counted from each row's first real token, so a padded row sees the same positions (and,
+up to float rounding, the same values) as it would alone.
+
+Capture uses `block_hooks(..., stop_after_last=False)` on the requested blocks only, for the
+prefill and every decode step: a row's residual stream is its prompt positions from the
+prefill, then one position per generated token that was fed back. The last sampled token is
+never run, so a row has `n_prompt + n_generated - 1` positions, and no forward pass is spent
+on it. Layer k is block k's output, before the final norm.
+
+Sampling follows the OpenAI completions semantics the API promises: temperature 0 is greedy
+(argmax, lowest id on a tie); otherwise softmax(logits / T), restricted to the top-p nucleus,
+drawn with a per-request `torch.Generator` seeded from `seed`, so the same seed on the same
+engine gives the same draw whatever else is in the batch (up to float rounding of the
+logits). Logprobs are those of the model's own distribution (before temperature and top-p),
+as vLLM reports them. Generation stops at max_tokens ("length"), at an EOS token ("stop";
+the EOS id is kept in `token_ids`, left out of the text) or at a stop string ("stop"; the
+text ends before it, `token_ids` end with the token that completed it, since that token was
+sampled and the positions before it ran).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from harvest.capture import block_hooks, check_capture
+from harvest.engines.base import Generation, SamplingSpec
+from harvest.errors import CaptureFailed, InvalidRequest
+from harvest.tokenize import load_tokenizer
+
+__all__ = ["hf_generate"]
+
+
+@dataclass
+class _Row:
+    """One prompt's generation state."""
+
+    spec: SamplingSpec
+    generator: torch.Generator | None
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _eos_ids(hf_model) -> set[int]:
+    eos = getattr(hf_model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = hf_model.config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _generator(spec: SamplingSpec) -> torch.Generator | None:
+    if spec.temperature == 0:
+        return None
+    generator = torch.Generator(device="cpu")
+    if spec.seed is None:
+        generator.seed()  # a fresh non-deterministic seed
+    else:
+        generator.manual_seed(spec.seed)
+    return generator
+
+
+def _sample(logits: torch.Tensor, row: _Row) -> int:
+    """Draw one token id from a row's float32 logits `[vocab]`."""
+    spec = row.spec
+    if spec.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / spec.temperature, dim=-1).cpu()
+    if spec.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < spec.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=row.generator))
+
+
+def _record_logprobs(row: _Row, logits: torch.Tensor, token: int, tokenizer) -> None:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    row.token_logprobs.append(float(logprobs[token]))
+    top: dict[str, float] = {}
+    if row.spec.logprobs:
+        values, ids = torch.topk(logprobs, row.spec.logprobs)
+        top = {tokenizer.decode([int(i)]): float(v) for v, i in zip(values, ids)}
+    # The sampled token is always listed, as vLLM does, even when it is outside the top k.
+    top.setdefault(tokenizer.decode([token]), float(logprobs[token]))
+    row.top_logprobs.append(top)
+
+
+def _advance(row: _Row, token: int, eos_ids: set[int], tokenizer) -> None:
+    """Append a sampled token and decide whether the row is finished."""
+    row.ids.append(token)
+    row.text = tokenizer.decode(row.ids, skip_special_tokens=True)
+    if row.spec.stop:
+        hits = [i for i in (row.text.find(s) for s in row.spec.stop if s) if i >= 0]
+        if hits:
+            row.text = row.text[: min(hits)]
+            row.finish_reason = "stop"
+            return
+    if token in eos_ids:
+        row.finish_reason = "stop"
+    elif len(row.ids) >= row.spec.max_tokens:
+        row.finish_reason = "length"
+
+
+@torch.inference_mode()
+def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], layers: list[int] | None) -> list[Generation]:
+    """Complete every prompt in one batch; capture `layers` over every position that ran."""
+    if len(prompts) != len(sampling):
+        raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling specs")
+    if not prompts:
+        return []
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise InvalidRequest(f"Prompt {index} is empty: a completion needs at least one token.", param="prompt")
+    for spec in sampling:
+        if spec.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1.", param="max_tokens")
+    hf_model = engine.hf_model
+    device = engine.device
+    tokenizer = load_tokenizer(engine.model.require_path())
+    eos_ids = _eos_ids(hf_model)
+    layers = sorted(set(layers)) if layers else None
+
+    batch, lengths = len(prompts), [len(p) for p in prompts]
+    width = max(lengths)
+    pad_id = hf_model.config.pad_token_id if hf_model.config.pad_token_id is not None else 0
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf_model.config)
+    rows = [_Row(spec=spec, generator=_generator(spec)) for spec in sampling]
+    prefill: torch.Tensor | None = None  # [L, batch, width, hidden] bf16
+    steps: list[torch.Tensor] = []  # per decode step, [L, batch, hidden] bf16
+    forward_passes = 0
+
+    hooks = block_hooks(engine.blocks, layers, stop_after_last=False) if layers else nullcontext({})
+    with hooks as captured:
+        while True:
+            captured.clear()
+            out = hf_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,  # only the newest position's logits are ever read
+            )
+            forward_passes += 1
+            if layers:
+                check_capture(captured, layers, tuple(input_ids.shape))
+                stacked = torch.stack([captured[layer].to(torch.bfloat16) for layer in layers])
+                if prefill is None:
+                    prefill = stacked
+                else:
+                    steps.append(stacked[:, :, 0])
+            logits = out.logits[:, -1].float()
+            next_ids = torch.full((batch, 1), pad_id, dtype=torch.long)
+            for r, row in enumerate(rows):
+                if row.done:
+                    continue  # a finished row rides along on pad tokens until the batch ends
+                token = _sample(logits[r], row)
+                if row.spec.logprobs is not None:
+                    _record_logprobs(row, logits[r], token, tokenizer)
+                _advance(row, token, eos_ids, tokenizer)
+                next_ids[r, 0] = token
+            if all(row.done for row in rows):
+                break  # the tokens just sampled never run: they have no residual stream
+            input_ids = next_ids.to(device)
+            attention_mask = torch.cat([attention_mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+
+    generations = []
+    for r, (prompt, row) in enumerate(zip(prompts, rows)):
+        residual = None
+        if layers:
+            parts = [prefill[:, r, width - len(prompt) :]]
+            parts += [step[:, r : r + 1] for step in steps[: len(row.ids) - 1]]
+            residual = torch.cat(parts, dim=1).cpu()
+            expected = (len(layers), len(prompt) + len(row.ids) - 1, engine.model.hidden_size)
+            if tuple(residual.shape) != expected:  # never hand back a short tensor
+                raise CaptureFailed(f"The capture has shape {list(residual.shape)}, expected {list(expected)}.")
+        generations.append(
+            Generation(
+                prompt_ids=list(prompt),
+                token_ids=row.ids,
+                text=row.text,
+                finish_reason=row.finish_reason,
+                token_logprobs=row.token_logprobs if row.spec.logprobs is not None else None,
+                top_logprobs=row.top_logprobs if row.spec.logprobs is not None else None,
+                residual=residual,
+                extra={"forward_passes": forward_passes, "batch_size": batch},
+            )
+        )
+    return generations

@@ -1,0 +1,73 @@
+"""The wire format of inline activations: bf16 → little-endian int16 bits → zstd → base64.
+
+`encode_residual` turns a bf16 `[n_layers, n_tokens, hidden]` tensor into the
+`activations.residual_stream` object of a completion response; `decode_residual` is its
+inverse (the clients' numpy/ml_dtypes snippet in the user docs is another). The bits are
+carried unchanged: a bf16 value and its int16 view are the same 16 bits, so decoding with
+`.view(bfloat16)` gives back exactly what the model produced.
+
+The zstd level is `ZSTD_LEVEL`, chosen from bench/bench_inline.py's measurement (see
+bench/RESULTS.md): bf16 activations are close to incompressible in their mantissa bits, so
+higher levels buy almost no ratio and cost several times the time.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+
+import numpy as np
+import torch
+import zstandard
+
+__all__ = ["ZSTD_LEVEL", "encode_residual", "decode_residual", "residual_payload_bytes"]
+
+ZSTD_LEVEL = 1
+"""Measured in bench/bench_inline.py: see bench/RESULTS.md for ratio and speed per level."""
+
+_ORIGINAL_DTYPE = "torch.bfloat16"
+
+
+def _le_int16_bytes(residual: torch.Tensor) -> bytes:
+    """The tensor's bf16 bits as little-endian int16 bytes, in C order."""
+    if residual.dtype != torch.bfloat16:
+        raise TypeError(f"the residual stream must be bfloat16, not {residual.dtype}")
+    bits = residual.detach().contiguous().cpu().view(torch.int16).numpy()
+    if sys.byteorder != "little":  # the wire format is little-endian whatever the host is
+        bits = bits.byteswap()
+    return bits.tobytes()
+
+
+def encode_residual(residual: torch.Tensor, *, level: int = ZSTD_LEVEL, threads: int = 0) -> dict:
+    """`residual` bf16 `[n_layers, n_tokens, hidden]` → the response's `residual_stream` object.
+
+    `threads` > 0 lets zstd compress in that many worker threads (large payloads only gain).
+    """
+    raw = _le_int16_bytes(residual)
+    compressor = zstandard.ZstdCompressor(level=level, threads=threads)
+    return {
+        "data": base64.b64encode(compressor.compress(raw)).decode("ascii"),
+        "dtype": "int16",
+        "original_dtype": _ORIGINAL_DTYPE,
+        "shape": list(residual.shape),
+        "compression": "zstd",
+    }
+
+
+def decode_residual(payload: dict) -> torch.Tensor:
+    """The inverse of `encode_residual`: a `residual_stream` object → bf16 tensor of its shape."""
+    raw = base64.b64decode(payload["data"])
+    if payload.get("compression") == "zstd":
+        raw = zstandard.ZstdDecompressor().decompress(raw)
+    elif payload.get("compression") not in (None, "none"):
+        raise ValueError(f"unknown compression {payload.get('compression')!r}")
+    bits = np.frombuffer(raw, dtype="<i2").astype(np.int16, copy=True)  # native order for torch
+    shape = tuple(payload["shape"])
+    if bits.size != int(np.prod(shape)):
+        raise ValueError(f"the payload holds {bits.size} values, not the {int(np.prod(shape))} of shape {list(shape)}")
+    return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)
+
+
+def residual_payload_bytes(payload: dict) -> int:
+    """Bytes of the base64 text on the wire (what a client downloads for the activations)."""
+    return len(payload["data"])
