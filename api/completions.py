@@ -1,0 +1,99 @@
+"""`POST /v1/completions`: OpenAI-style completions with inline residual-stream activations.
+
+The route is thin: parse and check the request (`harvest.inline`), count the activation
+quota, await the model's batcher (`harvest.batcher`), and encode the response off the event
+loop. Every refusal is a `harvest.errors` exception, rendered by the app's one handler.
+
+The warm engines live in an `EnginePool` on `app.state.inline_engines`, created by this
+router's lifespan (FastAPI merges it into the app's) or on first use. `HARVEST_INLINE_PRELOAD`
+(comma-separated served names) loads those engines in the background at start-up, so the
+first request does not wait for a model load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import asynccontextmanager
+from functools import lru_cache
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import ApiKey, consume_activation, current_key
+from harvest.batcher import EnginePool
+from harvest.errors import InvalidRequest
+from harvest.inline import completion_response, parse_completion_request, prepare_completion
+from harvest.registry import Registry, load_registry
+
+__all__ = ["router", "engine_pool", "registry_of"]
+
+log = logging.getLogger(__name__)
+
+# Responses over this many raw bytes are compressed with zstd worker threads.
+_THREADED_ZSTD_BYTES = 8 << 20
+
+
+@lru_cache(maxsize=1)
+def _default_registry() -> Registry:
+    return load_registry()
+
+
+def registry_of(app: FastAPI) -> Registry:
+    """The app's registry (`app.state.registry` when the app set one), else the configured one."""
+    return getattr(app.state, "registry", None) or _default_registry()
+
+
+def engine_pool(app: FastAPI) -> EnginePool:
+    """The app's warm engines, created on first use when no lifespan made them."""
+    pool = getattr(app.state, "inline_engines", None)
+    if pool is None:
+        pool = app.state.inline_engines = EnginePool()
+    return pool
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    pool = engine_pool(app)
+    preload = [name.strip() for name in os.environ.get("HARVEST_INLINE_PRELOAD", "").split(",") if name.strip()]
+    warming = [asyncio.ensure_future(_warm(pool, app, name)) for name in preload]
+    try:
+        yield
+    finally:
+        for task in warming:
+            task.cancel()
+        await pool.close()
+
+
+async def _warm(pool: EnginePool, app: FastAPI, name: str) -> None:
+    try:
+        model = await run_in_threadpool(registry_of(app).get, name)
+        await pool.get(model)
+        log.info("inline engine for %s is warm", name)
+    except Exception:  # noqa: BLE001 - a failed preload leaves the model to load on first use
+        log.exception("could not preload the inline engine for %s", name)
+
+
+router = APIRouter(lifespan=_lifespan)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request, key: ApiKey = Depends(current_key)) -> JSONResponse:
+    """A completion; with `output_residual_stream`, the residual stream at every position that ran."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise InvalidRequest("The request body is not valid JSON.") from None
+    parsed = parse_completion_request(body)
+    # Tokenizing (and, the first time, reading the model's files) is blocking work.
+    prepared = await run_in_threadpool(prepare_completion, parsed, registry_of(request.app))
+    if prepared.layers is not None:
+        await run_in_threadpool(consume_activation, key)
+    batcher = await engine_pool(request.app).get(prepared.model)
+    generation = await batcher.generate(prepared.prompt_ids, prepared.sampling, prepared.layers)
+    raw_bytes = 0 if generation.residual is None else generation.residual.numel() * 2
+    threads = -1 if raw_bytes > _THREADED_ZSTD_BYTES else 0  # -1: zstd uses every core
+    answer = await run_in_threadpool(completion_response, prepared, generation, zstd_threads=threads)
+    return JSONResponse(answer)

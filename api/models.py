@@ -1,0 +1,39 @@
+"""`GET /v1/models`: the served models in OpenAI's list shape, each with its `capabilities`.
+
+Clients read their limits here rather than hard-coding them (the caps are operational
+settings): `n_layers`, `hidden_size`, `max_model_len`, `max_activation_prompt_tokens`,
+`harvest`, `lane` (SPEC §7), plus `inline` (whether the model serves inline activations).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import ApiKey, current_key
+from api.completions import registry_of
+
+__all__ = ["router", "models_body"]
+
+# OpenAI's model objects carry a creation time; ours are configuration, so a fixed epoch.
+_CREATED = 0
+
+
+def models_body(registry) -> dict:
+    return {
+        "object": "list",
+        "data": [
+            {"id": info.name, "object": "model", "created": _CREATED, "owned_by": "acs", "capabilities": info.capabilities()}
+            for info in registry.all()
+        ],
+    }
+
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, key: ApiKey = Depends(current_key)) -> dict:
+    """Every served model and what it can do."""
+    # The first read resolves each entry (and builds the embedded model): blocking work.
+    return await run_in_threadpool(models_body, registry_of(request.app))

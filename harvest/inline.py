@@ -1,0 +1,261 @@
+"""Inline activations: the `POST /v1/completions` request, its checks, and its response body.
+
+The HTTP layer only parses JSON, authenticates and awaits the batcher; everything a user can
+be refused for is decided here, before any engine work:
+
+- unknown model → 400 `model_not_found`; a layer out of range → 400 naming the model's range;
+- the activation prompt cap `floor(max_activation_prompt_tokens × n_layers ÷ len(layers))`,
+  at most `max_model_len` → 400 `activation_prompt_too_long` stating that effective cap;
+- prompt + max_tokens over `max_model_len` → 400 `context_length_exceeded`.
+
+A text prompt is tokenized with the model's tokenizer, BOS included (as OpenAI-compatible
+servers do); a token-id prompt runs verbatim. Fields are the OpenAI completions fields we
+honour; any other field is refused naming it, so a client never silently gets something it
+did not ask for. Parameters OpenAI has but we do not implement are accepted only at their
+neutral values (n 1, stream false, echo false, penalties 0).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+from harvest.engines.base import Generation, SamplingSpec
+from harvest.errors import ActivationPromptTooLong, CaptureFailed, ContextLengthExceeded, InvalidRequest
+from harvest.layers import resolve_layers
+from harvest.registry import ModelInfo, Registry
+from harvest.residual_codec import encode_residual
+from harvest.tokenize import load_tokenizer
+
+__all__ = [
+    "CompletionRequest",
+    "PreparedCompletion",
+    "parse_completion_request",
+    "activation_prompt_cap",
+    "prepare_completion",
+    "completion_response",
+]
+
+MAX_STOP = 4
+MAX_LOGPROBS = 5
+
+
+class CompletionRequest(BaseModel):
+    """An OpenAI-style completion, optionally with the residual stream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    """Served model name, as listed by `GET /v1/models`."""
+    prompt: str | list[StrictInt]
+    """Text (tokenized with BOS) or token ids (run verbatim)."""
+    max_tokens: StrictInt = Field(default=16, ge=1)
+    """Tokens to generate; prompt + max_tokens must fit in max_model_len."""
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    seed: StrictInt | None = None
+    """The same seed on the same engine reproduces the same draw."""
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    """Up to 4 strings; the completion ends before the first of them and leaves it out."""
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Log-probabilities of the sampled tokens plus this many most likely alternatives."""
+    output_residual_stream: StrictBool | list[StrictInt] = False
+    """true: every decoder layer; a list: those layers (returned ascending, deduplicated)."""
+    # OpenAI fields accepted at their neutral values only.
+    n: StrictInt = 1
+    stream: StrictBool = False
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def _one(cls, value: int | None, info) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"{info.field_name} must be 1: each request returns one completion")
+        return value
+
+    @field_validator("stream", "echo")
+    @classmethod
+    def _false(cls, value: bool, info) -> bool:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported; send false or leave it out")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _zero(cls, value: float, info) -> float:
+        if value != 0:
+            raise ValueError(f"{info.field_name} is not supported; send 0 or leave it out")
+        return value
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def sampling(self) -> SamplingSpec:
+        return SamplingSpec(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=self.stops,
+            logprobs=self.logprobs,
+        )
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """A decoded JSON body → the request, or a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        return CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = str(error["loc"][0]) if error["loc"] else None
+        if error["type"] == "extra_forbidden":
+            raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
+        if error["type"] == "missing":
+            raise InvalidRequest(f"You must provide a {param} parameter.", param=param) from None
+        where = ".".join(str(part) for part in error["loc"] if not str(part).startswith(("str", "list[", "function")))
+        raise InvalidRequest(f"Invalid value for {where or param}: {error['msg']}.", param=param) from None
+
+
+def activation_prompt_cap(model: ModelInfo, n_layers_asked: int) -> int:
+    """The longest prompt an inline capture of `n_layers_asked` layers takes.
+
+    What is bounded is the response size, so the published cap (for every layer) scales up
+    as fewer layers are asked, rounded down and clamped to the context the model runs.
+    """
+    return min(model.max_model_len, model.max_activation_prompt_tokens * model.n_layers // n_layers_asked)
+
+
+@lru_cache(maxsize=16)
+def _vocab_size(path: Path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return int(config.get("text_config", config)["vocab_size"])
+
+
+@dataclass(frozen=True)
+class PreparedCompletion:
+    """A request checked against its model: what the engine runs and what the response says."""
+
+    request: CompletionRequest
+    model: ModelInfo
+    prompt_ids: list[int]
+    layers: list[int] | None
+    """Blocks to capture, ascending; None when no activations were asked."""
+
+    @property
+    def sampling(self) -> SamplingSpec:
+        return self.request.sampling()
+
+
+def _prompt_ids(request: CompletionRequest, model: ModelInfo) -> list[int]:
+    path = model.require_path()
+    if isinstance(request.prompt, str):
+        if not request.prompt:
+            raise InvalidRequest("The prompt is empty: send at least one character or token id.", param="prompt")
+        return list(load_tokenizer(path)(request.prompt, add_special_tokens=True)["input_ids"])
+    if not request.prompt:
+        raise InvalidRequest("The prompt is empty: send at least one character or token id.", param="prompt")
+    vocab = _vocab_size(path)
+    bad = [t for t in request.prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(
+            f"Token id {bad[0]} is out of range: {model.name} has token ids 0 to {vocab - 1}.", param="prompt"
+        )
+    return list(request.prompt)
+
+
+def prepare_completion(request: CompletionRequest, registry: Registry) -> PreparedCompletion:
+    """Check the request against its model; raise the 400 a user must see, or return the plan."""
+    model = registry.get(request.model)
+    layers = None
+    asked = request.output_residual_stream
+    if asked is not False:
+        if not model.inline:
+            raise InvalidRequest(
+                f"{model.name} does not serve inline activations; use a bulk harvest.",
+                param="output_residual_stream",
+                code="activations_unsupported",
+            )
+        if isinstance(asked, list) and not asked:
+            raise InvalidRequest(
+                "output_residual_stream must be true or a non-empty list of layers.", param="output_residual_stream"
+            )
+        layers = resolve_layers(model, asked, param="output_residual_stream")
+    prompt_ids = _prompt_ids(request, model)
+    n_prompt = len(prompt_ids)
+    if layers is not None:
+        cap = activation_prompt_cap(model, len(layers))
+        if n_prompt > cap:
+            raise ActivationPromptTooLong(
+                f"The prompt has {n_prompt} tokens, over the activation prompt cap of {cap} tokens for "
+                f"capturing {len(layers)} of {model.name}'s {model.n_layers} layers "
+                f"(floor({model.max_activation_prompt_tokens} × {model.n_layers} ÷ {len(layers)}), at most "
+                f"max_model_len {model.max_model_len}). Shorten the prompt, ask for fewer layers, or use a bulk harvest.",
+                param="prompt",
+            )
+    if n_prompt + request.max_tokens > model.max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
+            f"{n_prompt + request.max_tokens} tokens ({n_prompt} in the prompt, {request.max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )
+    return PreparedCompletion(request=request, model=model, prompt_ids=prompt_ids, layers=layers)
+
+
+def _logprobs_body(generation: Generation, tokenizer) -> dict:
+    """The OpenAI completions `logprobs` object; text_offset counts from the completion's start."""
+    tokens = [tokenizer.decode([t]) for t in generation.token_ids]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": generation.token_logprobs,
+        "top_logprobs": generation.top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def completion_response(prepared: PreparedCompletion, generation: Generation, *, zstd_threads: int = 0) -> dict:
+    """The response body: OpenAI's text_completion, plus `activations` when they were asked."""
+    n_prompt, n_generated = len(generation.prompt_ids), len(generation.token_ids)
+    logprobs = None
+    if prepared.request.logprobs is not None:
+        logprobs = _logprobs_body(generation, load_tokenizer(prepared.model.require_path()))
+    body = {
+        "id": "cmpl-" + uuid.uuid4().hex,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": prepared.model.name,
+        "choices": [{"index": 0, "text": generation.text, "logprobs": logprobs, "finish_reason": generation.finish_reason}],
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated},
+    }
+    if prepared.layers is not None:
+        residual = generation.residual
+        expected = [len(prepared.layers), n_prompt + n_generated - 1, prepared.model.hidden_size]
+        if residual is None or list(residual.shape) != expected:
+            got = None if residual is None else list(residual.shape)
+            raise CaptureFailed(f"The engine returned a residual stream of shape {got}, expected {expected}.")
+        stream = encode_residual(residual, threads=zstd_threads)
+        stream["layers"] = list(prepared.layers)  # which blocks shape[0] holds, ascending
+        body["activations"] = {"residual_stream": stream}
+    return body
