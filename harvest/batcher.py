@@ -144,12 +144,18 @@ def _settle(future: asyncio.Future, *, result=None, exception: BaseException | N
 class EnginePool:
     """One warm `EngineBatcher` per model, loaded on first use and kept until `close`."""
 
-    def __init__(self, factory: Callable[[ModelInfo], Engine] | None = None, **batcher_options):
+    def __init__(self, factory: Callable[[ModelInfo], Engine] | None = None, *, close_engines: bool = True, **batcher_options):
+        """`factory` loads a model's engine (default `load_engine`: vLLM where installed, else HF).
+
+        `close_engines=False` leaves engines the factory shares with others (a test session's
+        engine) open at `close`.
+        """
         if factory is None:
             from harvest.engines.base import load_engine
 
             factory = load_engine
         self._factory = factory
+        self._close_engines = close_engines
         self._options = batcher_options
         self._batchers: dict[str, EngineBatcher] = {}
         self._loading: dict[str, asyncio.Future] = {}
@@ -185,6 +191,7 @@ class EnginePool:
         """Stop every dispatcher and release every engine (in its own thread)."""
         for batcher in self._batchers.values():
             await batcher.close()
-            await asyncio.get_running_loop().run_in_executor(batcher._executor, batcher.engine.close)
+            if self._close_engines:
+                await asyncio.get_running_loop().run_in_executor(batcher._executor, batcher.engine.close)
             batcher._executor.shutdown(wait=False)
         self._batchers.clear()

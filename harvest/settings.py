@@ -36,6 +36,40 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     """Endpoint of an S3-compatible server (MinIO, moto) for `s3://` storage; None is AWS."""
 
+    # --- API (issue 5): job store, keys, links, long-poll, caps ---------------------------
+    database_url: str | None = None
+    """SQLAlchemy URL of the job store; default SQLite at `<home>/harvest.db` (PostgreSQL in production)."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Port of the API (`harvest up` binds 127.0.0.1:<port>)."""
+
+    signing_secret: str | None = None
+    """HMAC secret of file-store download links; default a random one kept in `<home>/signing.key`."""
+
+    url_expiry_s: int = Field(default=7 * 24 * 3600, ge=1, le=7 * 24 * 3600)
+    """How long a download link works after it was issued (S3 SigV4 allows at most 7 days)."""
+
+    retention_days: float = Field(default=30, gt=0)
+    """Days after completion that a job's files are kept; then links say urls_expired."""
+
+    longpoll_max_waiters: int = Field(default=100, ge=0)
+    """Concurrent `?wait=` reads held open; more are answered at once with X-Acs-Longpoll: declined."""
+
+    lane_capacity_small: int = Field(default=64, ge=0)
+    """Service-wide queued-or-running jobs on the small lane (harvest_capacity_exceeded above)."""
+
+    lane_capacity_large: int = Field(default=8, ge=0)
+    """Service-wide queued-or-running jobs on the large lane."""
+
+    watch_interval_s: float = Field(default=1.0, gt=0)
+    """How often the API's one watcher reads the states of all active flow runs."""
+
+    run_backend: str = "api.runs:PrefectRuns"
+    """`module:Class` that starts, cancels and reads job runs (the API's one seam to Prefect)."""
+
+    public_base_url: str | None = None
+    """Base URL put in file download links (e.g. behind a proxy); default the request's own."""
+
     @field_validator("home")
     @classmethod
     def _absolute_home(cls, value: Path) -> Path:

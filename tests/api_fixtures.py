@@ -1,1 +1,288 @@
-"""API server fixtures (session-scoped); filled in by the API layer."""
+"""API server fixtures: the real app under a real uvicorn on loopback (session-scoped).
+
+Fixtures (each server starts only when a test asks for it, and is killed at session end):
+
+``api_server`` → ``ApiServer``
+    `uvicorn api.app:app` on 127.0.0.1 and a free port, with the project's own registry
+    (infra/models.toml), its own SQLite job store and storage folder under the session's
+    HARVEST_HOME. Harvest runs go to ``FileRuns`` (below), so no Prefect is needed; inline
+    completions and ``/v1/models`` are served for real. ``.base_url`` is ``http://127.0.0.1:<port>/v1``.
+``api_base_url`` → ``str``: ``api_server.base_url`` (what a client puts in ACS_API_BASE).
+``make_key`` → ``make_key(**limits) -> str``: a fresh API key of ``api_server``, limits as in
+    ``harvest keys create`` (``small``, ``large``, ``monthly_jobs``, ``token_budget``,
+    ``activation_quota``; default: small 3, large 1, no quotas).
+``harvest_api`` → ``ApiServer`` for the harvest tests: a test registry that adds
+    ``llama-tiny-large`` (the tiny model on the large lane) and ``llama-tiny-noharvest``
+    (served, not harvested), a 0.2 s watcher and a waiter limit of 2. Its ``.make_key(**limits)``
+    works like ``make_key``.
+``prefect_api`` → ``ApiServer`` whose runs are real Prefect flow runs (``harvest_stack`` of
+    tests/prefect_fixtures.py: server, deployments, one worker per lane).
+
+``ApiServer(env).start()`` starts more servers (e.g. to kill and restart one mid-job):
+``.kill()`` (SIGKILL), ``.start()`` again on the same port, database and storage, ``.stop()``.
+
+``FileRuns`` is the run backend of the Prefect-free servers: the one seam the API tests fake.
+A run is a JSON file ``<runs_dir>/<run_id>.json`` that the test moves through states with
+``set_run(server, job_id, status, message=None)``; ``finish_run(server, job_id, engine)``
+really harvests the job with the core pipeline into the server's storage (what a worker
+does) and marks the run done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+
+__all__ = ["ApiServer", "FileRuns", "set_run", "finish_run", "free_port"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+TEST_MODELS = """
+[models.llama-tiny-large]
+weights = "models/llama-tiny"
+builtin = true
+lane = "large"
+max_model_len = 2048
+max_activation_prompt_tokens = 512
+
+[models.llama-tiny-noharvest]
+weights = "models/llama-tiny"
+builtin = true
+lane = "small"
+harvest = false
+max_model_len = 2048
+max_activation_prompt_tokens = 512
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FileRuns:
+    """Runs as JSON files (directory `HARVEST_TEST_RUNS_DIR`); see the module docstring."""
+
+    def __init__(self, runs_dir: str | Path | None = None):
+        self.dir = Path(runs_dir or os.environ["HARVEST_TEST_RUNS_DIR"])
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, run_id: str) -> Path:
+        return self.dir / f"{run_id}.json"
+
+    def _write(self, run_id: str, data: dict) -> None:
+        staging = self._path(run_id).with_suffix(".tmp")
+        staging.write_text(json.dumps(data))
+        staging.replace(self._path(run_id))
+
+    def get(self, run_id: str) -> dict | None:
+        path = self._path(run_id)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
+        run_id = f"run-{job_id}"  # idempotent per job, like run_deployment's idempotency key
+        if self.get(run_id) is None:
+            self._write(run_id, {"job_id": job_id, "request_url": request_url, "status": "pending", "starts": 1})
+        else:
+            data = self.get(run_id)
+            data["starts"] = data.get("starts", 1) + 1
+            self._write(run_id, data)
+        return run_id
+
+    def cancel(self, run_id: str) -> None:
+        data = self.get(run_id)
+        if data is not None and data["status"] in ("pending", "running"):
+            data["status"] = "cancelled"
+            data["cancels"] = data.get("cancels", 0) + 1
+            self._write(run_id, data)
+
+    def read(self, run_ids: list[str]):
+        from api.runs import RunState
+
+        states = {}
+        for run_id in run_ids:
+            data = self.get(run_id)
+            if data is not None:
+                started = data.get("started_at")
+                states[run_id] = RunState(
+                    status=data["status"],
+                    message=data.get("message"),
+                    started_at=datetime.fromisoformat(started) if started else None,
+                )
+        return states
+
+    def set(self, run_id: str, status: str, message: str | None = None) -> None:
+        data = self.get(run_id) or {}
+        data["status"] = status
+        data["message"] = message
+        if status == "running" and not data.get("started_at"):
+            data["started_at"] = datetime.now(timezone.utc).isoformat()
+        self._write(run_id, data)
+
+
+class ApiServer:
+    """One uvicorn process running api.app (see the module docstring)."""
+
+    def __init__(self, home: Path, name: str, env: dict[str, str] | None = None):
+        self.home = home
+        self.dir = home / "api" / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.env = {
+            "HARVEST_DATABASE_URL": f"sqlite:///{self.dir / 'harvest.db'}",
+            "HARVEST_STORAGE_URL": f"file://{self.dir / 'storage'}",
+            "HARVEST_RUN_BACKEND": "tests.api_fixtures:FileRuns",
+            "HARVEST_TEST_RUNS_DIR": str(self.dir / "runs"),
+            "HARVEST_PORT": str(self.port),
+            **(env or {}),
+        }
+        self.process: subprocess.Popen | None = None
+        self.log = self.dir / "uvicorn.log"
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root}/v1"
+
+    @property
+    def runs(self) -> FileRuns:
+        return FileRuns(self.env["HARVEST_TEST_RUNS_DIR"])
+
+    def start(self, timeout: float = 60) -> "ApiServer":
+        env = {**os.environ, **self.env, "PYTHONPATH": str(REPO)}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--log-level", "warning"],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the API exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the API did not answer in {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no shutdown code runs."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def engine(self):
+        from api.db import make_engine, upgrade
+
+        engine = make_engine(self.env["HARVEST_DATABASE_URL"])
+        upgrade(engine)
+        return engine
+
+    def make_key(self, **limits) -> str:
+        from api.auth import create_key
+
+        engine = self.engine()
+        try:
+            return create_key(limits.pop("name", "test"), engine=engine, **limits)[0]
+        finally:
+            engine.dispose()
+
+    def storage(self):
+        from harvest.storage import Storage
+
+        return Storage(self.env.get("HARVEST_STORAGE_URL") or f"file://{self.home / 'storage'}")
+
+
+def set_run(server: ApiServer, job_id: str, status: str, message: str | None = None) -> None:
+    server.runs.set(f"run-{job_id}", status, message)
+
+
+def finish_run(server: ApiServer, job_id: str, engine) -> None:
+    """Harvest the job for real (core pipeline, HF engine) into the server's storage; mark it done."""
+    from harvest.pipeline import run_job
+    from harvest.registry import load_registry
+    from harvest.request import HarvestRequest, resolve_job
+    from harvest.settings import Settings
+
+    files = server.storage().child(f"jobs/{job_id}")
+    request = HarvestRequest.model_validate_json(files.read_bytes("request.json"))
+    settings = Settings(models_file=server.env.get("HARVEST_MODELS_FILE", Settings().models_file))
+    job = resolve_job(request, load_registry(settings))
+    set_run(server, job_id, "running")
+    run_job(job, files, engine, job_id)
+    set_run(server, job_id, "done")
+
+
+def _server(home: Path, name: str, env: dict[str, str] | None = None):
+    server = ApiServer(home, name, env).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def api_server(harvest_home: Path, tiny):
+    yield from _server(harvest_home, "plain")
+
+
+@pytest.fixture(scope="session")
+def api_base_url(api_server: ApiServer) -> str:
+    return api_server.base_url
+
+
+@pytest.fixture(scope="session")
+def make_key(api_server: ApiServer):
+    return api_server.make_key
+
+
+def harvest_api_env(home: Path) -> dict[str, str]:
+    models = home / "api" / "test-models.toml"
+    models.parent.mkdir(parents=True, exist_ok=True)
+    models.write_text((REPO / "infra" / "models.toml").read_text() + TEST_MODELS)
+    return {
+        "HARVEST_MODELS_FILE": str(models),
+        "HARVEST_WATCH_INTERVAL_S": "0.2",
+        "HARVEST_LONGPOLL_MAX_WAITERS": "2",
+    }
+
+
+@pytest.fixture(scope="session")
+def harvest_api(harvest_home: Path, tiny):
+    yield from _server(harvest_home, "harvest", harvest_api_env(harvest_home))
+
+
+@pytest.fixture(scope="session")
+def prefect_api(harvest_home: Path, harvest_stack, tiny):
+    env = {
+        "HARVEST_RUN_BACKEND": "api.runs:PrefectRuns",
+        "HARVEST_STORAGE_URL": os.environ.get("HARVEST_STORAGE_URL", f"file://{harvest_home / 'storage'}"),
+        "HARVEST_WATCH_INTERVAL_S": "0.5",
+    }
+    yield from _server(harvest_home, "prefect", env)

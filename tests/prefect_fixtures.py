@@ -1,1 +1,168 @@
-"""Prefect server fixtures (session-scoped); filled in by the orchestration layer."""
+"""Real Prefect for tests: one server per test session, the project's pools and deployments,
+and one process worker per lane. Loaded for every test by `tests/conftest.py`.
+
+Fixtures (all session-scoped; the server and workers start only when a test asks for them):
+
+``prefect_server`` → ``PrefectServer(api_url, ui_url, process)``
+    `prefect server start` on a free loopback port, SQLite under the session's HARVEST_HOME
+    (~10 s, once). Sets ``PREFECT_API_URL`` in ``os.environ`` (so subprocesses such as a
+    uvicorn API inherit it) and in this process's Prefect settings. Stopped at session end.
+
+``prefect_deployments`` → list of deployment names
+    infra/prefect.yaml applied: pools ``small`` (limit 3) and ``large`` (limit 1),
+    deployments ``harvest/harvest-small``, ``harvest/harvest-large``,
+    ``corpus-refresh/corpus-refresh``, ``retention-sweep/retention-sweep``.
+
+``lane_workers`` → ``LaneWorkers``
+    one ``prefect worker`` per lane (``.small``, ``.large``), with ``HARVEST_USE_VLLM=0`` so
+    flow runs use the HF reference engine. ``.start(lane)`` adds a worker, ``.kill(worker)``
+    SIGKILLs a worker *and its flow-run processes* (a lost machine). All stopped at session end,
+    leaving no process behind.
+
+``harvest_stack`` → ``HarvestStack``: the three above together, plus helpers
+    ``submit(request, *, workers=1, env=None, key_id="test") -> SubmittedJob``: writes
+        request.json under ``<storage>/jobs/<job_id>/`` and starts the run with
+        ``flows.submit.start_harvest_run`` exactly as the API does.
+    ``wait(flow_run_id, timeout=60, statuses=("done","failed","cancelled")) -> RunStatus``
+    ``status(flow_run_id) -> RunStatus``
+
+An API test needing a live flow backend asks for ``harvest_stack`` (or just
+``prefect_deployments`` + ``lane_workers``) and then starts its uvicorn with the inherited
+environment. Tests that need "mid-job" moments slow real work with
+``env={"HARVEST_FLOW_SHARD_PAUSE_S": "0.5"}`` (seconds slept after each shard) or
+``HARVEST_FLOW_LOAD_PAUSE_S`` (before the model loads); these are flow-run env only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob"]
+
+WORKER_ENV = {"HARVEST_USE_VLLM": "0", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "WARNING"}
+
+
+@dataclass
+class PrefectServer:
+    api_url: str
+    ui_url: str
+    process: object
+
+
+@pytest.fixture(scope="session")
+def prefect_server(harvest_home: Path):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.processes import free_port, start_server
+
+    port = free_port()
+    server, api_url = start_server(harvest_home / "prefect-server", port, timeout=90)
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = api_url
+    try:
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            yield PrefectServer(api_url=api_url, ui_url=f"http://127.0.0.1:{port}", process=server)
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_deployments(prefect_server) -> list[str]:
+    from flows.deploy import apply_sync
+
+    return apply_sync()
+
+
+@dataclass
+class LaneWorkers:
+    api_url: str
+    log_dir: Path
+    workers: list = field(default_factory=list)
+    small: object = None
+    large: object = None
+
+    def start(self, lane: str, env: dict[str, str] | None = None):
+        from flows.processes import start_worker
+
+        name = f"{lane}-{uuid.uuid4().hex[:6]}"
+        worker = start_worker(lane, self.api_url, self.log_dir / f"worker-{name}.log", {**WORKER_ENV, **(env or {})}, name=name)
+        self.workers.append(worker)
+        return worker
+
+    def kill(self, worker) -> None:
+        worker.kill()
+
+    def stop_all(self) -> None:
+        for worker in self.workers:
+            if worker.alive():
+                worker.stop()
+
+
+@pytest.fixture(scope="session")
+def lane_workers(prefect_deployments, prefect_server, harvest_home: Path):
+    workers = LaneWorkers(api_url=prefect_server.api_url, log_dir=harvest_home / "worker-logs")
+    workers.small = workers.start("small")
+    workers.large = workers.start("large")
+    try:
+        yield workers
+    finally:
+        workers.stop_all()
+
+
+@dataclass
+class SubmittedJob:
+    job_id: str
+    flow_run_id: str
+    request_url: str
+    storage: object
+    """`harvest.storage.Storage` of the job's folder."""
+
+
+@dataclass
+class HarvestStack:
+    server: PrefectServer
+    workers: LaneWorkers
+
+    def submit(self, request, *, workers: int = 1, env: dict[str, str] | None = None, key_id: str = "test") -> SubmittedJob:
+        from flows.jobs import job_storage, write_request
+        from flows.submit import start_harvest_run
+        from harvest.registry import load_registry
+        from harvest.request import HarvestRequest
+
+        request = request if isinstance(request, HarvestRequest) else HarvestRequest.model_validate(request)
+        job_id = str(uuid.uuid4())
+        url = write_request(job_id, request)
+        lane = load_registry().get(request.model).lane
+        run_id = start_harvest_run(job_id, url, request.model, lane, key_id, workers=workers, env=env)
+        return SubmittedJob(job_id=job_id, flow_run_id=run_id, request_url=url, storage=job_storage(url))
+
+    @staticmethod
+    def status(flow_run_id: str):
+        from flows.submit import read_harvest_run
+
+        return read_harvest_run(flow_run_id)
+
+    def wait(self, flow_run_id: str, timeout: float = 60, statuses=("done", "failed", "cancelled"), poll: float = 0.2):
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status(flow_run_id)
+            if status.status in statuses:
+                return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flow run {flow_run_id} still {status.state_name} after {timeout} s")
+            time.sleep(poll)
+
+
+@pytest.fixture(scope="session")
+def harvest_stack(prefect_server, lane_workers) -> HarvestStack:
+    return HarvestStack(server=prefect_server, workers=lane_workers)

@@ -1,0 +1,62 @@
+"""The registry, the embedded model and layer resolution."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from harvest.errors import HarvestUnsupported, InvalidRequest, ModelNotFound, ModelUnavailable
+from harvest.layers import default_layers, resolve_layers
+from harvest.registry import Registry
+from harvest.settings import get_settings
+from harvest.tiny_model import build_tiny_model
+
+
+def test_capabilities_come_from_the_checkpoint_config(tiny):
+    import json
+
+    config = json.loads((tiny.path / "config.json").read_text())
+    assert tiny.n_layers == config["num_hidden_layers"] >= 8
+    assert tiny.hidden_size == config["hidden_size"] >= 256
+    assert config["head_dim"] >= 32 and config["max_position_embeddings"] == 2048
+    assert tiny.capabilities()["lane"] == "small"
+
+
+def test_the_embedded_model_is_deterministic(tmp_path, tiny):
+    again = build_tiny_model(tmp_path / "again")
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert hashlib.sha256((again / name).read_bytes()).hexdigest() == hashlib.sha256((tiny.path / name).read_bytes()).hexdigest()
+
+
+def test_declared_models_without_weights(registry):
+    big = registry.get("llama-8b")
+    assert (big.n_layers, big.hidden_size, big.lane) == (32, 4096, "small")
+    assert registry.get("llama-405b").lane == "large"
+    with pytest.raises(ModelUnavailable, match="are not on this machine: looked in"):
+        big.require_path()
+
+
+def test_unknown_and_unharvestable_models():
+    registry = Registry(
+        {"probe-only": {"weights": "x/y", "harvest": False, "declared": {"n_layers": 4, "hidden_size": 64, "max_position_embeddings": 128}}},
+        get_settings(),
+    )
+    with pytest.raises(ModelNotFound):
+        registry.get("missing")
+    with pytest.raises(HarvestUnsupported):
+        registry.for_harvest("probe-only")
+
+
+def test_layer_resolution(registry):
+    big = registry.get("llama-8b")
+    assert default_layers(32) == [8, 16, 24] and default_layers(8) == [2, 4, 6]
+    assert resolve_layers(big, None) == [8, 16, 24]
+    assert resolve_layers(big, "all") == list(range(32))
+    assert resolve_layers(big, [24, 8, 8, 0]) == [0, 8, 24]
+    with pytest.raises(InvalidRequest, match=r"^meta-llama/Llama-3.1-8B has layers 0 to 31: it has no layer 40\.$") as info:
+        resolve_layers(big, [8, 40])
+    assert info.value.param == "layers"
+    for bad in ("ALL", [], [1.5], [True], -1):
+        with pytest.raises(InvalidRequest):
+            resolve_layers(big, bad)
