@@ -1,0 +1,85 @@
+"""The FastAPI app: harvest routes, file links, inline completions and models, one error body.
+
+Every refusal is a `HarvestError` raised anywhere below and turned into
+`{"error": {message, type, param, code}}` (plus its headers, e.g. Retry-After) by the one
+handler here; pydantic's validation errors become the same 400 naming the field in `param`.
+The lifespan migrates the job store and runs the single watcher (`api.watcher`).
+
+Run it: `uvicorn api.app:app --host 127.0.0.1 --port $HARVEST_PORT` (what `harvest up` does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from api import deps
+from api.db import get_engine
+from api.files import router as files_router
+from api.harvest import router as harvest_router
+from api.watcher import Watcher
+from harvest.errors import HarvestError
+from harvest.settings import get_settings
+
+__all__ = ["app", "create_app"]
+
+log = logging.getLogger("harvest.api")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    settings = get_settings()
+    await run_in_threadpool(get_engine)  # migrate before the first request
+    watcher = Watcher(deps.runs(), deps.storage(), settings.watch_interval_s, settings.longpoll_max_waiters)
+    app.state.watcher = watcher
+    await watcher.start()
+    try:
+        yield
+    finally:
+        await watcher.stop()
+
+
+async def harvest_error(request: Request, exc: HarvestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return await harvest_error(request, deps.invalid_from_errors(list(exc.errors())))
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(
+        title="Residual-stream harvesting API",
+        version="1.0",
+        description="Bulk harvests of residual-stream activations, and inline activations on completions.",
+        lifespan=lifespan,
+    )
+    app.add_exception_handler(HarvestError, harvest_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.include_router(harvest_router)
+    app.include_router(files_router)
+    # The inline-completions routes (issue 6) live in this app too.
+    for name in ("api.completions", "api.models"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            log.warning("%s is not installed yet; its routes are absent", name)
+            continue
+        app.include_router(module.router)
+
+    @app.get("/health", include_in_schema=False)
+    def health() -> dict:
+        return {"status": "ok"}
+
+    return app
+
+
+app = create_app()

@@ -1,0 +1,181 @@
+"""API keys: creation (hashed at rest), Bearer authentication, and the activation quota.
+
+A key is `acs_` + 32 random url-safe bytes. Only its SHA-256 is stored: the key is random with
+~256 bits of entropy, so a slow password hash would add latency to every request and no
+security (nothing to brute-force), which is why token services (GitHub, Stripe) do the same.
+
+For the inline-completions routes this module provides `current_key` (a FastAPI dependency:
+Bearer key → `ApiKey`, 401 otherwise) and `consume_activation(key)` (one activation request
+counted this month, 429 `activation_quota_exceeded` over the key's quota).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from fastapi import Request
+from sqlalchemy import insert, select, update
+from starlette.concurrency import run_in_threadpool
+
+from api.db import api_keys, aware, get_engine, locked, transaction, usage, utcnow
+from harvest.errors import RateLimited, Unauthorized
+
+__all__ = [
+    "ApiKey",
+    "create_key",
+    "list_keys",
+    "revoke_key",
+    "authenticate",
+    "current_key",
+    "consume_activation",
+    "month_of",
+]
+
+DEFAULT_LIMITS = {"small": 3, "large": 1}
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A key's record (never the key itself)."""
+
+    id: str
+    name: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+    limit_small: int
+    """Jobs on the small lane queued or running at once."""
+    limit_large: int
+    """Jobs on the large lane queued or running at once."""
+    monthly_jobs: int | None
+    """Harvests per calendar month (UTC); None is unlimited."""
+    token_budget: int | None
+    """Harvest tokens per calendar month (UTC), charged plus held; None is unlimited."""
+    activation_quota: int | None
+    """Inline activation requests per calendar month (UTC); None is unlimited."""
+
+    def lane_limit(self, lane: str) -> int:
+        return self.limit_large if lane == "large" else self.limit_small
+
+    @classmethod
+    def from_row(cls, row) -> "ApiKey":
+        return cls(
+            id=row["id"],
+            name=row["name"],
+            prefix=row["prefix"],
+            created_at=aware(row["created_at"]),
+            revoked_at=aware(row["revoked_at"]),
+            limit_small=row["limit_small"],
+            limit_large=row["limit_large"],
+            monthly_jobs=row["monthly_jobs"],
+            token_budget=row["token_budget"],
+            activation_quota=row["activation_quota"],
+        )
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def month_of(moment: datetime) -> str:
+    return moment.strftime("%Y-%m")
+
+
+def create_key(
+    name: str,
+    *,
+    small: int = DEFAULT_LIMITS["small"],
+    large: int = DEFAULT_LIMITS["large"],
+    monthly_jobs: int | None = None,
+    token_budget: int | None = None,
+    activation_quota: int | None = None,
+    engine=None,
+) -> tuple[str, ApiKey]:
+    """A new key with its limits; returns the key (shown once) and its record."""
+    key = "acs_" + secrets.token_urlsafe(32)
+    row = {
+        "id": "key_" + uuid.uuid4().hex[:20],
+        "name": name,
+        "key_hash": _hash(key),
+        "prefix": key[:10],
+        "created_at": utcnow(),
+        "revoked_at": None,
+        "limit_small": small,
+        "limit_large": large,
+        "monthly_jobs": monthly_jobs,
+        "token_budget": token_budget,
+        "activation_quota": activation_quota,
+    }
+    with transaction(engine) as conn:
+        conn.execute(insert(api_keys).values(**row))
+    return key, ApiKey.from_row(row)
+
+
+def list_keys(engine=None) -> list[ApiKey]:
+    with transaction(engine) as conn:
+        rows = conn.execute(select(api_keys).order_by(api_keys.c.created_at)).mappings().all()
+    return [ApiKey.from_row(r) for r in rows]
+
+
+def revoke_key(key_id_or_name: str, engine=None) -> int:
+    """Revoke keys by id, name or shown prefix; returns how many were revoked."""
+    with transaction(engine) as conn:
+        result = conn.execute(
+            update(api_keys)
+            .where(api_keys.c.revoked_at.is_(None))
+            .where(
+                (api_keys.c.id == key_id_or_name)
+                | (api_keys.c.name == key_id_or_name)
+                | (api_keys.c.prefix == key_id_or_name)
+            )
+            .values(revoked_at=utcnow())
+        )
+        return result.rowcount
+
+
+def authenticate(authorization: str | None, engine=None) -> ApiKey:
+    """The key of an `Authorization: Bearer …` header; 401 when missing, unknown or revoked."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise Unauthorized(
+            "You didn't provide an API key. Send it in the Authorization header as 'Bearer YOUR_KEY'."
+        )
+    with transaction(engine) as conn:
+        row = conn.execute(select(api_keys).where(api_keys.c.key_hash == _hash(key.strip()))).mappings().first()
+    if row is None or row["revoked_at"] is not None:
+        raise Unauthorized("Incorrect API key provided.")
+    return ApiKey.from_row(row)
+
+
+async def current_key(request: Request) -> ApiKey:
+    """FastAPI dependency: the caller's key, or 401."""
+    return await run_in_threadpool(authenticate, request.headers.get("authorization"))
+
+
+def consume_activation(key: ApiKey, engine=None) -> None:
+    """Count one inline activation request for this key this month, or refuse it (429).
+
+    The count and the check happen under the key's row lock, so concurrent requests never
+    pass the quota together.
+    """
+    month = month_of(utcnow())
+    with transaction(engine) as conn:
+        locked(conn, api_keys, api_keys.c.id == key.id)
+        row = locked(conn, usage, usage.c.key_id == key.id, usage.c.month == month)
+        used = 0 if row is None else row["activations"]
+        if key.activation_quota is not None and used >= key.activation_quota:
+            raise RateLimited(
+                f"You have used your {key.activation_quota:,} activation requests for {month}. "
+                "The quota resets on the first day of next month (UTC).",
+                code="activation_quota_exceeded",
+            )
+        if row is None:
+            conn.execute(insert(usage).values(key_id=key.id, month=month, activations=1))
+        else:
+            conn.execute(
+                update(usage).where(usage.c.key_id == key.id, usage.c.month == month).values(activations=used + 1)
+            )

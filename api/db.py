@@ -1,0 +1,214 @@
+"""The job store's database: tables, engine, sessions, and schema migrations (Alembic).
+
+SQLite is the embedded default (`<home>/harvest.db`), PostgreSQL the production store; the same
+code runs on both. What differs is how a transaction takes the lock that makes admission
+atomic (see `locked`): PostgreSQL locks rows with `SELECT … FOR UPDATE`, SQLite has no row
+locks, so every transaction here starts with `BEGIN IMMEDIATE`, which takes the database's
+write lock up front. Both mean two submits that count the same key's jobs never interleave.
+
+All times are stored as naive UTC (SQLite keeps no zone) and made aware on the way out.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Connection, Engine
+
+from harvest.settings import Settings, get_settings
+
+__all__ = [
+    "metadata",
+    "api_keys",
+    "jobs",
+    "usage",
+    "service_flags",
+    "lane_locks",
+    "database_url",
+    "make_engine",
+    "get_engine",
+    "reset_engine",
+    "upgrade",
+    "transaction",
+    "utcnow",
+    "aware",
+]
+
+metadata = MetaData()
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("key_hash", String(64), nullable=False, unique=True),
+    Column("prefix", String(16), nullable=False),
+    Column("created_at", DateTime, nullable=False),
+    Column("revoked_at", DateTime, nullable=True),
+    Column("limit_small", Integer, nullable=False),
+    Column("limit_large", Integer, nullable=False),
+    Column("monthly_jobs", Integer, nullable=True),
+    Column("token_budget", Integer, nullable=True),
+    Column("activation_quota", Integer, nullable=True),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("key_id", String(40), ForeignKey("api_keys.id"), nullable=False),
+    Column("model", String(200), nullable=False),
+    Column("lane", String(16), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("n_prompts", Integer, nullable=False),
+    Column("layers", JSON, nullable=False),
+    Column("shard_size", Integer, nullable=False),
+    Column("n_shards", Integer, nullable=False),
+    Column("shards_done", Integer, nullable=False, default=0),
+    Column("add_special_tokens", Boolean, nullable=False),
+    Column("contents", String(16), nullable=False),
+    Column("reserved_tokens", Integer, nullable=False),
+    Column("tokens", Integer, nullable=True),
+    Column("created_at", DateTime, nullable=False),
+    Column("started_at", DateTime, nullable=True),
+    Column("completed_at", DateTime, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("request_url", Text, nullable=False),
+    Column("flow_run_id", String(64), nullable=True),
+    Column("attached_by", String(64), nullable=True),
+    Column("result", JSON, nullable=True),
+    Index("ix_jobs_key_created", "key_id", "created_at"),
+    Index("ix_jobs_status", "status"),
+)
+
+usage = Table(
+    "usage",
+    metadata,
+    Column("key_id", String(40), ForeignKey("api_keys.id"), primary_key=True),
+    Column("month", String(7), primary_key=True),
+    Column("activations", Integer, nullable=False, default=0),
+)
+
+service_flags = Table(
+    "service_flags",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", Text, nullable=True),
+    Column("updated_at", DateTime, nullable=False),
+)
+
+# One row per lane, locked (FOR UPDATE) by every admission on that lane, so the service-wide
+# queue capacity holds under concurrent submits from different keys.
+lane_locks = Table("lane_locks", metadata, Column("lane", String(16), primary_key=True))
+
+
+def utcnow() -> datetime:
+    """Now, as the naive UTC the tables store."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def aware(value: datetime | None) -> datetime | None:
+    return None if value is None else value.replace(tzinfo=timezone.utc)
+
+
+def database_url(settings: Settings | None = None) -> str:
+    settings = settings or get_settings()
+    return settings.database_url or f"sqlite:///{settings.home / 'harvest.db'}"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine whose transactions lock the way admission needs (module docstring)."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _connect(dbapi_connection, _record):
+            # Let SQLAlchemy, not the driver, decide when a transaction begins…
+            dbapi_connection.isolation_level = None
+            dbapi_connection.execute("PRAGMA busy_timeout = 30000")
+            dbapi_connection.execute("PRAGMA foreign_keys = ON")
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):
+            # …and begin it IMMEDIATE: the write lock is taken before the first read, so
+            # read-count-insert sequences are serialised (SQLite's equivalent of FOR UPDATE).
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def get_engine() -> Engine:
+    """The process's engine, created and migrated on first use."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            engine = make_engine(database_url())
+            upgrade(engine)
+            _engine = engine
+        return _engine
+
+
+def reset_engine() -> None:
+    """Forget the process's engine (tests that switch databases)."""
+    global _engine
+    with _engine_lock:
+        if _engine is not None:
+            _engine.dispose()
+        _engine = None
+
+
+def upgrade(engine: Engine) -> None:
+    """Bring the schema to the newest Alembic revision (idempotent)."""
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "head")
+
+
+@contextmanager
+def transaction(engine: Engine | None = None):
+    """One transaction (committed on success, rolled back on error)."""
+    with (engine or get_engine()).begin() as conn:
+        yield conn
+
+
+def locked(conn: Connection, table: Table, *where):
+    """`SELECT … FOR UPDATE` (PostgreSQL row lock; SQLite already holds the write lock)."""
+    from sqlalchemy import select
+
+    query = select(table).where(*where)
+    if conn.dialect.name != "sqlite":
+        query = query.with_for_update()
+    return conn.execute(query).mappings().first()

@@ -1,0 +1,172 @@
+"""The bulk harvest routes: submit, read (with long-poll), cancel, list (SPEC §2, §3).
+
+The route is a thin facade: validate and estimate tokens (core), admit under the caps (job
+store), write the request next to the job's files, start the lane's run (run backend), and
+answer the harvest object. Status changes come from the watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from api import deps
+from api.auth import ApiKey, current_key
+from api.schemas import ErrorBody, Harvest, HarvestList, render
+from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, view_status
+from harvest.errors import ModelUnavailable
+from harvest.pipeline import tokenize_job
+from harvest.request import HarvestRequest, resolve_job
+from harvest.settings import get_settings
+
+__all__ = ["router", "REQUEST_FILE"]
+
+REQUEST_FILE = "request.json"
+TERMINAL = ("done", "failed", "cancelled")
+_errors = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503)}
+
+router = APIRouter(prefix="/v1", tags=["harvest"], responses=_errors)
+
+
+def _prepare(request: HarvestRequest) -> dict:
+    """Check the request against its model and estimate its tokens (400s come from here)."""
+    job = resolve_job(request, deps.registry())
+    tokens = sum(len(t.ids) for t in tokenize_job(job))  # also refuses over 2,000,000
+    job_id = str(uuid.uuid4())
+    return {
+        "id": job_id,
+        "model": job.model.name,
+        "lane": job.model.lane,
+        "n_prompts": len(request.prompts),
+        "layers": job.layers,
+        "shard_size": request.shard_size,
+        "n_shards": math.ceil(len(request.prompts) / request.shard_size),
+        "add_special_tokens": request.add_special_tokens,
+        "contents": job.contents,
+        "reserved_tokens": tokens,
+        "request_url": f"{deps.storage().url}/jobs/{job_id}/{REQUEST_FILE}",
+    }
+
+
+def _capacity(lane: str) -> int:
+    settings = get_settings()
+    return settings.lane_capacity_large if lane == "large" else settings.lane_capacity_small
+
+
+def _submit(key: ApiKey, request: HarvestRequest) -> dict:
+    job = _prepare(request)
+    row = admit(key, job, capacity=_capacity(job["lane"]))
+    # The request goes to storage (never into Prefect parameters), then the run starts.
+    deps.storage().child(f"jobs/{job['id']}").write_bytes(REQUEST_FILE, request.model_dump_json().encode())
+    try:
+        run_id = deps.runs().start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
+    except Exception as exc:
+        fail_job(job["id"], f"The harvest could not be started: {exc}")
+        raise ModelUnavailable(
+            f"The harvest app for {job['model']} is not reachable right now. Job {job['id']} was recorded as failed "
+            "and charged nothing; show us this id if it persists."
+        ) from exc
+    attach_run(job["id"], run_id)
+    row = get_job(job["id"])
+    if row["status"] == "cancelled":  # cancelled while its run was starting
+        deps.runs().cancel(run_id)
+    return row
+
+
+@router.post(
+    "/harvest",
+    status_code=202,
+    response_model=Harvest,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": HarvestRequest.model_json_schema()}},
+        }
+    },
+)
+async def submit_harvest(request: Request, key: ApiKey = Depends(current_key)):
+    """Submit a harvest: 202 with the harvest object, status pending."""
+    body = await deps.read_body(request)
+    harvest_request = deps.parse(HarvestRequest, body)
+    row = await run_in_threadpool(_submit, key, harvest_request)
+    request.app.state.watcher.kick()
+    return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)
+
+
+@router.get("/harvest/{job_id}", response_model=Harvest)
+async def read_harvest(
+    job_id: str,
+    request: Request,
+    wait: float = Query(0, ge=0, le=60, description="Seconds to hold the request until the status changes."),
+    key: ApiKey = Depends(current_key),
+):
+    """Read a harvest; with `wait`, answer when its status changes or after `wait` seconds."""
+    row = await run_in_threadpool(get_job, job_id, key.id)
+    headers: dict[str, str] = {}
+    status = view_status(row)
+    if wait > 0 and status not in TERMINAL:
+        watcher = deps.watcher(request)
+        if not watcher.try_enter():
+            headers = {"X-Acs-Longpoll": "declined", "Retry-After": "3"}
+        else:
+            try:
+                deadline = asyncio.get_running_loop().time() + wait
+                while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
+                    if await watcher.wait(job_id, remaining):
+                        row = await run_in_threadpool(get_job, job_id, key.id)
+                        if view_status(row) != status:
+                            break
+            finally:
+                watcher.leave()
+            if view_status(row) == status:
+                row = await run_in_threadpool(get_job, job_id, key.id)
+    body = await run_in_threadpool(render, row, deps.storage(), deps.base_url(request), check_files=True)
+    return JSONResponse(body, headers=headers)
+
+
+def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
+    row = get_job(job_id, key.id)
+    if row["status"] in ("pending", "running"):
+        try:
+            watcher.refresh(row)  # charge by what the run is doing now, not a tick ago
+        except Exception:
+            pass  # the backend is away: decide by what the store knows
+    row, cancelled_now = cancel_job(job_id, key.id)
+    if cancelled_now and row["flow_run_id"]:
+        deps.runs().cancel(row["flow_run_id"])
+    return row
+
+
+@router.delete("/harvest/{job_id}", response_model=Harvest)
+async def cancel_harvest(job_id: str, request: Request, key: ApiKey = Depends(current_key)):
+    """Cancel a pending or running harvest (200 with it); done or failed → 409."""
+    watcher = deps.watcher(request)
+    row = await run_in_threadpool(_cancel, job_id, key, watcher)
+    watcher.notify(job_id)
+    return JSONResponse(render(row, deps.storage(), deps.base_url(request)))
+
+
+@router.get("/harvest", response_model=HarvestList)
+async def list_harvests(
+    request: Request,
+    limit: int = Query(20, ge=1, le=100, description="Jobs per page."),
+    after: str | None = Query(None, description="The last job_id of the previous page."),
+    key: ApiKey = Depends(current_key),
+):
+    """The caller's harvests, newest first, `limit` per page (page on with `after`)."""
+    rows, has_more = await run_in_threadpool(list_jobs, key.id, limit=limit, after=after)
+    data = [render(r, deps.storage(), deps.base_url(request)) for r in rows]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": has_more,
+            "first_id": data[0]["job_id"] if data else None,
+            "last_id": data[-1]["job_id"] if data else None,
+        }
+    )

@@ -1,0 +1,96 @@
+"""Download links that need no API key: presigned, expiring, fresh on every read.
+
+On `s3://` storage the store signs them itself (SigV4 presigned GET, `X-Amz-Expires`). On the
+local file store the API signs `/v1/files/{job_id}/{name}?expires=…&signature=…` with HMAC-SHA256
+over the job id, the file name and the expiry, and serves the file only when the signature
+matches and the expiry has not passed (403 otherwise). Only the job's own result files can be
+named (`FILE_NAME`), so no link reaches outside the job's prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from functools import lru_cache
+from urllib.parse import urlencode
+
+from harvest.errors import HarvestError
+from harvest.settings import get_settings
+from harvest.storage import Storage
+
+__all__ = ["LinkRefused", "FILE_NAME", "signing_key", "sign", "verify", "presign"]
+
+FILE_NAME = re.compile(r"^(shard_\d{5}\.safetensors|stats\.safetensors|manifest\.json)$")
+
+
+class LinkRefused(HarvestError):
+    """403: a download link that expired, was altered, or names no file of the job."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "link_invalid"
+
+
+@lru_cache(maxsize=1)
+def signing_key() -> bytes:
+    """HARVEST_SIGNING_SECRET, or a random secret kept in `<home>/signing.key` across restarts."""
+    settings = get_settings()
+    if settings.signing_secret:
+        return settings.signing_secret.encode()
+    path = settings.home / "signing.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{secrets.token_hex(4)}")
+        staging.write_text(secrets.token_hex(32))
+        try:
+            staging.rename(path) if not path.exists() else staging.unlink()
+        except OSError:
+            staging.unlink(missing_ok=True)
+    return path.read_text().strip().encode()
+
+
+def _mac(job_id: str, name: str, expires: int) -> str:
+    return hmac.new(signing_key(), f"{job_id}/{name}:{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign(base_url: str, job_id: str, name: str, expires: int) -> str:
+    """The file route's URL for this file, valid until `expires` (unix seconds)."""
+    query = urlencode({"expires": expires, "signature": _mac(job_id, name, expires)})
+    return f"{base_url.rstrip('/')}/v1/files/{job_id}/{name}?{query}"
+
+
+def verify(job_id: str, name: str, expires: str | None, signature: str | None) -> None:
+    """Raise 403 unless the link is intact, unexpired and names one of the job's files."""
+    if not FILE_NAME.match(name) or expires is None or signature is None or not expires.isdigit():
+        raise LinkRefused("This download link is not valid.")
+    if not hmac.compare_digest(_mac(job_id, name, int(expires)), signature):
+        raise LinkRefused("This download link is not valid: its signature does not match.")
+    if int(expires) < time.time():
+        raise LinkRefused("This download link has expired. Read the harvest again for fresh links.")
+
+
+def presign(storage: Storage, job_id: str, name: str, expires: int, base_url: str) -> str:
+    """A link to `jobs/<job_id>/<name>` that works without a key until `expires`."""
+    if storage.is_local:
+        return sign(base_url, job_id, name, expires)
+    if storage.url.startswith("s3://"):
+        bucket, _, key = storage.child(f"jobs/{job_id}").path(name).partition("/")
+        seconds = max(int(expires - time.time()), 1)
+        return _s3_client().generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=seconds
+        )
+    # Any other fsspec store that can sign (gcs, az) does it itself.
+    return storage.fs.sign(storage.child(f"jobs/{job_id}").path(name), expiration=int(expires - time.time()))
+
+
+@lru_cache(maxsize=1)
+def _s3_client():
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3", endpoint_url=get_settings().s3_endpoint_url, config=Config(signature_version="s3v4")
+    )

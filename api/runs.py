@@ -1,0 +1,94 @@
+"""The API's one seam to whatever runs jobs: start a run, cancel it, read many runs' states.
+
+Production runs are Prefect flow runs (`PrefectRuns`, through the orchestration layer's
+`flows.submit`); `Settings.run_backend` names the class (`module:Class`), so tests can put a
+run store of their own at exactly this seam and exercise everything above it for real.
+
+`read` takes every active run at once: the API's single watcher calls it once per tick for all
+jobs, instead of each long-poll waiter polling Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Protocol
+
+from harvest.settings import get_settings
+
+__all__ = ["RunState", "Runs", "PrefectRuns", "load_runs"]
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A run as the API sees it."""
+
+    status: str
+    """pending | running | done | failed | cancelled."""
+    message: str | None = None
+    """Why it failed (the run's state message)."""
+    started_at: datetime | None = None
+    """When the run started running (aware UTC), if it did."""
+
+
+class Runs(Protocol):
+    def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
+        """Start the job's run (idempotent per job id); returns the run id."""
+
+    def cancel(self, run_id: str) -> None:
+        """Stop the run, also while it is still loading."""
+
+    def read(self, run_ids: list[str]) -> dict[str, RunState]:
+        """States of these runs (runs unknown to the backend are left out)."""
+
+
+class PrefectRuns:
+    """Job runs as Prefect flow runs on the lane's deployment (the orchestration layer's API)."""
+
+    def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
+        from flows.submit import start_harvest_run
+
+        return str(start_harvest_run(job_id, request_url, model, lane, key_id))
+
+    def cancel(self, run_id: str) -> None:
+        from flows.submit import cancel_harvest_run
+
+        cancel_harvest_run(run_id)
+
+    def read(self, run_ids: list[str]) -> dict[str, RunState]:
+        if not run_ids:
+            return {}
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        from flows.submit import job_status
+
+        states: dict[str, RunState] = {}
+        with get_client(sync_client=True) as client:
+            # One request for all active runs, in pages of 200 (the server's page limit).
+            for start in range(0, len(run_ids), 200):
+                page = [uuid.UUID(r) for r in run_ids[start : start + 200]]
+                runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=page)), limit=200)
+                for run in runs:
+                    status = job_status(run)  # the orchestration layer's mapping (flows.submit)
+                    message = run.state.message if run.state is not None else None
+                    states[str(run.id)] = RunState(
+                        status=status,
+                        message=(message or "The harvest run failed.") if status == "failed" else None,
+                        started_at=run.start_time,
+                    )
+        return states
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> Runs:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+def load_runs() -> Runs:
+    """The configured run backend (one instance per process)."""
+    return _load(get_settings().run_backend)

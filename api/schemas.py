@@ -1,0 +1,152 @@
+"""Response shapes of the harvest routes (published in `/openapi.json`) and how a job row
+becomes the harvest object."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+from pydantic import BaseModel, Field
+
+from api.db import aware
+from api.links import presign
+from api.store import view_status
+from harvest.manifest import MANIFEST, STATS
+from harvest.settings import get_settings
+from harvest.shards import shard_name
+from harvest.storage import Storage
+
+__all__ = ["Progress", "Timings", "Result", "Harvest", "HarvestList", "ErrorBody", "render"]
+
+
+class Progress(BaseModel):
+    shards_done: int
+    """Shard files written so far."""
+    n_shards: int
+    """Shard files the job writes in all."""
+
+
+class Timings(BaseModel):
+    load_s: float = 0.0
+    """Seconds loading the model."""
+    forward_s: float = 0.0
+    """Seconds of forward passes."""
+    save_s: float = 0.0
+    """Seconds encoding shard files."""
+    upload_s: float = 0.0
+    """Seconds writing files to storage."""
+
+
+class Result(BaseModel):
+    n_shards: int
+    layer_indices: list[int]
+    contents: str
+    """activations | projections."""
+    tokens: int
+    """Token positions in the files, start tokens included."""
+    bytes_written: int
+    timings: Timings
+    shard_urls: list[str] | None = None
+    """One presigned link per shard, in order (absent once urls_expired)."""
+    manifest_url: str | None = None
+    stats_url: str | None = None
+
+
+class Harvest(BaseModel):
+    object: str = "harvest"
+    job_id: str
+    status: str
+    """pending | running | done | failed | cancelled."""
+    model: str
+    lane: str
+    n_prompts: int
+    layers: list[int]
+    shard_size: int
+    add_special_tokens: bool
+    contents: str
+    reserved_tokens: int
+    """Tokens held while the job is active (the submit-time estimate)."""
+    tokens: int | None
+    """Tokens charged, once the job ended."""
+    created_at: datetime
+    started_at: datetime | None
+    completed_at: datetime | None
+    error: str | None
+    progress: Progress
+    run_id: str | None = None
+    """The Prefect flow run of the job."""
+    result: Result | None = None
+    urls_expire_at: datetime | None = None
+    urls_expired: bool | None = None
+
+
+class HarvestList(BaseModel):
+    object: str = "list"
+    data: list[Harvest]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else aware(value).isoformat()
+
+
+def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = False) -> dict:
+    """The harvest object of a job row, with fresh links when it is done.
+
+    Links expire `url_expiry_s` after this read, and never after the files' retention ends.
+    Past retention (or when the sweep already removed the manifest) the result keeps its
+    numbers, drops its links, and the job says `urls_expired: true`.
+    """
+    settings = get_settings()
+    status = view_status(row)
+    body = {
+        "object": "harvest",
+        "job_id": row["id"],
+        "status": status,
+        "model": row["model"],
+        "lane": row["lane"],
+        "n_prompts": row["n_prompts"],
+        "layers": list(row["layers"]),
+        "shard_size": row["shard_size"],
+        "add_special_tokens": row["add_special_tokens"],
+        "contents": row["contents"],
+        "reserved_tokens": row["reserved_tokens"],
+        "tokens": row["tokens"],
+        "created_at": _iso(row["created_at"]),
+        "started_at": _iso(row["started_at"]),
+        "completed_at": _iso(row["completed_at"]),
+        "error": row["error"],
+        "progress": {"shards_done": row["shards_done"], "n_shards": row["n_shards"]},
+        "run_id": row["flow_run_id"],
+    }
+    if status != "done" or row["result"] is None:
+        return body
+    result = dict(row["result"])
+    body["result"] = result
+    now = datetime.now(timezone.utc)
+    purge_at = aware(row["completed_at"]) + timedelta(days=settings.retention_days)
+    job_files = storage.child(f"jobs/{row['id']}")
+    if now >= purge_at or (check_files and not job_files.exists(MANIFEST)):
+        body["urls_expired"] = True
+        return body
+    expires = min(int(time.time()) + settings.url_expiry_s, int(purge_at.timestamp()))
+    link = lambda name: presign(storage, row["id"], name, expires, base_url)  # noqa: E731
+    result["shard_urls"] = [link(shard_name(k)) for k in range(result["n_shards"])]
+    result["manifest_url"] = link(MANIFEST)
+    result["stats_url"] = link(STATS)
+    body["urls_expire_at"] = datetime.fromtimestamp(expires, timezone.utc).isoformat()
+    body["urls_expired"] = False
+    return body

@@ -1,0 +1,299 @@
+"""The job store: admission under the caps, state transitions with charging, reads.
+
+Admission is one transaction that locks the lane's row and the key's row (see `api.db`),
+counts, checks every cap, and inserts the job, so 20 simultaneous submits against a limit of
+3 admit exactly 3, on SQLite and on PostgreSQL alike.
+
+Charging is a compare-and-set: a job leaves `pending`/`running` in one UPDATE guarded by its
+current status, and that same UPDATE writes `tokens`. Whoever wins that UPDATE charges; nobody
+else can, so a job is charged exactly once however many watchers, cancels or API restarts
+race for it. Monthly token use is the sum of `tokens` of jobs ended that month plus the
+`reserved_tokens` of jobs still active.
+
+Restart: a job's `attached_by` is the boot id of the API process that last read its run. A
+fresh process has a new boot id, so its active jobs read `pending` until its watcher has read
+their runs again (re-attached) and written its own boot id.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from sqlalchemy import and_, func, insert, or_, select, update
+
+from api.auth import ApiKey, month_of
+from api.db import api_keys, aware, jobs, lane_locks, locked, service_flags, transaction, utcnow
+from api.runs import RunState
+from harvest.errors import NotCancellable, NotFound, RateLimited
+
+__all__ = [
+    "BOOT_ID",
+    "ACTIVE",
+    "admit",
+    "get_job",
+    "list_jobs",
+    "active_jobs",
+    "attach_run",
+    "apply_state",
+    "cancel_job",
+    "fail_job",
+    "set_progress",
+    "view_status",
+    "set_spend_cap",
+    "get_spend_cap",
+    "tokens_used",
+]
+
+BOOT_ID = uuid.uuid4().hex
+"""This API process's identity (see the module docstring on restarts)."""
+
+ACTIVE = ("pending", "running")
+SPEND_CAP = "spend_cap_retry_after"
+
+
+def _month_start(now: datetime) -> datetime:
+    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def tokens_used(conn, key_id: str, now: datetime | None = None) -> int:
+    """Tokens charged this month plus tokens held by active jobs."""
+    start = _month_start(now or utcnow())
+    charged = conn.execute(
+        select(func.coalesce(func.sum(jobs.c.tokens), 0)).where(
+            jobs.c.key_id == key_id, jobs.c.completed_at >= start, jobs.c.status.notin_(ACTIVE)
+        )
+    ).scalar_one()
+    held = conn.execute(
+        select(func.coalesce(func.sum(jobs.c.reserved_tokens), 0)).where(
+            jobs.c.key_id == key_id, jobs.c.status.in_(ACTIVE)
+        )
+    ).scalar_one()
+    return int(charged) + int(held)
+
+
+def get_spend_cap(conn) -> int | None:
+    """Retry-After seconds while new harvests are paused, else None."""
+    value = conn.execute(select(service_flags.c.value).where(service_flags.c.name == SPEND_CAP)).scalar()
+    return None if value is None else int(value)
+
+
+def set_spend_cap(retry_after: int | None, engine=None) -> None:
+    """Pause new harvests (answering 429 spend_cap with this Retry-After) or, with None, resume."""
+    with transaction(engine) as conn:
+        conn.execute(service_flags.delete().where(service_flags.c.name == SPEND_CAP))
+        if retry_after is not None:
+            conn.execute(insert(service_flags).values(name=SPEND_CAP, value=str(int(retry_after)), updated_at=utcnow()))
+
+
+def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
+    """Insert the job if every cap allows it, atomically; else raise the cap's 429.
+
+    `job` holds the columns that come from the request (id, model, lane, n_prompts, layers,
+    shard_size, n_shards, add_special_tokens, contents, reserved_tokens, request_url).
+    """
+    lane = job["lane"]
+    now = utcnow()
+    with transaction(engine) as conn:
+        # Lock order is always lane, then key, so two admissions never deadlock.
+        locked(conn, lane_locks, lane_locks.c.lane == lane)
+        locked(conn, api_keys, api_keys.c.id == key.id)
+
+        retry_after = get_spend_cap(conn)
+        if retry_after is not None:
+            raise RateLimited(
+                f"New harvests are paused to limit GPU spending. Try again in {retry_after} seconds.",
+                code="spend_cap",
+                retry_after=retry_after,
+            )
+
+        mine = conn.execute(
+            select(func.count()).where(jobs.c.key_id == key.id, jobs.c.lane == lane, jobs.c.status.in_(ACTIVE))
+        ).scalar_one()
+        limit = key.lane_limit(lane)
+        if mine >= limit:
+            raise RateLimited(
+                f"You have {mine} harvest{'s' if mine != 1 else ''} on {lane} models queued or running, your most. "
+                "Submit another when one ends, or cancel one.",
+                code="harvest_concurrency_exceeded",
+            )
+
+        if key.monthly_jobs is not None:
+            this_month = conn.execute(
+                select(func.count()).where(jobs.c.key_id == key.id, jobs.c.created_at >= _month_start(now))
+            ).scalar_one()
+            if this_month >= key.monthly_jobs:
+                raise RateLimited(
+                    f"You have submitted {this_month} harvests in {month_of(now)}, your monthly quota of "
+                    f"{key.monthly_jobs}. The quota resets on the first day of next month (UTC).",
+                    code="harvest_quota_exceeded",
+                )
+
+        if key.token_budget is not None:
+            used = tokens_used(conn, key.id, now)
+            left = max(key.token_budget - used, 0)
+            if job["reserved_tokens"] > left:
+                raise RateLimited(
+                    f"These prompts come to {job['reserved_tokens']:,} tokens, and your key has {left:,} of its "
+                    f"{key.token_budget:,} monthly harvest tokens left ({used:,} charged or held).",
+                    code="budget_exceeded",
+                )
+
+        queued = conn.execute(
+            select(func.count()).where(jobs.c.lane == lane, jobs.c.status.in_(ACTIVE))
+        ).scalar_one()
+        if queued >= capacity:
+            raise RateLimited(
+                f"The {lane} lane is at its capacity of {capacity} harvests queued or running across the "
+                "service. Submit again when one ends.",
+                code="harvest_capacity_exceeded",
+            )
+
+        row = {
+            **job,
+            "key_id": key.id,
+            "status": "pending",
+            "shards_done": 0,
+            "tokens": None,
+            "created_at": now,
+            "started_at": None,
+            "completed_at": None,
+            "error": None,
+            "flow_run_id": None,
+            "attached_by": None,
+            "result": None,
+        }
+        conn.execute(insert(jobs).values(**row))
+    return row
+
+
+def _row(conn, job_id: str):
+    return conn.execute(select(jobs).where(jobs.c.id == job_id)).mappings().first()
+
+
+def get_job(job_id: str, key_id: str | None = None, engine=None) -> dict:
+    """The job, if it exists and (given a key) belongs to that key; else 404."""
+    with transaction(engine) as conn:
+        row = _row(conn, job_id)
+    if row is None or (key_id is not None and row["key_id"] != key_id):
+        # Same answer for another key's job as for no job: never reveal that it exists.
+        raise NotFound(f"No harvest job with id {job_id!r}.", param="job_id")
+    return dict(row)
+
+
+def list_jobs(key_id: str, *, limit: int, after: str | None = None, engine=None) -> tuple[list[dict], bool]:
+    """The key's jobs, newest first, `limit` of them after the job `after`; and whether more follow."""
+    with transaction(engine) as conn:
+        query = select(jobs).where(jobs.c.key_id == key_id)
+        if after is not None:
+            cursor = _row(conn, after)
+            if cursor is None or cursor["key_id"] != key_id:
+                raise NotFound(f"No harvest job with id {after!r}.", param="after")
+            query = query.where(
+                or_(
+                    jobs.c.created_at < cursor["created_at"],
+                    and_(jobs.c.created_at == cursor["created_at"], jobs.c.id < cursor["id"]),
+                )
+            )
+        rows = conn.execute(query.order_by(jobs.c.created_at.desc(), jobs.c.id.desc()).limit(limit + 1)).mappings().all()
+    return [dict(r) for r in rows[:limit]], len(rows) > limit
+
+
+def active_jobs(engine=None) -> list[dict]:
+    with transaction(engine) as conn:
+        return [dict(r) for r in conn.execute(select(jobs).where(jobs.c.status.in_(ACTIVE))).mappings().all()]
+
+
+def attach_run(job_id: str, run_id: str, boot: str = BOOT_ID, engine=None) -> None:
+    with transaction(engine) as conn:
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(flow_run_id=run_id, attached_by=boot))
+
+
+def view_status(row: dict, boot: str = BOOT_ID) -> str:
+    """The status to answer: an active job not (yet) re-attached by this process reads pending."""
+    if row["status"] in ACTIVE and row["attached_by"] != boot:
+        return "pending"
+    return row["status"]
+
+
+def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = None, result: dict | None = None, **extra) -> bool:
+    """The one place a job ends and is charged: a compare-and-set from an active status."""
+    values = {"status": status, "tokens": tokens, "completed_at": utcnow(), "error": error, **extra}
+    if result is not None:
+        values["result"] = result
+    outcome = conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE)).values(**values))
+    return outcome.rowcount == 1
+
+
+def apply_state(job_id: str, state: RunState, *, result: dict | None = None, boot: str = BOOT_ID, engine=None) -> bool:
+    """Record what the run says (and that this process follows it); True when the status changed.
+
+    done → charged the tokens that ran (`result["tokens"]`); failed → 0; cancelled outside the
+    API (e.g. the Prefect UI) → the reserved tokens if its GPU run had started, else 0.
+    """
+    with transaction(engine) as conn:
+        row = _row(conn, job_id)
+        if row is None or row["status"] not in ACTIVE:
+            return False
+        before = view_status(dict(row), boot)
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(attached_by=boot))
+        started = row["started_at"] or (state.started_at.replace(tzinfo=None) if state.started_at else None)
+        if state.status == "running":
+            if row["status"] == "pending":
+                conn.execute(
+                    update(jobs).where(jobs.c.id == job_id).values(status="running", started_at=started or utcnow())
+                )
+            return before != "running"
+        if state.status == "done":
+            if result is None:
+                return _end(conn, job_id, status="failed", tokens=0, error="The run completed but wrote no manifest.")
+            return _end(
+                conn, job_id, status="done", tokens=int(result["tokens"]), result=result,
+                started_at=started or utcnow(), shards_done=result.get("n_shards", row["n_shards"]),
+            )
+        if state.status == "failed":
+            return _end(conn, job_id, status="failed", tokens=0, error=state.message or "The harvest run failed.")
+        if state.status == "cancelled":
+            return _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if started else 0)
+        return before != "pending"
+
+
+def cancel_job(job_id: str, key_id: str, boot: str = BOOT_ID, engine=None) -> tuple[dict, bool]:
+    """Cancel a pending or running job; returns the row and whether this call cancelled it.
+
+    Charged the reserved tokens only when the API sees its GPU run started (status running
+    and followed by this process); before that, or while re-attaching after a restart, 0.
+    """
+    with transaction(engine) as conn:
+        row = _row(conn, job_id)
+        if row is None or row["key_id"] != key_id:
+            raise NotFound(f"No harvest job with id {job_id!r}.", param="job_id")
+        if row["status"] == "cancelled":
+            return dict(row), False
+        if row["status"] in ("done", "failed"):
+            raise NotCancellable(
+                f"The harvest {job_id} is {row['status']}; only pending or running harvests can be cancelled.",
+                param="job_id",
+            )
+        running = view_status(dict(row), boot) == "running"
+        _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if running else 0)
+        return dict(_row(conn, job_id)), True
+
+
+def fail_job(job_id: str, message: str, engine=None) -> bool:
+    with transaction(engine) as conn:
+        return _end(conn, job_id, status="failed", tokens=0, error=message)
+
+
+def set_progress(job_id: str, shards_done: int, engine=None) -> bool:
+    with transaction(engine) as conn:
+        outcome = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE), jobs.c.shards_done != shards_done)
+            .values(shards_done=shards_done)
+        )
+        return outcome.rowcount == 1
+
+
+def as_aware(row: dict, name: str):
+    return aware(row[name])
