@@ -1,0 +1,244 @@
+"""`POST /v1/completions` and `GET /v1/models` over real HTTP: a uvicorn server on loopback
+running the real routes, real API keys in the real key store, and the session's HF engine.
+
+The one seam: the app's engine pool is given the session's warm HF engine (so the model is
+not loaded twice), instead of whatever `load_engine` would pick on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from fastapi import FastAPI
+
+from tests.test_inline_engine import assert_within_one_bf16_rounding, hf_reference
+from tests.test_residual_codec import decode_residual_stream
+
+
+@pytest.fixture(scope="module")
+def inline_app(hf_engine):
+    import api.completions
+    import api.models
+    from api.app import harvest_error  # the API's one error handler
+    from harvest.batcher import EnginePool
+    from harvest.errors import HarvestError
+
+    app = FastAPI()
+    app.add_exception_handler(HarvestError, harvest_error)
+    app.include_router(api.completions.router)
+    app.include_router(api.models.router)
+    app.state.inline_engines = EnginePool(factory=lambda _model: hf_engine, close_engines=False, window_s=0.02)
+    return app
+
+
+@pytest.fixture(scope="module")
+def base_url(inline_app):
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(inline_app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def key():
+    from api.auth import create_key
+
+    return create_key("inline-tests")[0]
+
+
+@pytest.fixture()
+def client(base_url, key):
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as session:
+        yield session
+
+
+def _complete(client, **fields):
+    return client.post("/completions", json={"model": "llama-tiny", "prompt": "The capital of France is", **fields})
+
+
+def _error(response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_models_lists_capabilities(client, base_url, tiny):
+    body = client.get("/models").json()
+    assert body["object"] == "list"
+    models = {m["id"]: m for m in body["data"]}
+    assert {"llama-tiny", "llama-8b", "llama-405b", "trinity-truebase"} <= set(models)
+    caps = models["llama-tiny"]["capabilities"]
+    assert models["llama-tiny"]["object"] == "model"
+    assert {k: caps[k] for k in ("n_layers", "hidden_size", "max_model_len", "max_activation_prompt_tokens", "harvest", "lane")} == {
+        "n_layers": 8, "hidden_size": 256, "max_model_len": 2048, "max_activation_prompt_tokens": 512, "harvest": True, "lane": "small",
+    }
+    assert models["llama-8b"]["capabilities"]["n_layers"] == 32
+    assert models["llama-405b"]["capabilities"]["lane"] == "large"
+    _error(httpx.get(f"{base_url}/models"), 401, "invalid_api_key")
+
+
+def test_residual_stream_equals_hf_reference(client, hf_engine, tiny):
+    """The docs' decode snippet on our response equals HF run on prompt + generated tokens."""
+    answer = _complete(client, max_tokens=5, temperature=0, output_residual_stream=True)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    n_prompt = body["usage"]["prompt_tokens"]
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 5
+    stream = body["activations"]["residual_stream"]
+    assert {k: stream[k] for k in ("dtype", "original_dtype", "compression")} == {
+        "dtype": "int16", "original_dtype": "torch.bfloat16", "compression": "zstd",
+    }
+    x = decode_residual_stream(body)
+    assert x.shape == (8, n_prompt + 4, 256)  # max_tokens 5 → prompt + 4 positions
+    # The independent reference: HF's own greedy generate, then one forward over what ran.
+    from harvest.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny.path)
+    prompt_ids = tokenizer("The capital of France is")["input_ids"]
+    assert len(prompt_ids) == n_prompt
+    with torch.inference_mode():
+        out = hf_engine.hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=5, do_sample=False)
+    generated = out[0, n_prompt:].tolist()
+    assert body["choices"][0]["text"] == tokenizer.decode(generated, skip_special_tokens=True)
+    reference, _ = hf_reference(hf_engine.hf_model, prompt_ids + generated[:-1], list(range(8)))
+    assert_within_one_bf16_rounding(torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16), reference)
+
+
+def test_max_tokens_one_gives_exactly_the_prompt_positions(client, hf_engine):
+    ids = [0, 17, 200, 31, 999, 5, 64]
+    answer = _complete(client, prompt=ids, max_tokens=1, temperature=0, output_residual_stream=[7, 0, 7])
+    assert answer.status_code == 200, answer.text
+    x = decode_residual_stream(answer.json())
+    assert x.shape == (2, len(ids), 256)  # layers deduplicated and ascending, prompt positions only
+    assert answer.json()["activations"]["residual_stream"]["layers"] == [0, 7]
+    reference, _ = hf_reference(hf_engine.hf_model, ids, [0, 7])
+    assert_within_one_bf16_rounding(torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16), reference)
+
+
+def test_plain_completion_sampling_and_logprobs(client):
+    plain = _complete(client, max_tokens=6, seed=11, temperature=0.9, top_p=0.95).json()
+    assert "activations" not in plain and plain["choices"][0]["finish_reason"] == "length"
+    again = _complete(client, max_tokens=6, seed=11, temperature=0.9, top_p=0.95).json()
+    assert again["choices"][0]["text"] == plain["choices"][0]["text"]
+    scored = _complete(client, max_tokens=3, temperature=0, logprobs=2).json()["choices"][0]["logprobs"]
+    assert len(scored["tokens"]) == len(scored["token_logprobs"]) == len(scored["top_logprobs"]) == 3
+    assert all(lp <= 0 for lp in scored["token_logprobs"])
+
+
+def test_refusals(client, base_url):
+    error = _error(_complete(client, model="gpt-9"), 400, "model_not_found")
+    assert error["param"] == "model"
+    error = _error(_complete(client, output_residual_stream=[3, 8]), 400, "invalid_request")
+    assert error["message"] == "llama-tiny has layers 0 to 7: it has no layer 8."
+    error = _error(_complete(client, prompt=[5] * 513, output_residual_stream=True), 400, "activation_prompt_too_long")
+    assert "cap of 512 tokens" in error["message"]
+    error = _error(_complete(client, prompt=[5] * 1366, output_residual_stream=[1, 2, 3]), 400, "activation_prompt_too_long")
+    assert "cap of 1365 tokens" in error["message"]  # floor(512 × 8 ÷ 3)
+    _error(_complete(client, prompt=[5] * 2048, output_residual_stream=[4], max_tokens=50), 400, "context_length_exceeded")
+    _error(_complete(client, prompt=[5] * 2000, max_tokens=49), 400, "context_length_exceeded")
+    assert _error(_complete(client, best_guess=True), 400, "invalid_request")["param"] == "best_guess"
+    assert _error(_complete(client, prompt=["a", "b"]), 400, "invalid_request")["param"] == "prompt"
+    _error(client.post("/completions", content=b"{not json", headers={"Content-Type": "application/json"}), 400, "invalid_request")
+    _error(httpx.post(f"{base_url}/completions", json={"model": "llama-tiny", "prompt": "x"}), 401, "invalid_api_key")
+
+
+def test_activation_quota(base_url):
+    from api.auth import create_key
+
+    key, _ = create_key("inline-quota", activation_quota=1)
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as limited:
+        assert _complete(limited, max_tokens=1, output_residual_stream=[0]).status_code == 200
+        _error(_complete(limited, max_tokens=1, output_residual_stream=[0]), 429, "activation_quota_exceeded")
+        # plain completions are not activation requests
+        assert _complete(limited, max_tokens=1).status_code == 200
+
+
+def test_a_capture_that_misses_a_layer_fails_the_request(client, inline_app, hf_engine):
+    from harvest.batcher import EnginePool
+    from harvest.engines.hf import HFEngine
+
+    class MissingBlock(HFEngine):
+        """The session engine with block 3's hook on a copy that never runs."""
+
+        def __init__(self):
+            self.__dict__.update(hf_engine.__dict__)
+            self._blocks = list(hf_engine.blocks)
+            self._blocks[3] = copy.deepcopy(self._blocks[3])
+
+        @property
+        def blocks(self):
+            return self._blocks
+
+    healthy = inline_app.state.inline_engines
+    inline_app.state.inline_engines = EnginePool(factory=lambda _model: MissingBlock(), close_engines=False)
+    try:
+        error = _error(_complete(client, max_tokens=2, output_residual_stream=[2, 3]), 500, "capture_failed")
+        assert "[3]" in error["message"]
+    finally:
+        inline_app.state.inline_engines = healthy
+
+
+def test_sixteen_concurrent_requests_run_in_batches(base_url, key, inline_app, hf_engine):
+    prompts = [f"Request number {i} says" + " more" * (i % 5) for i in range(16)]
+    forwards = []
+    handle = hf_engine.hf_model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    stats = None
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as session:
+            return await asyncio.gather(
+                *(
+                    session.post("/completions", json={"model": "llama-tiny", "prompt": p, "max_tokens": 4, "temperature": 0, "output_residual_stream": [1, 6]})
+                    for p in prompts
+                )
+            )
+
+    try:
+        batcher = asyncio.run(_batcher(inline_app))
+        before_calls, before_requests = batcher.stats.generate_calls, batcher.stats.requests
+        answers = asyncio.run(run_all())
+        stats = (batcher.stats.generate_calls - before_calls, batcher.stats.requests - before_requests)
+    finally:
+        handle.remove()
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    calls, requests = stats
+    print(f"16 concurrent requests: {calls} generate calls, {len(forwards)} forward passes")
+    assert requests == 16
+    assert calls < 16, f"{calls} generate calls for 16 requests: not batched"
+    assert len(forwards) < 16 * 4, f"{len(forwards)} forward passes for 16 requests of 4 tokens"
+    # Batching changes nothing a client sees: each answer equals its request run alone.
+    from harvest.engines.base import SamplingSpec
+    from harvest.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(hf_engine.model.path)
+    for prompt, answer in zip(prompts, answers):
+        alone = hf_engine.generate([tokenizer(prompt)["input_ids"]], [SamplingSpec(max_tokens=4, temperature=0)], [1, 6])[0]
+        assert answer.json()["choices"][0]["text"] == alone.text
+        x = decode_residual_stream(answer.json())
+        assert_within_one_bf16_rounding(torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16), alone.residual.float().numpy())
+
+
+async def _batcher(app):
+    from harvest.registry import load_registry
+
+    return await app.state.inline_engines.get(load_registry().get("llama-tiny"))
