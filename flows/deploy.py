@@ -1,0 +1,100 @@
+"""Apply infra/prefect.yaml to a Prefect server: work pools with their limits, then deployments.
+
+Idempotent, so `harvest up` runs it on every start: a pool that exists is updated and its
+concurrency limit re-applied (DESIGN: `--overwrite` resets limits, so we never rely on it);
+deployments are upserted by (flow, name), schedules replaced. Deployments are created through
+the client rather than `prefect deploy` so that no prompt, build step or git state is involved
+and a start takes ~1 s; `prefect deploy --all` with the same file still works for operators.
+
+Limits: `HARVEST_POOL_LIMIT_<LANE>` (an integer, or "none") overrides the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import DeploymentScheduleCreate, WorkPoolCreate, WorkPoolUpdate
+from prefect.client.schemas.schedules import CronSchedule
+from prefect.exceptions import ObjectAlreadyExists
+from prefect.flows import load_flow_from_entrypoint
+from prefect.utilities.asyncutils import run_coro_as_sync
+
+__all__ = ["REPO", "PREFECT_YAML", "load_spec", "pool_limit", "apply", "apply_sync", "pull_steps"]
+
+REPO = Path(__file__).resolve().parent.parent
+PREFECT_YAML = REPO / "infra" / "prefect.yaml"
+
+
+def load_spec(path: Path = PREFECT_YAML) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def pool_limit(pool: dict) -> int | None:
+    """The pool's concurrency limit: HARVEST_POOL_LIMIT_<NAME> if set, else the file's."""
+    override = os.environ.get(f"HARVEST_POOL_LIMIT_{pool['name'].upper()}")
+    if override is None:
+        return pool.get("concurrency_limit")
+    return None if override.strip().lower() in ("", "none") else int(override)
+
+
+def pull_steps(repo: Path = REPO) -> list[dict]:
+    return [{"prefect.deployments.steps.set_working_directory": {"directory": str(repo)}}]
+
+
+async def _apply_pool(client, pool: dict) -> None:
+    limit = pool_limit(pool)
+    try:
+        await client.create_work_pool(
+            WorkPoolCreate(name=pool["name"], type=pool.get("type", "process"), description=pool.get("description"), concurrency_limit=limit)
+        )
+    except ObjectAlreadyExists:
+        await client.update_work_pool(pool["name"], WorkPoolUpdate(description=pool.get("description"), concurrency_limit=limit))
+
+
+async def _apply_deployment(client, spec: dict, repo: Path) -> str:
+    flow = load_flow_from_entrypoint(str(repo / spec["entrypoint"]))
+    flow_id = await client.create_flow_from_name(flow.name)
+    schedules = [
+        DeploymentScheduleCreate(schedule=CronSchedule(cron=s["cron"], timezone=s.get("timezone", "UTC")), active=s.get("active", True))
+        for s in spec.get("schedules") or []
+    ]
+    deployment_id = await client.create_deployment(
+        flow_id=flow_id,
+        name=spec["name"],
+        description=spec.get("description"),
+        work_pool_name=spec["work_pool"]["name"],
+        entrypoint=spec["entrypoint"],
+        path=str(repo),
+        pull_steps=pull_steps(repo),
+        parameter_openapi_schema=flow.parameters.model_dump(),
+        parameters=spec.get("parameters") or {},
+        tags=spec.get("tags") or [],
+        job_variables=spec.get("job_variables") or {},
+        enforce_parameter_schema=True,
+    )
+    # create_deployment upserts the deployment but not its schedules: replace them.
+    for old in await client.read_deployment_schedules(deployment_id):
+        await client.delete_deployment_schedule(deployment_id, old.id)
+    if schedules:
+        await client.create_deployment_schedules(deployment_id, [(s.schedule, s.active) for s in schedules])
+    return f"{flow.name}/{spec['name']}"
+
+
+async def apply(path: Path = PREFECT_YAML, repo: Path = REPO) -> list[str]:
+    """Create or update every pool and deployment of the file; returns the deployment names."""
+    spec = load_spec(path)
+    names = []
+    async with get_client() as client:
+        for pool in spec.get("pools", []):
+            await _apply_pool(client, pool)
+        for deployment in spec.get("deployments", []):
+            names.append(await _apply_deployment(client, deployment, repo))
+    return names
+
+
+def apply_sync(path: Path = PREFECT_YAML, repo: Path = REPO) -> list[str]:
+    return run_coro_as_sync(apply(path, repo))

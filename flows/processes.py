@@ -1,0 +1,171 @@
+"""Child processes of the local stack: the Prefect server, one worker per lane, the API.
+
+Shared by `harvest up` and the test fixtures, so the tests start things exactly as users do.
+
+Stopping is the delicate part (DESIGN, Prefect facts): a `prefect worker` turns the first
+SIGTERM into SIGINT and keeps polling, so `stop()` signals twice, then SIGKILLs; and flow-run
+processes are started by the worker in sessions of their own, so a process-group kill misses
+them. `stop()` therefore snapshots the whole descendant tree first and kills what is left of
+it at the end. Nothing started here outlives a `stop()`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+__all__ = ["Managed", "free_port", "start_server", "start_worker", "wait_http", "descendants"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+class Managed:
+    """One child process (in its own session) and how to stop it and everything it started.
+
+    Every instance is listed in `Managed.started`, so a supervisor interrupted half-way
+    through starting things can still stop all of them.
+    """
+
+    started: list["Managed"] = []
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, *, signals: int = 1, cwd: str | None = None):
+        self.name = name
+        self.signals = signals
+        self.log_path = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True
+        )
+        Managed.started.append(self)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (twice for a worker), wait, then SIGKILL whatever of the tree is left."""
+        tree = descendants(self.pid)
+        for i in range(self.signals):
+            if not self.alive():
+                break
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=timeout if i == self.signals - 1 else 1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.alive():
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=5)
+        self.kill_tree(tree)
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the process and its whole tree at once (a machine lost, in tests)."""
+        tree = descendants(self.pid)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.kill_tree(tree)
+        self.proc.wait(timeout=5)
+        self._log.close()
+
+    @staticmethod
+    def kill_tree(tree: list[psutil.Process]) -> None:
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=5)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def wait_http(url: str, timeout: float, proc: Managed | None = None) -> None:
+    """Wait until `url` answers HTTP (any status below 500)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s" + (f":\n{proc.tail()}" if proc else ""))
+
+
+def _prefect() -> list[str]:
+    return [sys.executable, "-m", "prefect"]
+
+
+def start_server(home: Path, port: int, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[Managed, str]:
+    """`prefect server start` on 127.0.0.1:port with its SQLite database under `home`.
+
+    Returns the process and the API URL, once the API answers (~10 s cold, DESIGN).
+    """
+    env = {
+        **os.environ,
+        **(env or {}),
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
+    }
+    env.pop("PREFECT_API_URL", None)  # the server must not try to talk to another server
+    server = Managed(
+        "prefect-server",
+        [*_prefect(), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env,
+        home / "server.log",
+    )
+    api_url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_http(f"{api_url}/health", timeout, server)
+    except Exception:
+        server.stop()
+        raise
+    return server, api_url
+
+
+def start_worker(pool: str, api_url: str, log: Path, env: dict[str, str] | None = None, name: str | None = None) -> Managed:
+    """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_USE_VLLM=0)."""
+    env = {**os.environ, **(env or {}), "PREFECT_API_URL": api_url}
+    argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
+    if name:
+        argv += ["--name", name]
+    return Managed(f"worker-{pool}", argv, env, log, signals=2)

@@ -1,0 +1,178 @@
+"""Starting, cancelling and reading harvest flow runs: all the API needs to know about Prefect.
+
+The API calls these by name and never sees deployments, pools or Prefect state types:
+
+    await astart_harvest_run(job_id, request_url, model, lane, key_id)  -> flow_run_id (str)
+    await acancel_harvest_run(flow_run_id)                              -> job status after it
+    await aread_harvest_run(flow_run_id)                                -> RunStatus
+    start_harvest_run / cancel_harvest_run / read_harvest_run           the same, synchronous
+
+Each sync function is the async one run to completion (safe to call from inside an event loop
+too: Prefect's helper then runs it on another thread).
+
+`start` creates the flow run of deployment `harvest/harvest-<lane>` with parameters
+`{"job_id", "request_url"}` only (prompts never go into Prefect's database), named after the
+job, tagged `model:<m>`, `lane:<lane>`, `key:<key_id>`, with idempotency key = job id: a
+second call for the same job (e.g. an API restarted mid-submit) returns the same run.
+
+Job status from the flow-run state (`job_status`):
+
+    SCHEDULED, PENDING, PAUSED (Late, AwaitingRetry…)  → pending
+        except a run that already ran once and was rescheduled by the reaper → running
+    RUNNING                                            → running
+    COMPLETED                                          → done
+    FAILED, CRASHED                                    → failed  (error: the state message)
+    CANCELLING, CANCELLED                              → cancelled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.states import Cancelled, Cancelling
+from prefect.utilities.asyncutils import run_coro_as_sync
+
+__all__ = [
+    "RunStatus",
+    "deployment_name",
+    "job_status",
+    "astart_harvest_run",
+    "acancel_harvest_run",
+    "aread_harvest_run",
+    "start_harvest_run",
+    "cancel_harvest_run",
+    "read_harvest_run",
+]
+
+FINAL = (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED)
+NOT_STARTED = (StateType.SCHEDULED, StateType.PAUSED)
+
+
+def deployment_name(lane: str) -> str:
+    return f"harvest/harvest-{lane}"
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A flow run as a job sees it."""
+
+    flow_run_id: str
+    status: str
+    """pending | running | done | failed | cancelled"""
+    message: str | None
+    """Why it failed (or was cancelled); None otherwise."""
+    state_name: str
+    """Prefect's own state name (Late, AwaitingRetry, Crashed…), for logs and operators."""
+    started_at: datetime | None
+    """When the flow run first started running (the GPU run started), or None."""
+    ended_at: datetime | None
+    run_count: int
+
+
+def job_status(run: FlowRun) -> str:
+    kind = run.state.type if run.state else StateType.SCHEDULED
+    if kind in (StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED):
+        return "running" if run.run_count > 0 else "pending"
+    return {
+        StateType.RUNNING: "running",
+        StateType.COMPLETED: "done",
+        StateType.FAILED: "failed",
+        StateType.CRASHED: "failed",
+        StateType.CANCELLING: "cancelled",
+        StateType.CANCELLED: "cancelled",
+    }[kind]
+
+
+def _status(run: FlowRun) -> RunStatus:
+    status = job_status(run)
+    message = run.state.message if run.state and status in ("failed", "cancelled") else None
+    return RunStatus(
+        flow_run_id=str(run.id),
+        status=status,
+        message=message or ("The harvest run failed." if status == "failed" else None),
+        state_name=run.state.name if run.state else "Scheduled",
+        started_at=run.start_time,
+        ended_at=run.end_time,
+        run_count=run.run_count,
+    )
+
+
+async def astart_harvest_run(
+    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int = 1, env: dict[str, str] | None = None
+) -> str:
+    """Create the job's flow run on its lane (returns at once, ~0.1 s); returns the flow run id.
+
+    workers: split the job over this many flow runs of the lane (scale-out), default 1.
+    env: extra environment of the flow-run process (tests and operators; the API passes none).
+    """
+    parameters: dict = {"job_id": job_id, "request_url": request_url}
+    if workers != 1:
+        parameters["workers"] = workers
+    async with get_client() as client:
+        deployment = await client.read_deployment_by_name(deployment_name(lane))
+        run = await client.create_flow_run_from_deployment(
+            deployment.id,
+            parameters=parameters,
+            name=job_id,
+            tags=[f"model:{model}", f"lane:{lane}", f"key:{key_id}"],
+            idempotency_key=job_id,
+            job_variables={"env": env} if env else None,
+        )
+    return str(run.id)
+
+
+async def _cancel_one(client, run: FlowRun) -> FlowRun:
+    kind = run.state.type if run.state else StateType.SCHEDULED
+    if kind in FINAL or kind == StateType.CANCELLING:
+        return run
+    if kind in NOT_STARTED:
+        # No process exists yet: cancel outright, so a worker never starts it.
+        await client.set_flow_run_state(run.id, Cancelled(message="Cancelled before it started."), force=True)
+    else:
+        # PENDING or RUNNING: the worker sees CANCELLING, SIGTERMs the process (the flow's
+        # main thread stops within ~2 s, model loading included) and marks it Cancelled. A
+        # CANCELLING run whose worker is gone is finished by the reaper.
+        await client.set_flow_run_state(run.id, Cancelling(message="Cancelled by request."), force=True)
+    return await client.read_flow_run(run.id)
+
+
+async def acancel_harvest_run(flow_run_id: str | UUID) -> str:
+    """Stop a job's run (and its scale-out helpers); returns the job status afterwards.
+
+    Idempotent: a run already ended is left alone and its status returned (the API decides
+    whether that is a 409).
+    """
+    async with get_client() as client:
+        run = await _cancel_one(client, await client.read_flow_run(UUID(str(flow_run_id))))
+        job_id = (run.parameters or {}).get("job_id")
+        if job_id:
+            helpers = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{job_id}", "scale-out-helper"]))
+            )
+            for helper in helpers:
+                await _cancel_one(client, helper)
+    return job_status(run)
+
+
+async def aread_harvest_run(flow_run_id: str | UUID) -> RunStatus:
+    async with get_client() as client:
+        return _status(await client.read_flow_run(UUID(str(flow_run_id))))
+
+
+def start_harvest_run(
+    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int = 1, env: dict[str, str] | None = None
+) -> str:
+    return run_coro_as_sync(astart_harvest_run(job_id, request_url, model, lane, key_id, workers=workers, env=env))
+
+
+def cancel_harvest_run(flow_run_id: str | UUID) -> str:
+    return run_coro_as_sync(acancel_harvest_run(flow_run_id))
+
+
+def read_harvest_run(flow_run_id: str | UUID) -> RunStatus:
+    return run_coro_as_sync(aread_harvest_run(flow_run_id))
