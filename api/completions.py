@@ -30,6 +30,11 @@ from harvest.registry import Registry, load_registry
 
 __all__ = ["router", "engine_pool", "registry_of"]
 
+# transformers resolves its top-level names lazily on first access, and that is not
+# thread-safe: a request tokenizing in one thread while an engine loads in another got
+# "cannot import name 'AutoTokenizer'". Resolve them here, once, before any worker thread.
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402, F401
+
 log = logging.getLogger(__name__)
 
 # Responses over this many raw bytes are compressed with zstd worker threads.
