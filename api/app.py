@@ -10,7 +10,6 @@ Run it: `uvicorn api.app:app --host 127.0.0.1 --port $HARVEST_PORT` (what `harve
 
 from __future__ import annotations
 
-import importlib
 import logging
 from contextlib import asynccontextmanager
 
@@ -21,8 +20,10 @@ from starlette.concurrency import run_in_threadpool
 
 from api import deps
 from api.db import get_engine
+from api.completions import router as completions_router
 from api.files import router as files_router
 from api.harvest import router as harvest_router
+from api.models import router as models_router
 from api.watcher import Watcher
 from harvest.errors import HarvestError
 from harvest.settings import get_settings
@@ -65,15 +66,8 @@ def create_app() -> FastAPI:
     app.include_router(harvest_router)
     app.include_router(files_router)
     # The inline-completions routes (issue 6) live in this app too.
-    for name in ("api.completions", "api.models"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            log.warning("%s is not installed yet; its routes are absent", name)
-            continue
-        app.include_router(module.router)
+    app.include_router(completions_router)
+    app.include_router(models_router)
 
     @app.get("/health", include_in_schema=False)
     def health() -> dict:

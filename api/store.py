@@ -232,7 +232,7 @@ def apply_state(job_id: str, state: RunState, *, result: dict | None = None, boo
     API (e.g. the Prefect UI) → the reserved tokens if its GPU run had started, else 0.
     """
     with transaction(engine) as conn:
-        row = _row(conn, job_id)
+        row = locked(conn, jobs, jobs.c.id == job_id)  # concurrent endings queue here
         if row is None or row["status"] not in ACTIVE:
             return False
         before = view_status(dict(row), boot)
@@ -265,7 +265,7 @@ def cancel_job(job_id: str, key_id: str, boot: str = BOOT_ID, engine=None) -> tu
     and followed by this process); before that, or while re-attaching after a restart, 0.
     """
     with transaction(engine) as conn:
-        row = _row(conn, job_id)
+        row = locked(conn, jobs, jobs.c.id == job_id)  # concurrent endings queue here
         if row is None or row["key_id"] != key_id:
             raise NotFound(f"No harvest job with id {job_id!r}.", param="job_id")
         if row["status"] == "cancelled":
@@ -276,8 +276,8 @@ def cancel_job(job_id: str, key_id: str, boot: str = BOOT_ID, engine=None) -> tu
                 param="job_id",
             )
         running = view_status(dict(row), boot) == "running"
-        _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if running else 0)
-        return dict(_row(conn, job_id)), True
+        ended = _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if running else 0)
+        return dict(_row(conn, job_id)), ended
 
 
 def fail_job(job_id: str, message: str, engine=None) -> bool:

@@ -13,7 +13,7 @@ Fixtures (each server starts only when a test asks for it, and is killed at sess
     ``activation_quota``; default: small 3, large 1, no quotas).
 ``harvest_api`` → ``ApiServer`` for the harvest tests: a test registry that adds
     ``llama-tiny-large`` (the tiny model on the large lane) and ``llama-tiny-noharvest``
-    (served, not harvested), a 0.2 s watcher and a waiter limit of 2. Its ``.make_key(**limits)``
+    (served, not harvested), a 0.2 s watcher, a waiter limit of 2 and a large-lane capacity of 2. Its ``.make_key(**limits)``
     works like ``make_key``.
 ``prefect_api`` → ``ApiServer`` whose runs are real Prefect flow runs (``harvest_stack`` of
     tests/prefect_fixtures.py: server, deployments, one worker per lane).
@@ -22,6 +22,8 @@ Fixtures (each server starts only when a test asks for it, and is killed at sess
 ``.kill()`` (SIGKILL), ``.start()`` again on the same port, database and storage, ``.stop()``.
 
 ``FileRuns`` is the run backend of the Prefect-free servers: the one seam the API tests fake.
+Each ``read`` appends a line to ``<runs_dir>/reads.log``; a file ``<runs_dir>/unreachable``
+makes reads fail as a Prefect server that is down would.
 A run is a JSON file ``<runs_dir>/<run_id>.json`` that the test moves through states with
 ``set_run(server, job_id, status, message=None)``; ``finish_run(server, job_id, engine)``
 really harvests the job with the core pipeline into the server's storage (what a worker
@@ -109,6 +111,10 @@ class FileRuns:
     def read(self, run_ids: list[str]):
         from api.runs import RunState
 
+        with open(self.dir / "reads.log", "a") as log:  # tests count backend reads
+            log.write(f"{len(run_ids)}\n")
+        if (self.dir / "unreachable").exists():  # tests: the backend (Prefect) is down
+            raise ConnectionError("run backend unreachable")
         states = {}
         for run_id in run_ids:
             data = self.get(run_id)
@@ -270,6 +276,7 @@ def harvest_api_env(home: Path) -> dict[str, str]:
         "HARVEST_MODELS_FILE": str(models),
         "HARVEST_WATCH_INTERVAL_S": "0.2",
         "HARVEST_LONGPOLL_MAX_WAITERS": "2",
+        "HARVEST_LANE_CAPACITY_LARGE": "2",
     }
 
 

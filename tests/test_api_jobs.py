@@ -1,0 +1,350 @@
+"""Harvest jobs over HTTP against the real app under uvicorn: the whole life of a job with a
+real harvest into storage, links (fresh, expiring, tamper-proof, retention), another key's
+job, long-poll both ways and its waiter limit, the charging rules, the submit race, and the
+API killed and restarted mid-job.
+
+Runs go through `FileRuns` (tests/api_fixtures.py), the one faked seam; the files are written
+by the real core pipeline with the real tiny model, as a worker would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load as load_tensors
+
+from tests.api_fixtures import ApiServer, finish_run, harvest_api_env, set_run
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Interpretability research reads the residual stream.", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def key(harvest_api) -> str:
+    return harvest_api.make_key(name="jobs", small=50)
+
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _submit(server, key, **body) -> dict:
+    response = httpx.post(
+        f"{server.base_url}/harvest", headers=_auth(key), timeout=60,
+        json={"model": "llama-tiny", "prompts": PROMPTS, "layers": [2, 4, 7], "shard_size": 2, **body},
+    )
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def _get(server, key, job_id, **params) -> httpx.Response:
+    return httpx.get(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), params=params, timeout=90)
+
+
+def _until(server, key, job_id, status, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = _get(server, key, job_id).json()
+        if body["status"] == status:
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"{job_id} never became {status}: {body}")
+
+
+@pytest.fixture(scope="module")
+def done_job(harvest_api, key, hf_engine) -> dict:
+    job = _submit(harvest_api, key)
+    finish_run(harvest_api, job["job_id"], hf_engine)
+    return _until(harvest_api, key, job["job_id"], "done")
+
+
+def test_submit_answers_202_with_the_pending_harvest(harvest_api, key):
+    job = _submit(harvest_api, key)
+    uuid.UUID(job["job_id"])
+    assert job["status"] == "pending"
+    assert job["model"] == "llama-tiny" and job["n_prompts"] == 3 and job["layers"] == [2, 4, 7]
+    assert job["shard_size"] == 2 and job["add_special_tokens"] is True and job["contents"] == "activations"
+    assert job["reserved_tokens"] > 3 and job["tokens"] is None
+    assert job["started_at"] is None and job["completed_at"] is None and job["error"] is None
+    assert job["created_at"].endswith("+00:00")
+    assert job["progress"] == {"shards_done": 0, "n_shards": 2}
+    assert "result" not in job and "urls_expire_at" not in job
+    request_file = Path(harvest_api.env["HARVEST_STORAGE_URL"][len("file://"):]) / "jobs" / job["job_id"] / "request.json"
+    assert request_file.exists()  # written before the run started
+    assert harvest_api.runs.get(f"run-{job['job_id']}")["request_url"].endswith(f"jobs/{job['job_id']}/request.json")
+    httpx.delete(f"{harvest_api.base_url}/harvest/{job['job_id']}", headers=_auth(key))
+
+
+def test_a_done_job_has_a_result_with_links_that_need_no_key(harvest_api, key, done_job):
+    job = done_job
+    assert job["tokens"] == job["result"]["tokens"] > 0
+    assert job["started_at"] and job["completed_at"] and job["progress"] == {"shards_done": 2, "n_shards": 2}
+    result = job["result"]
+    assert result["n_shards"] == 2 and len(result["shard_urls"]) == 2
+    assert result["layer_indices"] == [2, 4, 7] and result["contents"] == "activations"
+    assert set(result["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}
+    assert result["bytes_written"] > 0 and job["urls_expired"] is False
+    # The seeds' reading code, with plain HTTP and no key.
+    shard = load_tensors(httpx.get(result["shard_urls"][0], timeout=30).content)
+    assert shard["prompt_0"].dtype == torch.bfloat16
+    n_tokens = shard["tokens_0"].shape[0]
+    assert tuple(shard["prompt_0"].shape) == (3, n_tokens, done_job_hidden(harvest_api))
+    second = load_tensors(httpx.get(result["shard_urls"][1], timeout=30).content)
+    assert set(second) == {"prompt_2", "tokens_2"}
+    manifest = httpx.get(result["manifest_url"], timeout=30).json()
+    assert manifest["version"] == 2 and manifest["job_id"] == job["job_id"]
+    assert manifest["tokens"] == job["tokens"] == result["tokens"]
+    stats = load_tensors(httpx.get(result["stats_url"], timeout=30).content)
+    assert stats["layer_indices"].tolist() == [2, 4, 7]
+
+
+def done_job_hidden(server) -> int:
+    from harvest.registry import load_registry
+    from harvest.settings import Settings
+
+    return load_registry(Settings(models_file=server.env["HARVEST_MODELS_FILE"])).get("llama-tiny").hidden_size
+
+
+def test_each_read_makes_fresh_links(harvest_api, key, done_job):
+    first = _get(harvest_api, key, done_job["job_id"]).json()
+    time.sleep(1.1)
+    second = _get(harvest_api, key, done_job["job_id"]).json()
+    assert first["result"]["shard_urls"][0] != second["result"]["shard_urls"][0]
+    assert second["urls_expire_at"] > first["urls_expire_at"]
+    expires = int(parse_qs(urlparse(second["result"]["manifest_url"]).query)["expires"][0])
+    assert abs(expires - (time.time() + 7 * 24 * 3600)) < 60  # 7 days by default
+
+
+def test_expired_tampered_or_foreign_links_are_403(harvest_api, key, done_job):
+    from api.links import sign
+
+    url = done_job["result"]["shard_urls"][0]
+    parsed = urlparse(url)
+    query = parse_qs(parsed.query)
+    base = f"{parsed.scheme}://{parsed.netloc}{parsed.path}"
+    assert httpx.get(url).status_code == 200
+
+    tampered_signature = query["signature"][0][:-1] + ("0" if query["signature"][0][-1] != "0" else "1")
+    later = int(query["expires"][0]) + 3600
+    other_file = base.replace("shard_00000", "shard_00001")
+    refused = [
+        f"{base}?expires={query['expires'][0]}&signature={tampered_signature}",  # altered signature
+        f"{base}?expires={later}&signature={query['signature'][0]}",  # extended expiry
+        f"{other_file}?expires={query['expires'][0]}&signature={query['signature'][0]}",  # another file
+        base,  # no signature at all
+        sign(harvest_api.root, done_job["job_id"], "shard_00000.safetensors", int(time.time()) - 1),  # expired
+        sign(harvest_api.root, done_job["job_id"], "request.json", int(time.time()) + 60),  # not a result file
+    ]
+    for link in refused:
+        response = httpx.get(link)
+        assert response.status_code == 403, (link, response.text)
+        assert response.json()["error"]["code"] == "link_invalid"
+    # Validly signed by this API but for a path outside the job: the route never reaches it.
+    assert httpx.get(sign(harvest_api.root, "..", "manifest.json", int(time.time()) + 60)).status_code in (403, 404)
+
+
+def test_after_retention_the_job_says_urls_expired_with_no_links(harvest_api, key, hf_engine):
+    from datetime import timedelta
+
+    from sqlalchemy import select, update
+
+    from api.db import jobs
+
+    job = _submit(harvest_api, key, prompts=["short"])
+    finish_run(harvest_api, job["job_id"], hf_engine)
+    _until(harvest_api, key, job["job_id"], "done")
+    engine = harvest_api.engine()
+    with engine.begin() as conn:  # completed 31 days ago
+        completed = conn.execute(select(jobs.c.completed_at).where(jobs.c.id == job["job_id"])).scalar_one()
+        conn.execute(update(jobs).where(jobs.c.id == job["job_id"]).values(completed_at=completed - timedelta(days=31)))
+    engine.dispose()
+    body = _get(harvest_api, key, job["job_id"]).json()
+    assert body["urls_expired"] is True and "urls_expire_at" not in body
+    assert "shard_urls" not in body["result"] and "manifest_url" not in body["result"]
+    assert body["result"]["n_shards"] == 1  # the numbers stay
+
+
+def test_swept_files_read_as_urls_expired(harvest_api, key, hf_engine):
+    job = _submit(harvest_api, key, prompts=["short"])
+    finish_run(harvest_api, job["job_id"], hf_engine)
+    _until(harvest_api, key, job["job_id"], "done")
+    harvest_api.storage().child(f"jobs/{job['job_id']}").delete_all()  # what the retention sweep does
+    body = _get(harvest_api, key, job["job_id"]).json()
+    assert body["urls_expired"] is True and "shard_urls" not in body["result"]
+
+
+def test_another_keys_job_is_404_and_lists_are_per_key(harvest_api, key, done_job):
+    other = harvest_api.make_key(name="other")
+    for method in ("GET", "DELETE"):
+        response = httpx.request(method, f"{harvest_api.base_url}/harvest/{done_job['job_id']}", headers=_auth(other))
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "harvest_job_not_found"
+    assert httpx.get(f"{harvest_api.base_url}/harvest", headers=_auth(other)).json()["data"] == []
+    # and its own list pages newest first
+    mine = [_submit(harvest_api, other, prompts=["a"])["job_id"] for _ in range(3)]
+    page = httpx.get(f"{harvest_api.base_url}/harvest", params={"limit": 2}, headers=_auth(other)).json()
+    assert page["object"] == "list" and page["has_more"] is True
+    assert [j["job_id"] for j in page["data"]] == mine[::-1][:2]
+    rest = httpx.get(f"{harvest_api.base_url}/harvest", params={"limit": 2, "after": page["last_id"]},
+                     headers=_auth(other)).json()
+    assert [j["job_id"] for j in rest["data"]] == [mine[0]] and rest["has_more"] is False
+    for job_id in mine:
+        httpx.delete(f"{harvest_api.base_url}/harvest/{job_id}", headers=_auth(other))
+
+
+def test_long_poll_answers_on_the_status_change(harvest_api, key):
+    job = _submit(harvest_api, key)["job_id"]
+    threading.Timer(1.0, set_run, (harvest_api, job, "running")).start()
+    started = time.monotonic()
+    response = _get(harvest_api, key, job, wait=20)
+    elapsed = time.monotonic() - started
+    assert response.json()["status"] == "running" and response.json()["started_at"]
+    assert 0.9 < elapsed < 3.0, elapsed
+    assert "X-Acs-Longpoll" not in response.headers
+    httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))
+
+
+def test_long_poll_answers_after_wait_seconds_without_a_change(harvest_api, key):
+    job = _submit(harvest_api, key)["job_id"]
+    started = time.monotonic()
+    response = _get(harvest_api, key, job, wait=1.5)
+    assert 1.4 < time.monotonic() - started < 3.0
+    assert response.status_code == 200 and response.json()["status"] == "pending"
+    # A cancel wakes a waiter at once too.
+    threading.Timer(0.5, lambda: httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))).start()
+    started = time.monotonic()
+    assert _get(harvest_api, key, job, wait=20).json()["status"] == "cancelled"
+    assert time.monotonic() - started < 2.5
+
+
+def test_waiters_over_the_limit_are_declined_and_waiters_never_poll_the_backend(harvest_api, key):
+    job = _submit(harvest_api, key)["job_id"]
+    reads = Path(harvest_api.env["HARVEST_TEST_RUNS_DIR"]) / "reads.log"
+    held = [threading.Thread(target=_get, args=(harvest_api, key, job), kwargs={"wait": 3}) for _ in range(2)]
+    for t in held:
+        t.start()
+    time.sleep(0.5)
+    before = len(reads.read_text().splitlines())
+    started = time.monotonic()
+    response = _get(harvest_api, key, job, wait=10)
+    assert time.monotonic() - started < 1.0
+    assert response.status_code == 200 and response.json()["status"] == "pending"
+    assert response.headers["X-Acs-Longpoll"] == "declined" and response.headers["Retry-After"] == "3"
+    time.sleep(2.0)
+    during = len(reads.read_text().splitlines()) - before
+    for t in held:
+        t.join()
+    # One backend read per watcher tick (0.2 s) for every job together, however many wait.
+    assert during <= 2.0 / 0.2 + 4, during
+    assert _get(harvest_api, key, job, wait=0.2).headers.get("X-Acs-Longpoll") is None  # slots came back
+    httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))
+
+
+def _cancel(server, key, job_id) -> httpx.Response:
+    return httpx.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), timeout=30)
+
+
+def test_charging_rules_over_http(harvest_api, key, done_job):
+    # done → the tokens that ran
+    assert done_job["tokens"] == done_job["result"]["tokens"] > 0
+
+    # cancelled before the GPU run started → 0, and the run is stopped
+    early = _submit(harvest_api, key)
+    response = _cancel(harvest_api, key, early["job_id"])
+    assert response.status_code == 200
+    assert (response.json()["status"], response.json()["tokens"]) == ("cancelled", 0)
+    assert harvest_api.runs.get(f"run-{early['job_id']}")["status"] == "cancelled"
+    again = _cancel(harvest_api, key, early["job_id"])  # a second cancel answers it again
+    assert again.status_code == 200 and again.json()["status"] == "cancelled" and again.json()["tokens"] == 0
+
+    # cancelled after the GPU run started (e.g. while the model loads) → the reserved tokens
+    late = _submit(harvest_api, key)
+    set_run(harvest_api, late["job_id"], "running")
+    response = _cancel(harvest_api, key, late["job_id"])  # reads the run first: no tick needed
+    assert (response.json()["status"], response.json()["tokens"]) == ("cancelled", late["reserved_tokens"])
+    assert harvest_api.runs.get(f"run-{late['job_id']}")["cancels"] == 1
+
+    # failed → 0 with the reason
+    failed = _submit(harvest_api, key)
+    set_run(harvest_api, failed["job_id"], "running")
+    set_run(harvest_api, failed["job_id"], "failed", "Worker crashed: out of memory")
+    body = _until(harvest_api, key, failed["job_id"], "failed")
+    assert body["tokens"] == 0 and body["error"] == "Worker crashed: out of memory"
+    assert body["completed_at"] and "result" not in body
+
+    # done or failed cannot be cancelled
+    for job_id in (done_job["job_id"], failed["job_id"]):
+        response = _cancel(harvest_api, key, job_id)
+        assert response.status_code == 409 and response.json()["error"]["code"] == "harvest_not_cancellable"
+
+
+def test_twenty_simultaneous_submits_against_a_limit_of_three_admit_three(harvest_api):
+    key = harvest_api.make_key(name="race", small=3)
+    barrier = threading.Barrier(20)
+    answers: list[httpx.Response] = []
+
+    def submit():
+        barrier.wait()
+        answers.append(httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
+                                  json={"model": "llama-tiny", "prompts": ["race"]}))
+
+    threads = [threading.Thread(target=submit) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [202] * 3 + [429] * 17
+    assert {r.json()["error"]["code"] for r in answers if r.status_code == 429} == {"harvest_concurrency_exceeded"}
+    listed = httpx.get(f"{harvest_api.base_url}/harvest", headers=_auth(key)).json()["data"]
+    assert len(listed) == 3
+    for job in listed:
+        _cancel(harvest_api, key, job["job_id"])
+
+
+def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_home, tiny, hf_engine):
+    server = ApiServer(harvest_home, f"restart-{uuid.uuid4().hex[:6]}", harvest_api_env(harvest_home)).start()
+    runs_dir = Path(server.env["HARVEST_TEST_RUNS_DIR"])
+    try:
+        key = server.make_key(name="restart")
+        finishing = _submit(server, key)["job_id"]  # ends while the API is down
+        cancelled = _submit(server, key)["job_id"]  # cancelled while the API re-attaches
+        for job in (finishing, cancelled):
+            set_run(server, job, "running")
+            _until(server, key, job, "running")
+
+        server.kill()  # SIGKILL: no shutdown code runs
+        (runs_dir / "unreachable").touch()  # and Prefect is not back yet either
+        finish_run(server, finishing, hf_engine)
+        server.start()
+
+        # Not re-attached yet: both read pending, and a cancel now is free.
+        for job in (finishing, cancelled):
+            assert _get(server, key, job).json()["status"] == "pending"
+        response = _cancel(server, key, cancelled)
+        assert (response.json()["status"], response.json()["tokens"]) == ("cancelled", 0)
+
+        (runs_dir / "unreachable").unlink()
+        body = _until(server, key, finishing, "done")
+        assert body["tokens"] == body["result"]["tokens"] > 0
+        # The same run was followed, never started again.
+        assert server.runs.get(f"run-{finishing}")["starts"] == 1
+
+        # Charged exactly once: the store's sum is this job's tokens (the cancel charged 0),
+        # and further watcher ticks change nothing.
+        time.sleep(1.0)
+        from sqlalchemy import text
+
+        engine = server.engine()
+        with engine.connect() as conn:
+            charged = conn.execute(text("SELECT coalesce(sum(tokens), 0) FROM jobs")).scalar_one()
+        engine.dispose()
+        assert charged == body["tokens"] == _get(server, key, finishing).json()["tokens"]
+    finally:
+        server.stop()

@@ -1,0 +1,300 @@
+"""The job store on SQLite and on PostgreSQL (127.0.0.1:5432, database `test`): atomic
+admission under every cap, charging rules, charged-once, restart re-attachment, activation
+quota. Each test runs on a fresh database (a new SQLite file, a new PostgreSQL schema)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+from sqlalchemy import inspect, select
+
+from api.auth import authenticate, consume_activation, create_key, revoke_key
+from api.db import jobs, make_engine, upgrade
+from api.runs import RunState
+from api.store import (
+    active_jobs,
+    admit,
+    apply_state,
+    attach_run,
+    cancel_job,
+    get_job,
+    list_jobs,
+    set_spend_cap,
+    tokens_used,
+    view_status,
+)
+from harvest.errors import NotCancellable, NotFound, RateLimited, Unauthorized
+
+
+def _pg_url(schema: str) -> str | None:
+    import psycopg
+
+    for user in ("postgres", "root"):
+        try:
+            with psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", connect_timeout=3, autocommit=True) as conn:
+                conn.execute(f'CREATE SCHEMA "{schema}"')
+            return f"postgresql+psycopg://{user}@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
+        except psycopg.OperationalError:
+            continue
+    return None
+
+
+def _drop_pg(url: str, schema: str) -> None:
+    import psycopg
+
+    user = url.split("//", 1)[1].split("@", 1)[0]
+    with psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def engine(request, tmp_path):
+    if request.param == "sqlite":
+        eng = make_engine(f"sqlite:///{tmp_path / 'store.db'}")
+        upgrade(eng)
+        yield eng
+        eng.dispose()
+        return
+    schema = f"harvest_test_{uuid.uuid4().hex[:10]}"
+    url = _pg_url(schema)
+    if url is None:
+        pytest.skip("no PostgreSQL server at 127.0.0.1:5432")
+    eng = make_engine(url)
+    try:
+        upgrade(eng)
+        yield eng
+    finally:
+        eng.dispose()
+        _drop_pg(url, schema)
+
+
+def _job(lane: str = "small", tokens: int = 10) -> dict:
+    job_id = str(uuid.uuid4())
+    return {
+        "id": job_id,
+        "model": "llama-tiny",
+        "lane": lane,
+        "n_prompts": 2,
+        "layers": [2, 4, 6],
+        "shard_size": 32,
+        "n_shards": 1,
+        "add_special_tokens": True,
+        "contents": "activations",
+        "reserved_tokens": tokens,
+        "request_url": f"file:///x/jobs/{job_id}/request.json",
+    }
+
+
+def _race(n: int, fn) -> tuple[list, list]:
+    """Run fn n times at once (a barrier releases them together); returns (results, errors)."""
+    barrier = threading.Barrier(n)
+    results, errors = [], []
+
+    def one():
+        barrier.wait()
+        try:
+            results.append(fn())
+        except Exception as exc:  # noqa: BLE001 - collected and asserted on
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, errors
+
+
+def test_migrations_create_the_schema_and_are_idempotent(engine):
+    upgrade(engine)  # second time: nothing to do, no error
+    names = set(inspect(engine).get_table_names())
+    assert {"api_keys", "jobs", "usage", "service_flags", "lane_locks", "alembic_version"} <= names
+
+
+def test_keys_are_hashed_at_rest_and_revocable(engine):
+    key, record = create_key("alice", engine=engine)
+    with engine.connect() as conn:
+        stored = conn.exec_driver_sql("SELECT key_hash FROM api_keys").scalar_one()
+    assert key not in stored and len(stored) == 64
+    assert authenticate(f"Bearer {key}", engine=engine).id == record.id
+    with pytest.raises(Unauthorized):
+        authenticate(f"Bearer {key}x", engine=engine)
+    with pytest.raises(Unauthorized):
+        authenticate(None, engine=engine)
+    assert revoke_key(record.id, engine=engine) == 1
+    with pytest.raises(Unauthorized):
+        authenticate(f"Bearer {key}", engine=engine)
+
+
+def test_twenty_simultaneous_admissions_against_a_limit_of_three_admit_three(engine):
+    _, key = create_key("racer", small=3, engine=engine)
+    admitted, refused = _race(20, lambda: admit(key, _job(), capacity=1000, engine=engine))
+    assert len(admitted) == 3, refused
+    assert len(refused) == 17
+    assert all(isinstance(e, RateLimited) and e.code == "harvest_concurrency_exceeded" for e in refused)
+    assert "3 harvests on small models" in refused[0].message
+    assert len(active_jobs(engine)) == 3
+
+
+def test_lane_capacity_holds_across_keys_under_concurrency(engine):
+    keys = [create_key(f"k{i}", small=10, engine=engine)[1] for i in range(10)]
+    admitted, refused = _race(10, lambda: admit(keys.pop(), _job(), capacity=4, engine=engine))
+    assert len(admitted) == 4
+    assert {e.code for e in refused} == {"harvest_capacity_exceeded"}
+
+
+def test_lanes_are_counted_separately(engine):
+    _, key = create_key("lanes", small=1, large=1, engine=engine)
+    admit(key, _job("large"), capacity=10, engine=engine)
+    admit(key, _job("small"), capacity=10, engine=engine)  # a running large job never blocks small
+    with pytest.raises(RateLimited, match="1 harvest on large models") as refused:
+        admit(key, _job("large"), capacity=10, engine=engine)
+    assert refused.value.code == "harvest_concurrency_exceeded"
+
+
+def test_monthly_job_quota_counts_ended_jobs_too(engine):
+    _, key = create_key("quota", monthly_jobs=2, engine=engine)
+    first = admit(key, _job(), capacity=10, engine=engine)
+    cancel_job(first["id"], key.id, engine=engine)
+    admit(key, _job(), capacity=10, engine=engine)
+    with pytest.raises(RateLimited) as refused:
+        admit(key, _job(), capacity=10, engine=engine)
+    assert refused.value.code == "harvest_quota_exceeded"
+
+
+def test_token_budget_counts_held_and_charged_tokens(engine):
+    _, key = create_key("budget", token_budget=100, engine=engine)
+    held = admit(key, _job(tokens=60), capacity=10, engine=engine)
+    with pytest.raises(RateLimited) as refused:
+        admit(key, _job(tokens=50), capacity=10, engine=engine)
+    assert refused.value.code == "budget_exceeded" and "40 of its 100" in refused.value.message
+    # Done with 30 tokens charged: 70 left.
+    attach_run(held["id"], "r", engine=engine)
+    apply_state(held["id"], RunState("done"), result={"tokens": 30, "n_shards": 1}, engine=engine)
+    with engine.connect() as conn:
+        assert tokens_used(conn, key.id) == 30
+    admit(key, _job(tokens=70), capacity=10, engine=engine)
+
+
+def test_spend_cap_refuses_with_retry_after(engine):
+    _, key = create_key("spend", engine=engine)
+    set_spend_cap(120, engine=engine)
+    with pytest.raises(RateLimited) as refused:
+        admit(key, _job(), capacity=10, engine=engine)
+    assert refused.value.code == "spend_cap" and refused.value.headers["Retry-After"] == "120"
+    set_spend_cap(None, engine=engine)
+    admit(key, _job(), capacity=10, engine=engine)
+
+
+def _admitted(engine, key, tokens=10, boot="boot-a"):
+    row = admit(key, _job(tokens=tokens), capacity=10, engine=engine)
+    attach_run(row["id"], f"run-{row['id']}", boot=boot, engine=engine)
+    return row["id"]
+
+
+def test_charging_rules(engine):
+    _, key = create_key("charges", small=10, engine=engine)
+    boot = "boot-a"
+    done = _admitted(engine, key, tokens=50)
+    apply_state(done, RunState("running"), boot=boot, engine=engine)
+    apply_state(done, RunState("done"), result={"tokens": 42, "n_shards": 1}, boot=boot, engine=engine)
+    assert get_job(done, engine=engine)["tokens"] == 42  # done → the tokens that ran
+
+    failed = _admitted(engine, key)
+    apply_state(failed, RunState("running"), boot=boot, engine=engine)
+    apply_state(failed, RunState("failed", message="CUDA out of memory"), boot=boot, engine=engine)
+    row = get_job(failed, engine=engine)
+    assert (row["status"], row["tokens"], row["error"]) == ("failed", 0, "CUDA out of memory")
+
+    early = _admitted(engine, key)  # cancelled before its GPU run started → 0
+    row, cancelled = cancel_job(early, key.id, boot=boot, engine=engine)
+    assert cancelled and (row["status"], row["tokens"]) == ("cancelled", 0)
+
+    late = _admitted(engine, key, tokens=33)  # cancelled after → the reserved tokens
+    apply_state(late, RunState("running"), boot=boot, engine=engine)
+    row, _ = cancel_job(late, key.id, boot=boot, engine=engine)
+    assert (row["status"], row["tokens"]) == ("cancelled", 33)
+
+    again, cancelled = cancel_job(late, key.id, boot=boot, engine=engine)  # second cancel: same answer
+    assert not cancelled and again["tokens"] == 33
+    for ended in (done, failed):
+        with pytest.raises(NotCancellable):
+            cancel_job(ended, key.id, boot=boot, engine=engine)
+    with pytest.raises(NotFound):
+        cancel_job(late, "another-key", boot=boot, engine=engine)
+
+
+def test_a_job_is_charged_once_however_many_endings_race(engine):
+    _, key = create_key("once", engine=engine)
+    job = _admitted(engine, key, tokens=20)
+    apply_state(job, RunState("running"), boot="boot-a", engine=engine)
+    endings = [
+        lambda: apply_state(job, RunState("done"), result={"tokens": 17, "n_shards": 1}, boot="boot-a", engine=engine),
+        lambda: cancel_job(job, key.id, boot="boot-a", engine=engine)[1],
+        lambda: apply_state(job, RunState("failed", message="x"), boot="boot-b", engine=engine),
+    ] * 4
+    lock = threading.Lock()
+    order = iter(endings)
+    results, errors = _race(len(endings), lambda: next_of(order, lock)())
+    assert sum(1 for r in results if r is True) == 1, (results, errors)
+    assert all(isinstance(e, NotCancellable) for e in errors)
+    row = get_job(job, engine=engine)
+    with engine.connect() as conn:
+        assert tokens_used(conn, key.id) == row["tokens"]
+        assert conn.execute(select(jobs.c.status).where(jobs.c.id == job)).scalar_one() == row["status"]
+
+
+def next_of(iterator, lock):
+    with lock:
+        return next(iterator)
+
+
+def test_after_a_restart_jobs_read_pending_until_reattached_and_cancel_is_free(engine):
+    _, key = create_key("restart", small=10, engine=engine)
+    first, second = _admitted(engine, key, tokens=25), _admitted(engine, key, tokens=25)
+    for job in (first, second):
+        apply_state(job, RunState("running"), boot="boot-a", engine=engine)
+        assert view_status(get_job(job, engine=engine), boot="boot-a") == "running"
+    # A new process (boot-b) has not read the runs yet: both read pending.
+    assert view_status(get_job(first, engine=engine), boot="boot-b") == "pending"
+    row, _ = cancel_job(second, key.id, boot="boot-b", engine=engine)
+    assert (row["status"], row["tokens"]) == ("cancelled", 0)  # cancel while re-attaching: free
+    # Re-attached: running again, then done, charged once.
+    assert apply_state(first, RunState("running"), boot="boot-b", engine=engine) is True
+    assert view_status(get_job(first, engine=engine), boot="boot-b") == "running"
+    apply_state(first, RunState("done"), result={"tokens": 24, "n_shards": 1}, boot="boot-b", engine=engine)
+    assert apply_state(first, RunState("done"), result={"tokens": 24, "n_shards": 1}, boot="boot-c", engine=engine) is False
+    with engine.connect() as conn:
+        assert tokens_used(conn, key.id) == 24
+
+
+def test_listing_is_newest_first_and_paginated(engine):
+    _, key = create_key("lister", small=100, engine=engine)
+    _, other = create_key("other", engine=engine)
+    ids = [admit(key, _job(), capacity=100, engine=engine)["id"] for _ in range(5)]
+    admit(other, _job(), capacity=100, engine=engine)
+    page, more = list_jobs(key.id, limit=2, engine=engine)
+    assert more and [r["id"] for r in page] == ids[::-1][:2]
+    rest, more = list_jobs(key.id, limit=10, after=page[-1]["id"], engine=engine)
+    assert not more and [r["id"] for r in rest] == ids[::-1][2:]
+
+
+def test_activation_quota_holds_under_concurrency(engine):
+    _, key = create_key("inline", activation_quota=5, engine=engine)
+    counted, refused = _race(12, lambda: consume_activation(key, engine=engine))
+    assert len(counted) == 5
+    assert len(refused) == 7 and {e.code for e in refused} == {"activation_quota_exceeded"}
+    _, unlimited = create_key("free", engine=engine)
+    for _ in range(3):
+        consume_activation(unlimited, engine=engine)
+
+
+def test_times_are_stored_as_utc(engine):
+    _, key = create_key("clock", engine=engine)
+    before = datetime.now(timezone.utc).replace(tzinfo=None)
+    row = admit(key, _job(), capacity=10, engine=engine)
+    stored = get_job(row["id"], engine=engine)["created_at"]
+    assert abs((stored - before).total_seconds()) < 5
