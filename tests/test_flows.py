@@ -1,0 +1,92 @@
+"""The harvest flow through the real stack: a Prefect server, the `small` pool's deployment and
+a process worker, the embedded model on the HF engine. Jobs are started exactly as the API
+starts them (`flows.submit.start_harvest_run`) and read back from storage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load as load_tensors
+
+from harvest.manifest import MANIFEST, STATS
+
+REQUEST = {"model": "llama-tiny", "prompts": [f"Prompt number {i} says hello to the world." for i in range(10)], "shard_size": 4, "layers": [1, 3, 7]}
+
+
+def _files(storage) -> dict[str, bytes]:
+    return {name: storage.read_bytes(name) for name in storage.listdir() if name.startswith("shard_")}
+
+
+@pytest.fixture(scope="module")
+def single_job(harvest_stack):
+    job = harvest_stack.submit(REQUEST, key_id="key-1")
+    status = harvest_stack.wait(job.flow_run_id, timeout=180)
+    return job, status
+
+
+def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    job, status = single_job
+    assert status.status == "done", status
+    manifest = json.loads(job.storage.read_bytes(MANIFEST))
+    assert manifest["job_id"] == job.job_id
+    assert [s["file"] for s in manifest["shards"]] == [f"shard_0000{k}.safetensors" for k in range(3)]
+    assert manifest["layer_indices"] == [1, 3, 7]
+    assert set(manifest["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}
+    assert manifest["timings"]["load_s"] > 0 and manifest["bytes_written"] > 0
+    shard = load_tensors(job.storage.read_bytes("shard_00002.safetensors"))
+    assert set(shard) == {"prompt_8", "prompt_9", "tokens_8", "tokens_9"}
+    assert shard["prompt_8"].shape[0] == 3
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(job.flow_run_id)
+        assert run.name == job.job_id
+        assert {"model:llama-tiny", "lane:small", "key:key-1"} <= set(run.tags)
+        assert run.work_pool_name == "small"
+        # Prefect's database holds the job id and a URL, never the prompts.
+        assert run.parameters == {"job_id": job.job_id, "request_url": job.request_url}
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        names = sorted(t.name for t in tasks)
+        assert [n for n in names if n.startswith("shard-")] == ["shard-0", "shard-1", "shard-2"]
+        assert all(t.state.is_completed() for t in tasks)
+        artifacts = client.read_artifacts()
+        progress = [a for a in artifacts if a.flow_run_id == run.id and a.type == "progress"]
+        assert progress and progress[0].data == 100.0
+    assert json.loads(job.storage.read_bytes("_progress.json"))["stage"] == "done"
+
+
+def test_scale_out_over_two_runs_gives_identical_files_and_stats(single_job, harvest_stack):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    reference, _ = single_job
+    job = harvest_stack.submit(REQUEST, workers=2)
+    status = harvest_stack.wait(job.flow_run_id, timeout=180)
+    assert status.status == "done", status
+
+    with get_client(sync_client=True) as client:
+        helpers = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{job.job_id}"])))
+    # The second range really ran in a flow run of its own (not taken over by the parent).
+    assert [h.parameters["shard_range"] for h in helpers] == [[2, 3]]
+    assert helpers[0].state.is_completed() and helpers[0].work_pool_name == "small"
+
+    assert _files(job.storage) == _files(reference.storage)
+    ours, theirs = load_tensors(job.storage.read_bytes(STATS)), load_tensors(reference.storage.read_bytes(STATS))
+    assert set(ours) == set(theirs)
+    for name in ours:
+        assert ours[name].equal(theirs[name]), name
+    a, b = json.loads(job.storage.read_bytes(MANIFEST)), json.loads(reference.storage.read_bytes(MANIFEST))
+    assert a["shards"] == b["shards"] and a["mean_token_norm"] == b["mean_token_norm"]
+
+
+def test_a_failing_job_ends_failed_with_a_reason_and_no_manifest(harvest_stack):
+    # A request the model cannot run (the API would refuse it; pydantic alone does not): the
+    # flow must fail saying why, before loading anything, and leave no manifest.
+    job = harvest_stack.submit({**REQUEST, "layers": [40]})
+    status = harvest_stack.wait(job.flow_run_id, timeout=180)
+    assert status.status == "failed"
+    assert "has no layer 40" in status.message and len(status.message) < 300
+    assert not job.storage.exists(MANIFEST)
