@@ -229,14 +229,17 @@ def set_run(server: ApiServer, job_id: str, status: str, message: str | None = N
     server.runs.set(f"run-{job_id}", status, message)
 
 
-def finish_run(server: ApiServer, job_id: str, engine) -> None:
-    """Harvest the job for real (core pipeline, HF engine) into the server's storage; mark it done."""
+def finish_run(server: ApiServer, job_id: str, engine, storage=None) -> None:
+    """Harvest the job for real (core pipeline, HF engine) into the server's storage; mark it done.
+
+    `storage`: the server's storage root when the test process cannot open it from the URL
+    alone (an S3 endpoint of its own)."""
     from harvest.pipeline import run_job
     from harvest.registry import load_registry
     from harvest.request import HarvestRequest, resolve_job
     from harvest.settings import Settings
 
-    files = server.storage().child(f"jobs/{job_id}")
+    files = (storage or server.storage()).child(f"jobs/{job_id}")
     request = HarvestRequest.model_validate_json(files.read_bytes("request.json"))
     settings = Settings(models_file=server.env.get("HARVEST_MODELS_FILE", Settings().models_file))
     job = resolve_job(request, load_registry(settings))

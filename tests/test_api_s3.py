@@ -1,0 +1,97 @@
+"""The API on `s3://` storage against moto's S3 server: the request and the job's files are
+written with s3fs, and the result's links are the store's own SigV4 presigned GETs, which
+read with no credentials at all. moto does not enforce expiry, so the links' X-Amz-Expires is
+checked instead (the HMAC file route's expiry is tested in test_api_jobs.py)."""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import parse_qs, urlparse
+
+import httpx
+import pytest
+from safetensors.torch import load as load_tensors
+
+from tests.api_fixtures import ApiServer, finish_run, free_port, harvest_api_env
+
+BUCKET = "harvest-test"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=endpoint, **_boto_credentials()).create_bucket(Bucket=BUCKET)
+    yield endpoint
+    server.stop()
+
+
+def _boto_credentials() -> dict:
+    return {
+        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
+    }
+
+
+@pytest.fixture(scope="module")
+def s3_api(harvest_home, tiny, moto_endpoint):
+    env = {
+        **harvest_api_env(harvest_home),
+        **CREDENTIALS,
+        "HARVEST_STORAGE_URL": f"s3://{BUCKET}/service",
+        "HARVEST_S3_ENDPOINT_URL": moto_endpoint,
+    }
+    server = ApiServer(harvest_home, "s3", env).start()
+    yield server
+    server.stop()
+
+
+def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
+    import boto3
+    import s3fs
+
+    from harvest.storage import Storage
+
+    key = s3_api.make_key(name="s3")
+    auth = {"Authorization": f"Bearer {key}"}
+    submitted = httpx.post(f"{s3_api.base_url}/harvest", headers=auth, timeout=60,
+                           json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3, 5]})
+    assert submitted.status_code == 202, submitted.text
+    job_id = submitted.json()["job_id"]
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())
+    s3.head_object(Bucket=BUCKET, Key=f"service/jobs/{job_id}/request.json")  # written by the API with s3fs
+
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_endpoint})
+    finish_run(s3_api, job_id, hf_engine, storage=Storage(f"s3://{BUCKET}/service", fs, f"{BUCKET}/service"))
+
+    deadline = time.monotonic() + 15
+    while (job := httpx.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json())["status"] != "done":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    result = job["result"]
+    url = urlparse(result["shard_urls"][0])
+    query = parse_qs(url.query)
+    assert f"{url.scheme}://{url.netloc}" == moto_endpoint
+    assert url.path == f"/{BUCKET}/service/jobs/{job_id}/shard_00000.safetensors"
+    assert query["X-Amz-Algorithm"] == ["AWS4-HMAC-SHA256"]
+    assert 7 * 24 * 3600 - 120 <= int(query["X-Amz-Expires"][0]) <= 7 * 24 * 3600
+
+    # Plain HTTP, no key and no AWS credentials, as curl or a browser would.
+    shard = load_tensors(httpx.get(result["shard_urls"][0], timeout=30).content)
+    assert str(shard["prompt_0"].dtype) == "torch.bfloat16" and shard["prompt_0"].shape[0] == 3
+    assert shard["tokens_0"].shape[0] == shard["prompt_0"].shape[1]
+    manifest = httpx.get(result["manifest_url"], timeout=30).json()
+    assert manifest["job_id"] == job_id and manifest["layer_indices"] == [1, 3, 5]
+    assert job["tokens"] == manifest["tokens"]
+
+    # Each read signs afresh (the signature covers the signing time).
+    time.sleep(1.1)
+    again = httpx.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()["result"]["shard_urls"][0]
+    assert parse_qs(urlparse(again).query)["X-Amz-Signature"] != query["X-Amz-Signature"]
