@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 0.01
 DEFAULT_MAX_BATCH = 64
+# Rows × (longest prompt + most tokens asked) per generate call. The HF engine pads every row
+# to the longest, so one long prompt among many short ones would multiply the work; past
+# this budget the rest wait for the next batch (a single request always fits).
+DEFAULT_MAX_BATCH_TOKENS = 65536
 
 
 @dataclass
@@ -52,10 +56,19 @@ class _Pending:
 class EngineBatcher:
     """One warm engine, its worker thread, and the queue of requests waiting for it."""
 
-    def __init__(self, executor: ThreadPoolExecutor, engine: Engine, *, window_s: float = DEFAULT_WINDOW_S, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(
+        self,
+        executor: ThreadPoolExecutor,
+        engine: Engine,
+        *,
+        window_s: float = DEFAULT_WINDOW_S,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    ):
         self.engine = engine
         self.window_s = window_s
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self.stats = BatcherStats()
         self._executor = executor
         self._queue: list[_Pending] = []
@@ -82,9 +95,18 @@ class EngineBatcher:
             self._task = loop.create_task(self._dispatch(), name=f"batcher-{self.engine.model.name}")
 
     def _take_batch(self) -> list[_Pending]:
-        """The oldest request's layer group, up to max_batch requests, in arrival order."""
+        """The oldest request's layer group, in arrival order, within max_batch and the token budget."""
         key = self._queue[0].layers
-        batch = [p for p in self._queue if p.layers == key][: self.max_batch]
+        batch: list[_Pending] = []
+        width = 0
+        for pending in self._queue:
+            if pending.layers != key:
+                continue
+            row = len(pending.prompt) + pending.sampling.max_tokens
+            if batch and (len(batch) >= self.max_batch or (len(batch) + 1) * max(width, row) > self.max_batch_tokens):
+                break
+            batch.append(pending)
+            width = max(width, row)
         taken = set(map(id, batch))
         self._queue = [p for p in self._queue if id(p) not in taken]
         return [p for p in batch if not p.future.done()]  # a cancelled request needs no work
