@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from harvest.engines.base import Generation, SamplingSpec
 from harvest.errors import ActivationPromptTooLong, CaptureFailed, ContextLengthExceeded, InvalidRequest
@@ -44,6 +44,12 @@ __all__ = [
 ]
 
 MAX_STOP = 4
+_UNION_HELP = {
+    "prompt": "send a non-empty string or a list of token ids (integers)",
+    "output_residual_stream": "send true, false, or a list of layer indices (integers)",
+    "stop": f"send a string or a list of at most {MAX_STOP} strings",
+}
+_NULL_IS_DEFAULT = ("max_tokens", "temperature", "top_p", "n", "stream", "echo", "presence_penalty", "frequency_penalty", "output_residual_stream")
 MAX_LOGPROBS = 5
 
 
@@ -78,6 +84,18 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_spellings(cls, body: Any) -> Any:
+        """What OpenAI clients also send: null for "the default", and a batch of one prompt."""
+        if not isinstance(body, dict):
+            return body
+        body = {k: v for k, v in body.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            body["prompt"] = prompt[0]
+        return body
 
     @field_validator("n", "best_of")
     @classmethod
@@ -121,6 +139,13 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     """A decoded JSON body → the request, or a 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest(
+            "prompt must be one text or one list of token ids: send one request per prompt "
+            "(each response carries one prompt's activations).",
+            param="prompt",
+        )
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as exc:
@@ -130,8 +155,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
         if error["type"] == "missing":
             raise InvalidRequest(f"You must provide a {param} parameter.", param=param) from None
-        where = ".".join(str(part) for part in error["loc"] if not str(part).startswith(("str", "list[", "function")))
-        raise InvalidRequest(f"Invalid value for {where or param}: {error['msg']}.", param=param) from None
+        if param in _UNION_HELP:  # pydantic reports a union's first branch, which misleads
+            raise InvalidRequest(f"Invalid value for {param}: {_UNION_HELP[param]}.", param=param) from None
+        message = error["msg"].removeprefix("Value error, ")
+        raise InvalidRequest(f"Invalid value for {param}: {message}.", param=param) from None
 
 
 def activation_prompt_cap(model: ModelInfo, n_layers_asked: int) -> int:

@@ -34,6 +34,10 @@ def test_parse_accepts_text_ids_and_openai_neutral_fields():
     request = parse_completion_request(_body(n=1, stream=False, stop="\n", output_residual_stream=[3, 1, 3]))
     assert request.stops == ("\n",) and request.sampling().max_tokens == 16
     assert parse_completion_request(_body(prompt=[1, 2, 3])).prompt == [1, 2, 3]
+    # OpenAI clients may send null for a default, and a batch of one prompt
+    nulls = parse_completion_request(_body(max_tokens=None, temperature=None, prompt=[[4, 5]]))
+    assert nulls.max_tokens == 16 and nulls.temperature == 1.0 and nulls.prompt == [4, 5]
+    assert parse_completion_request(_body(prompt=["one text"])).prompt == "one text"
 
 
 @pytest.mark.parametrize(
