@@ -1,0 +1,189 @@
+"""Against a live `harvest up` stack (what `make run` runs): the seeds' curl and Python
+examples, unchanged but for `"model": "llama-tiny"` and its layers; then the API killed and
+restarted mid-job while its Prefect flow run goes on, re-attached and charged once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api_fixtures import ApiServer, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+# 002_… "Download the files", step 3, verbatim.
+DOWNLOAD_PROGRAM = '''
+import os
+
+import requests
+from safetensors.torch import load_file
+
+API_BASE = os.environ["ACS_API_BASE"]
+HEADERS = {"Authorization": f"Bearer {os.environ['ACS_API_KEY']}"}
+JOB_ID = os.environ["JOB_ID"]
+
+answer = requests.get(f"{API_BASE}/harvest/{JOB_ID}", headers=HEADERS, timeout=60)
+answer.raise_for_status()
+result = answer.json()["result"]
+
+for index, url in enumerate(result["shard_urls"]):
+    with requests.get(url, stream=True, timeout=600) as shard:
+        shard.raise_for_status()
+        with open(f"shard_{index:05d}.safetensors", "wb") as file:
+            for chunk in shard.iter_content(chunk_size=1 << 20):
+                file.write(chunk)
+
+tensors = load_file("shard_00000.safetensors")
+print(tensors["prompt_0"].dtype, tuple(tensors["prompt_0"].shape))
+print(tensors["tokens_0"].tolist())
+'''
+
+# 002_… "Read the manifest and the statistics", verbatim.
+MANIFEST_PROGRAM = '''
+import os
+
+import requests
+from safetensors.torch import load
+
+API_BASE = os.environ["ACS_API_BASE"]
+HEADERS = {"Authorization": f"Bearer {os.environ['ACS_API_KEY']}"}
+JOB_ID = os.environ["JOB_ID"]
+
+answer = requests.get(f"{API_BASE}/harvest/{JOB_ID}", headers=HEADERS, timeout=60)
+answer.raise_for_status()
+result = answer.json()["result"]
+
+manifest = requests.get(result["manifest_url"], timeout=60).json()
+print(manifest["layer_indices"], manifest["residual_stream_convention"])
+
+stats = load(requests.get(result["stats_url"], timeout=60).content)
+print(stats["mean"].shape, stats["std"].shape)
+'''
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, harvest_home, tiny):
+    home = tmp_path_factory.mktemp("stack-home")
+    shutil.copytree(harvest_home / "models", home / "models")  # the built tiny model, not rebuilt
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL") and k != "PREFECT_HOME"}
+    env.update({"HARVEST_HOME": str(home), "HARVEST_USE_VLLM": "0", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+    port, prefect_port = free_port(), free_port()
+    log = open(home / "up.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harvest.cli", "up", "--port", str(port), "--prefect-port", str(prefect_port)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+    )
+    info: dict[str, str] = {}
+    deadline = time.monotonic() + 240
+    try:
+        while "PREFECT_UI" not in info:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"harvest up exited {proc.poll()}:\n{(home / 'up.log').read_text()[-3000:]}")
+            if "=" in line:
+                name, _, value = line.strip().partition("=")
+                info[name] = value
+            assert time.monotonic() < deadline, "harvest up was not ready in 240 s"
+        info["home"] = str(home)
+        info["prefect_api_url"] = json.loads((home / "stack.json").read_text())["prefect_api_url"]
+        yield info
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+
+
+def _curl(*args: str) -> dict:
+    out = subprocess.run(["curl", "-s", *args], capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+def test_seed_examples_against_make_run(stack, tmp_path):
+    base, key = stack["ACS_API_BASE"], stack["ACS_API_KEY"]
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", base) and key.startswith("acs_")
+    # 002_… "Submit a harvest", with the tiny model and layers it has.
+    job = _curl(f"{base}/harvest", "-H", f"Authorization: Bearer {key}", "-H", "Content-Type: application/json",
+                "-d", '{"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [2, 4, 6]}')
+    assert job["status"] == "pending" and job["n_prompts"] == 2 and job["layers"] == [2, 4, 6], job
+    deadline = time.monotonic() + 180
+    while job["status"] not in ("done", "failed", "cancelled"):
+        assert time.monotonic() < deadline, job
+        job = _curl(f"{base}/harvest/{job['job_id']}?wait=60", "-H", f"Authorization: Bearer {key}")
+    assert job["status"] == "done", job
+    assert job["tokens"] == job["result"]["tokens"] > 0 and job["started_at"] and job["completed_at"]
+
+    env = {**os.environ, "ACS_API_BASE": base, "ACS_API_KEY": key, "JOB_ID": job["job_id"]}
+    out = subprocess.run([sys.executable, "-c", DOWNLOAD_PROGRAM], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.strip().splitlines()
+    match = re.fullmatch(r"torch\.bfloat16 \(3, (\d+), (\d+)\)", first)
+    assert match, first
+    ids = json.loads(second)
+    assert len(ids) == int(match.group(1)) and all(isinstance(i, int) for i in ids)
+    from harvest.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(stack["home"]) / "models" / "llama-tiny")
+    assert ids == tokenizer("The sky is")["input_ids"]  # BOS included, the ids that ran
+    assert int(match.group(2)) == json.loads((Path(stack["home"]) / "models" / "llama-tiny" / "config.json").read_text())["hidden_size"]
+
+    out = subprocess.run([sys.executable, "-c", MANIFEST_PROGRAM], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("[2, 4, 6] Layer k is the output of decoder block k")
+    assert "torch.Size([3," in out.stdout
+
+
+def test_api_killed_mid_job_follows_the_same_flow_run(stack):
+    """A second API on the stack's Prefect (own job store): kill -9 it right after a submit,
+    restart it, and the job ends done through the same flow run, charged once."""
+    from sqlalchemy import text
+
+    home = Path(stack["home"])
+    server = ApiServer(home, f"restart-{uuid.uuid4().hex[:6]}", {
+        "HARVEST_RUN_BACKEND": "api.runs:PrefectRuns",
+        "PREFECT_API_URL": stack["prefect_api_url"],
+        "HARVEST_STORAGE_URL": f"file://{home / 'storage'}",
+        "HARVEST_WATCH_INTERVAL_S": "0.5",
+    }).start()
+    try:
+        key = server.make_key(name="restart")
+        auth = {"Authorization": f"Bearer {key}"}
+        submitted = httpx.post(f"{server.base_url}/harvest", headers=auth, timeout=60, json={
+            "model": "llama-tiny", "prompts": [f"prompt number {i}" for i in range(40)], "shard_size": 4})
+        assert submitted.status_code == 202, submitted.text
+        job_id, run_id = submitted.json()["job_id"], submitted.json()["run_id"]
+        server.kill()
+        server.start()
+        first = httpx.get(f"{server.base_url}/harvest/{job_id}", headers=auth).json()
+        assert first["status"] in ("pending", "running", "done"), first
+        deadline = time.monotonic() + 180
+        body = first
+        while body["status"] not in ("done", "failed", "cancelled"):
+            assert time.monotonic() < deadline, body
+            body = httpx.get(f"{server.base_url}/harvest/{job_id}", headers=auth, params={"wait": 30}, timeout=60).json()
+        assert body["status"] == "done", body
+        assert body["run_id"] == run_id  # the same flow run, re-attached, not a new one
+        assert body["tokens"] == body["result"]["tokens"] > 0
+        assert body["progress"] == {"shards_done": 10, "n_shards": 10}
+        engine = server.engine()
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT sum(tokens) FROM jobs")).scalar_one() == body["tokens"]
+        engine.dispose()
+    finally:
+        server.stop()
