@@ -199,16 +199,20 @@ def test_generate_covers_prompt_and_generated_positions(vllm_engine, hf_engine, 
     assert len(a.token_logprobs) == 6 and all(len(top) <= 2 for top in a.top_logprobs)
 
 
-def _harvest_cli(tmp_path: Path, name: str, use_vllm: str | None) -> Path:
+def _harvest_cli(tmp_path: Path, name: str, use_vllm: str | None) -> tuple[subprocess.Popen, Path]:
+    """Start `harvest run` in its own process (the engine is chosen there, as for a user)."""
     corpus = tmp_path / "prompts.txt"
-    corpus.write_text("The capital of France is\nHi\n" + "Once upon a time there was a village " * 20 + "\n")
     out = tmp_path / name
     env = {k: v for k, v in os.environ.items() if k != "HARVEST_USE_VLLM"}
     if use_vllm is not None:
         env["HARVEST_USE_VLLM"] = use_vllm
     cmd = [sys.executable, "-m", "harvest.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus), "--out", str(out), "--shard-size", "2", "--layers", "0,7"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> Path:
+    assert proc.wait(timeout=300) == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
     return out
 
 
@@ -224,8 +228,10 @@ def _read(out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def test_harvest_run_defaults_to_vllm_and_reads_like_hf(tmp_path):
-    vllm_out = _harvest_cli(tmp_path, "vllm", None)
-    hf_out = _harvest_cli(tmp_path, "hf", "0")
+    (tmp_path / "prompts.txt").write_text("The capital of France is\nHi\n" + "Once upon a time there was a village " * 20 + "\n")
+    # Both at once: each spends most of its time importing, on one core.
+    vllm_run, hf_run = _harvest_cli(tmp_path, "vllm", None), _harvest_cli(tmp_path, "hf", "0")
+    vllm_out, hf_out = _finish(*vllm_run), _finish(*hf_run)
     m_vllm, t_vllm = _read(vllm_out)
     m_hf, t_hf = _read(hf_out)
     assert m_vllm["engine"]["engine"] == "vllm" and m_hf["engine"]["engine"] == "hf"

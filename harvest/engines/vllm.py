@@ -332,6 +332,8 @@ class VLLMEngine(Engine):
         args.update(engine_args)
         self.engine_args = args
         self.llm = LLM(**args)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            _IN_PROCESS.add(id(self))
 
     # -- the session RPCs -------------------------------------------------------------
 
@@ -455,11 +457,27 @@ class VLLMEngine(Engine):
         if llm is None:
             return
         self.llm = None
-        engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-        if callable(shutdown):
-            shutdown()
-        del llm, engine
+        retired = [llm]
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            # In-process engines share vLLM's global parallel state, and a collected LLM tears
+            # it down under the others: keep closed ones until the last one closes.
+            _IN_PROCESS.discard(id(self))
+            _RETIRED.append(llm)
+            if _IN_PROCESS:
+                return
+            retired = list(_RETIRED)
+            _RETIRED.clear()
+        for old in retired:
+            engine = getattr(old, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+        del llm, old, retired
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+_IN_PROCESS: set[int] = set()
+"""Ids of the live engines that run in this process (see `VLLMEngine.close`)."""
+_RETIRED: list[Any] = []
