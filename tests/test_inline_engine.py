@@ -126,3 +126,18 @@ def test_a_capture_that_misses_a_layer_fails(hf_engine, prompts):
 
     with pytest.raises(CaptureFailed, match=r"missed layer\(s\) \[3\]"):
         hf_generate(broken, [prompts[0]], [GREEDY], [2, 3])
+
+
+def test_eos_ends_the_generation(hf_engine, prompts):
+    # One seam: declare the token greedy decoding picks first to be the model's EOS.
+    first = hf_engine.generate([prompts[0]], [SamplingSpec(max_tokens=1, temperature=0)], None)[0].token_ids[0]
+    config = hf_engine.hf_model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = [first]
+    try:
+        generation = hf_engine.generate([prompts[0], prompts[1]], [GREEDY, GREEDY], [0])
+    finally:
+        config.eos_token_id = saved
+    assert generation[0].token_ids == [first] and generation[0].finish_reason == "stop"
+    assert tuple(generation[0].residual.shape) == (1, len(prompts[0]), 256)  # the EOS never ran
+    assert len(generation[1].token_ids) == 5 or generation[1].finish_reason == "stop"
