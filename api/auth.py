@@ -17,9 +17,9 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from fastapi import Request
 from sqlalchemy import insert, select, update
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from api.db import api_keys, aware, get_engine, locked, transaction, usage, utcnow
 from harvest.errors import RateLimited, Unauthorized

@@ -60,10 +60,10 @@ def _capacity(lane: str) -> int:
 
 def _submit(key: ApiKey, request: HarvestRequest) -> dict:
     job = _prepare(request)
-    row = admit(key, job, capacity=_capacity(job["lane"]))
-    # The request goes to storage (never into Prefect parameters), then the run starts.
-    deps.storage().child(f"jobs/{job['id']}").write_bytes(REQUEST_FILE, request.model_dump_json().encode())
+    admit(key, job, capacity=_capacity(job["lane"]))
     try:
+        # The request goes to storage (never into Prefect parameters), then the run starts.
+        deps.storage().child(f"jobs/{job['id']}").write_bytes(REQUEST_FILE, request.model_dump_json().encode())
         run_id = deps.runs().start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
     except Exception as exc:
         fail_job(job["id"], f"The harvest could not be started: {exc}")

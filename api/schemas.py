@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta, timezone
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from api.db import aware
 from api.links import presign

@@ -23,7 +23,7 @@ from datetime import datetime
 from sqlalchemy import and_, func, insert, or_, select, update
 
 from api.auth import ApiKey, month_of
-from api.db import api_keys, aware, jobs, lane_locks, locked, service_flags, transaction, utcnow
+from api.db import api_keys, jobs, lane_locks, locked, service_flags, transaction, utcnow
 from api.runs import RunState
 from harvest.errors import NotCancellable, NotFound, RateLimited
 
@@ -86,7 +86,7 @@ def set_spend_cap(retry_after: int | None, engine=None) -> None:
             conn.execute(insert(service_flags).values(name=SPEND_CAP, value=str(int(retry_after)), updated_at=utcnow()))
 
 
-def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
+def admit(key: ApiKey, job: dict, *, capacity: int, boot: str = BOOT_ID, engine=None) -> dict:
     """Insert the job if every cap allows it, atomically; else raise the cap's 429.
 
     `job` holds the columns that come from the request (id, model, lane, n_prompts, layers,
@@ -160,7 +160,9 @@ def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
             "completed_at": None,
             "error": None,
             "flow_run_id": None,
-            "attached_by": None,
+            # This process starts the run; only a job whose admitting process died before
+            # that (another boot id, no run) is started by a watcher (`api.watcher`).
+            "attached_by": boot,
             "result": None,
         }
         conn.execute(insert(jobs).values(**row))
@@ -293,7 +295,3 @@ def set_progress(job_id: str, shards_done: int, engine=None) -> bool:
             .values(shards_done=shards_done)
         )
         return outcome.rowcount == 1
-
-
-def as_aware(row: dict, name: str):
-    return aware(row[name])

@@ -23,7 +23,7 @@ Fixtures (each server starts only when a test asks for it, and is killed at sess
 
 ``FileRuns`` is the run backend of the Prefect-free servers: the one seam the API tests fake.
 Each ``read`` appends a line to ``<runs_dir>/reads.log``; a file ``<runs_dir>/unreachable``
-makes reads fail as a Prefect server that is down would.
+makes reads fail as a Prefect server that is down would, ``<runs_dir>/start-fails`` starts.
 A run is a JSON file ``<runs_dir>/<run_id>.json`` that the test moves through states with
 ``set_run(server, job_id, status, message=None)``; ``finish_run(server, job_id, engine)``
 really harvests the job with the core pipeline into the server's storage (what a worker
@@ -92,6 +92,8 @@ class FileRuns:
         return json.loads(path.read_text()) if path.exists() else None
 
     def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
+        if (self.dir / "start-fails").exists():  # tests: runs cannot be started
+            raise ConnectionError("the run backend refused the connection")
         run_id = f"run-{job_id}"  # idempotent per job, like run_deployment's idempotency key
         if self.get(run_id) is None:
             self._write(run_id, {"job_id": job_id, "request_url": request_url, "status": "pending", "starts": 1})

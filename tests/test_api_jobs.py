@@ -348,3 +348,76 @@ def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_home, tiny, 
         assert charged == body["tokens"] == _get(server, key, finishing).json()["tokens"]
     finally:
         server.stop()
+
+
+def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harvest_api, key):
+    flag = Path(harvest_api.env["HARVEST_TEST_RUNS_DIR"]) / "start-fails"
+    flag.touch()
+    try:
+        response = httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
+                              json={"model": "llama-tiny", "prompts": ["x"]})
+    finally:
+        flag.unlink()
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "harvest_unavailable"
+    job_id = error["message"].split("Job ")[1].split(" ")[0]
+    body = _get(harvest_api, key, job_id).json()
+    assert (body["status"], body["tokens"]) == ("failed", 0) and "could not be started" in body["error"]
+
+
+def test_a_job_admitted_by_a_process_that_died_before_starting_it_is_started_by_the_watcher(harvest_api):
+    from api.auth import create_key
+    from api.store import admit
+
+    engine = harvest_api.engine()
+    try:
+        key, record = create_key("orphan", engine=engine)
+        job_id = str(uuid.uuid4())
+        admit(record, {
+            "id": job_id, "model": "llama-tiny", "lane": "small", "n_prompts": 1, "layers": [2], "shard_size": 32,
+            "n_shards": 1, "add_special_tokens": True, "contents": "activations", "reserved_tokens": 3,
+            "request_url": f"{harvest_api.env['HARVEST_STORAGE_URL']}/jobs/{job_id}/request.json",
+        }, capacity=100, boot="a-process-that-died", engine=engine)
+    finally:
+        engine.dispose()
+    deadline = time.monotonic() + 10
+    while (run := harvest_api.runs.get(f"run-{job_id}")) is None:
+        assert time.monotonic() < deadline, "the watcher never started the orphaned job's run"
+        time.sleep(0.1)
+    assert run["starts"] == 1
+    body = _get(harvest_api, key, job_id).json()
+    assert body["run_id"] == f"run-{job_id}" and body["status"] == "pending"
+    set_run(harvest_api, job_id, "running")
+    assert _until(harvest_api, key, job_id, "running")["started_at"]
+    _cancel(harvest_api, key, job_id)
+
+
+def test_openapi_schema_is_published(harvest_api):
+    schema = httpx.get(f"{harvest_api.root}/openapi.json").json()
+    assert {"/v1/harvest", "/v1/harvest/{job_id}", "/v1/files/{job_id}/{name}"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/harvest"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"model", "prompts", "layers", "shard_size", "project_onto"} <= set(body["properties"])
+    assert "wait" in {p["name"] for p in schema["paths"]["/v1/harvest/{job_id}"]["get"]["parameters"]}
+
+
+def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HARVEST_DATABASE_URL": harvest_api.env["HARVEST_DATABASE_URL"]}
+    out = subprocess.run(
+        [sys.executable, "-m", "harvest.cli", "keys", "create", "--name", "cli", "--small", "1", "--large", "0",
+         "--monthly-jobs", "9", "--token-budget", "1000", "--activation-quota", "5"],
+        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    key = out.stdout.strip().splitlines()[-1]
+    assert key.startswith("acs_") and " " not in key
+    one = _submit(harvest_api, key, prompts=["a"])
+    refused = httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), json={"model": "llama-tiny", "prompts": ["b"]})
+    assert refused.status_code == 429 and "1 harvest on small models" in refused.json()["error"]["message"]
+    _cancel(harvest_api, key, one["job_id"])
+    listing = subprocess.run([sys.executable, "-m", "harvest.cli", "keys", "list"], env=env, capture_output=True,
+                             text=True, check=True).stdout
+    assert "cli" in listing and key not in listing and key[:10] in listing
