@@ -1,0 +1,30 @@
+"""The HTTP facade: bulk harvests (SPEC §2, §3, §6) and inline completions (§7) in one FastAPI app.
+
+    app.py       the app: routers, the one error handler, lifespan (migrate, start the watcher)
+    harvest.py   POST/GET/DELETE /v1/harvest[/{job_id}]: validate, admit, write request, start run
+    files.py     GET /v1/files/{job_id}/{name}: the HMAC-signed download route (file:// storage)
+    auth.py      API keys (SHA-256 at rest), `current_key`, `consume_activation`
+    store.py     the job store: atomic admission under the caps, charging by compare-and-set
+    db.py        tables, engines (SQLite/PostgreSQL), Alembic migrations (api/migrations)
+    runs.py      the seam to Prefect: start / cancel / read many runs at once
+    watcher.py   the one background loop that follows all runs and wakes long-poll waiters
+    links.py     presigned links: S3 SigV4 presigning, HMAC links for local files
+    schemas.py   response shapes (OpenAPI) and the harvest object of a job row
+    admin.py     `harvest keys create|list|revoke`, `harvest spend-cap on|off|status`
+
+Choices where the spec is silent (documented here and in the routes' docstrings):
+
+- Caps are checked after the request is valid (a 400 wins over a 429); among caps the order
+  is spend_cap, concurrency, monthly job quota, token budget, lane capacity.
+- The monthly job quota, the token budget and the activation quota are per calendar month
+  (UTC). The token budget counts tokens charged this month plus tokens held by active jobs.
+  A cancelled or failed job still counts towards the monthly job quota.
+- Links expire `HARVEST_URL_EXPIRY_S` (7 days) after the read that made them, and never after
+  the files' retention (30 days after completion) ends. After retention, or once the sweep
+  removed the files, a done job keeps its result numbers and says `urls_expired: true`.
+- A run that cannot be started answers 503 `harvest_unavailable` naming the job id; the job
+  is recorded failed, charged nothing.
+- `GET /v1/harvest` pages with `limit` (1..100, default 20) and `after` (a job_id), and
+  answers `{"object": "list", "data", "has_more", "first_id", "last_id"}`.
+- The harvest object adds `object: "harvest"`, `lane` and `run_id` (the Prefect flow run).
+"""

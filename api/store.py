@@ -111,6 +111,11 @@ def admit(key: ApiKey, job: dict, *, capacity: int, boot: str = BOOT_ID, engine=
             select(func.count()).where(jobs.c.key_id == key.id, jobs.c.lane == lane, jobs.c.status.in_(ACTIVE))
         ).scalar_one()
         limit = key.lane_limit(lane)
+        if limit == 0:
+            raise RateLimited(
+                f"Your key may not run harvests on {lane} models. Ask for a key with {lane}-lane harvests.",
+                code="harvest_concurrency_exceeded",
+            )
         if mine >= limit:
             raise RateLimited(
                 f"You have {mine} harvest{'s' if mine != 1 else ''} on {lane} models queued or running, your most. "
