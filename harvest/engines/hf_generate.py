@@ -1,10 +1,12 @@
 """Batched generation on the HF reference engine, capturing the residual stream as it runs.
 
 All prompts of a call run as one left-padded batch with a KV cache: one prefill forward pass,
-then one forward pass per generated token for the whole batch. Left padding keeps every row's
-newest token in the last column, so each decode step feeds one column; `position_ids` are
-counted from each row's first real token, so a padded row sees the same positions (and,
-up to float rounding, the same values) as it would alone.
+then one forward pass per generated token for the rows still generating (a finished row
+leaves the batch and its KV cache, so one long request does not drag the short ones' rows
+through every later step). Left padding keeps every row's newest token in the last column,
+so each decode step feeds one column; `position_ids` are counted from each row's first real
+token, so a padded row sees the same positions (and, up to float rounding, the same values)
+as it would alone.
 
 Capture uses `block_hooks(..., stop_after_last=False)` on the requested blocks only, for the
 prefill and every decode step: a row's residual stream is its prompt positions from the
@@ -152,7 +154,9 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
     cache = DynamicCache(config=hf_model.config)
     rows = [_Row(spec=spec, generator=_generator(spec)) for spec in sampling]
     prefill: torch.Tensor | None = None  # [L, batch, width, hidden] bf16
-    steps: list[torch.Tensor] = []  # per decode step, [L, batch, hidden] bf16
+    # Per decode step: [L, rows in that step, hidden] bf16, and each row's column in it.
+    steps: list[tuple[torch.Tensor, dict[int, int]]] = []
+    running = list(range(batch))  # the original row of each row of the current batch
     forward_passes = 0
 
     hooks = block_hooks(engine.blocks, layers, stop_after_last=False) if layers else nullcontext({})
@@ -174,21 +178,29 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
                 if prefill is None:
                     prefill = stacked
                 else:
-                    steps.append(stacked[:, :, 0])
+                    steps.append((stacked[:, :, 0], {r: i for i, r in enumerate(running)}))
             logits = out.logits[:, -1].float()
-            next_ids = torch.full((batch, 1), pad_id, dtype=torch.long)
-            for r, row in enumerate(rows):
-                if row.done:
-                    continue  # a finished row rides along on pad tokens until the batch ends
-                token = _sample(logits[r], row)
+            next_tokens = []
+            for i, r in enumerate(running):
+                row = rows[r]
+                token = _sample(logits[i], row)
                 if row.spec.logprobs is not None:
-                    _record_logprobs(row, logits[r], token, tokenizer)
+                    _record_logprobs(row, logits[i], token, tokenizer)
                 _advance(row, token, eos_ids, tokenizer)
-                next_ids[r, 0] = token
-            if all(row.done for row in rows):
+                next_tokens.append(token)
+            keep = [i for i, r in enumerate(running) if not rows[r].done]
+            if not keep:
                 break  # the tokens just sampled never run: they have no residual stream
-            input_ids = next_ids.to(device)
-            attention_mask = torch.cat([attention_mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
+            if len(keep) < len(running):
+                # Finished rows leave the batch (and the KV cache), so a long generation does
+                # not drag the short ones' rows through every later step.
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                attention_mask, position_ids = attention_mask[index], position_ids[index]
+                running = [running[i] for i in keep]
+                next_tokens = [next_tokens[i] for i in keep]
+            input_ids = torch.tensor(next_tokens, dtype=torch.long, device=device).view(-1, 1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
             position_ids = position_ids[:, -1:] + 1
 
     generations = []
@@ -196,7 +208,8 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
         residual = None
         if layers:
             parts = [prefill[:, r, width - len(prompt) :]]
-            parts += [step[:, r : r + 1] for step in steps[: len(row.ids) - 1]]
+            # A row is in every decode step until it finishes: steps 0 .. n_generated - 2.
+            parts += [step[:, columns[r] : columns[r] + 1] for step, columns in steps[: len(row.ids) - 1]]
             residual = torch.cat(parts, dim=1).cpu()
             expected = (len(layers), len(prompt) + len(row.ids) - 1, engine.model.hidden_size)
             if tuple(residual.shape) != expected:  # never hand back a short tensor
