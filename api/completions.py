@@ -8,6 +8,22 @@ The warm engines live in an `EnginePool` on `app.state.inline_engines`, created 
 router's lifespan (FastAPI merges it into the app's) or on first use. `HARVEST_INLINE_PRELOAD`
 (comma-separated served names) loads those engines in the background at start-up, so the
 first request does not wait for a model load.
+
+Where the user docs are silent, this is what the endpoint does:
+- A text prompt is tokenized with BOS; a token-id prompt runs verbatim. A one-element list
+  of either is taken as that prompt; several prompts are refused (one response carries one
+  prompt's activations).
+- `usage.completion_tokens` and the positions count every sampled token, an EOS included
+  (its text is not returned). With a stop string the text ends before it, and the tokens end
+  with the one that completed it (it was sampled, the positions before it ran).
+- `logprobs` are the model's own distribution, before temperature and top_p; `text_offset`
+  counts from the start of the completion.
+- `activations.residual_stream.layers` (an addition to the docs' fields) lists which blocks
+  `shape[0]` holds, ascending.
+- The activation quota counts requests with `output_residual_stream` only, once they pass
+  every check and before the engine runs. `GET /v1/models` needs a key, like every route.
+- Fields OpenAI has and we do not implement are refused unless at their neutral value; any
+  other unknown field is a 400 naming it in `param`.
 """
 
 from __future__ import annotations
