@@ -120,8 +120,13 @@ class EngineBatcher:
             await asyncio.sleep(self.window_s)  # let the requests sent together arrive
             while self._queue:
                 batch = self._take_batch()
-                if batch:
-                    await self._run(batch)
+                try:
+                    if batch:
+                        await self._run(batch)
+                except Exception as exc:  # noqa: BLE001 - the dispatcher must outlive any batch
+                    log.exception("the batcher failed a batch")
+                    for pending in batch:
+                        _settle(pending.future, exception=exc)
 
     async def _call(self, batch: list[_Pending]) -> list[Generation]:
         loop = asyncio.get_running_loop()
@@ -135,6 +140,8 @@ class EngineBatcher:
     async def _run(self, batch: list[_Pending]) -> None:
         try:
             generations = await self._call(batch)
+            if len(generations) != len(batch):
+                raise RuntimeError(f"the engine answered {len(generations)} of a batch of {len(batch)}")
         except Exception as exc:  # noqa: BLE001 - handed to the waiting requests, not swallowed
             if len(batch) == 1:
                 _settle(batch[0].future, exception=exc)
@@ -143,7 +150,7 @@ class EngineBatcher:
             for pending in batch:
                 await self._run([pending])
             return
-        for pending, generation in zip(batch, generations, strict=True):
+        for pending, generation in zip(batch, generations):
             _settle(pending.future, result=generation)
 
     async def close(self) -> None:
