@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
 
 from harvest.batcher import EnginePool
 from harvest.engines.base import SamplingSpec
