@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-
 from harvest.batcher import EnginePool
 from harvest.engines.base import SamplingSpec
 
