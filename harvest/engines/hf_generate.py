@@ -106,8 +106,8 @@ def _record_logprobs(row: _Row, logits: torch.Tensor, token: int, tokenizer) -> 
 def _advance(row: _Row, token: int, eos_ids: set[int], tokenizer) -> None:
     """Append a sampled token and decide whether the row is finished."""
     row.ids.append(token)
-    row.text = tokenizer.decode(row.ids, skip_special_tokens=True)
-    if row.spec.stop:
+    if row.spec.stop:  # decoding every step is only needed to find stop strings
+        row.text = tokenizer.decode(row.ids, skip_special_tokens=True)
         hits = [i for i in (row.text.find(s) for s in row.spec.stop if s) if i >= 0]
         if hits:
             row.text = row.text[: min(hits)]
@@ -117,6 +117,8 @@ def _advance(row: _Row, token: int, eos_ids: set[int], tokenizer) -> None:
         row.finish_reason = "stop"
     elif len(row.ids) >= row.spec.max_tokens:
         row.finish_reason = "length"
+    if row.done and not row.spec.stop:
+        row.text = tokenizer.decode(row.ids, skip_special_tokens=True)
 
 
 @torch.inference_mode()
