@@ -38,6 +38,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled as CancelledState
 from prefect.states import Failed
@@ -291,6 +292,14 @@ def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[i
     except Cancelled as exc:
         logger.warning("job %s cancelled: %s", job_id, exc)
         return CancelledState(message=f"Cancelled: {exc}")
+    except TerminationSignal:
+        # The worker's cancel SIGTERM, surfacing in the main thread mid-shard or mid-load.
+        # Prefect 3.9.1 leaves the final state to the worker, which only writes it after a
+        # 30 s grace (it keeps polling the dead child's process group), holding the lane's
+        # slot meanwhile; so the run records its own cancellation now, then exits.
+        if run is not None and run.cancelling():
+            run.client.set_flow_run_state(run.id, CancelledState(message="Cancelled by request."), force=True)
+        raise
     except Exception as exc:
         logger.exception("job %s failed", job_id)
         if not shard_range and storage.exists(MANIFEST):

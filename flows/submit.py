@@ -41,6 +41,7 @@ __all__ = [
     "RunStatus",
     "deployment_name",
     "job_status",
+    "run_started_at",
     "astart_harvest_run",
     "acancel_harvest_run",
     "aread_harvest_run",
@@ -88,6 +89,15 @@ def job_status(run: FlowRun) -> str:
     }[kind]
 
 
+def run_started_at(run: FlowRun) -> datetime | None:
+    """When the run first entered RUNNING, or None if it never did.
+
+    Not `run.start_time` alone: Prefect also stamps a start time on a run cancelled while
+    still Scheduled, which would make a job cancelled before its GPU run look started.
+    """
+    return run.start_time if run.run_count > 0 else None
+
+
 def _status(run: FlowRun) -> RunStatus:
     status = job_status(run)
     message = run.state.message if run.state and status in ("failed", "cancelled") else None
@@ -96,7 +106,7 @@ def _status(run: FlowRun) -> RunStatus:
         status=status,
         message=message or ("The harvest run failed." if status == "failed" else None),
         state_name=run.state.name if run.state else "Scheduled",
-        started_at=run.start_time,
+        started_at=run_started_at(run),
         ended_at=run.end_time,
         run_count=run.run_count,
     )
