@@ -56,7 +56,7 @@ async def _apply_pool(client, pool: dict) -> None:
 
 
 async def _apply_deployment(client, spec: dict, repo: Path) -> str:
-    flow = load_flow_from_entrypoint(str(repo / spec["entrypoint"]))
+    flow = load_flow_from_entrypoint(spec["entrypoint"])  # a module path: see infra/prefect.yaml
     flow_id = await client.create_flow_from_name(flow.name)
     schedules = [
         DeploymentScheduleCreate(schedule=CronSchedule(cron=s["cron"], timezone=s.get("timezone", "UTC")), active=s.get("active", True))

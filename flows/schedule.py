@@ -30,7 +30,7 @@ from harvest.settings import get_settings
 __all__ = ["create_schedule", "list_schedules", "delete_schedule", "main", "use_stack_api"]
 
 FLOW = "corpus-refresh"
-ENTRYPOINT = "flows/corpus_refresh.py:corpus_refresh"
+ENTRYPOINT = "flows.corpus_refresh:corpus_refresh"
 
 
 def use_stack_api() -> None:
@@ -57,7 +57,7 @@ async def create_schedule(corpus: str, model: str, cron: str, *, column="text", 
     info = load_registry().for_harvest(model)
     read_prompts(corpus, column=column)  # refuse a corpus that cannot be read now, not at 3 a.m.
     name = name or _name_from(corpus)
-    flow = load_flow_from_entrypoint(str(REPO / ENTRYPOINT))
+    flow = load_flow_from_entrypoint(ENTRYPOINT)
     async with get_client() as client:
         flow_id = await client.create_flow_from_name(flow.name)
         deployment_id = await client.create_deployment(

@@ -90,3 +90,34 @@ def test_a_failing_job_ends_failed_with_a_reason_and_no_manifest(harvest_stack):
     assert status.status == "failed"
     assert "has no layer 40" in status.message and len(status.message) < 300
     assert not job.storage.exists(MANIFEST)
+
+
+def test_scheduled_corpus_refresh_from_parquet(harvest_stack, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from flows.corpus_refresh import refresh_prefix
+    from flows.schedule import main as schedule
+    from harvest.storage import open_storage
+
+    corpus = tmp_path / "nightly.parquet"
+    pq.write_table(pa.table({"text": [f"corpus line {i}" for i in range(5)], "other": list(range(5))}), corpus)
+    argv = ["schedule", "create", "--corpus", str(corpus), "--model", "llama-tiny", "--layers", "1,3", "--shard-size", "2", "--cron", "0 3 * * *"]
+    assert schedule(argv) == 0
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("corpus-refresh/nightly")
+    assert deployment.work_pool_name == "small"  # the model's lane: the refresh uses its GPU
+    assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
+    assert deployment.parameters["corpus_url"] == str(corpus) and deployment.parameters["layers"] == [1, 3]
+    assert schedule(argv[:-1] + ["30 2 * * *"]) == 0  # again: the schedule is replaced, not added
+    with get_client(sync_client=True) as client:
+        assert [s.schedule.cron for s in client.read_deployment_by_name("corpus-refresh/nightly").schedules] == ["30 2 * * *"]
+
+    run = run_deployment("corpus-refresh/nightly", timeout=0)
+    status = harvest_stack.wait(str(run.id), timeout=180)
+    assert status.status == "done", status
+    part = open_storage().child(refresh_prefix("nightly")).child("part-0000")
+    manifest = json.loads(part.read_bytes(MANIFEST))
+    assert manifest["n_prompts"] == 5 and len(manifest["shards"]) == 3 and manifest["layer_indices"] == [1, 3]
