@@ -60,8 +60,8 @@ EXTENSION = "harvest.engines.vllm.HarvestWorkerExtension"
 INDEX_KEY = "harvest_index"
 """`SamplingParams.extra_args` key naming a request's prompt index within the session."""
 
-# KV cache on the CPU: at least this many tokens (a full shard's prefill never needs to wait
-# long for blocks), and never less than 32 MiB.
+# KV cache on the CPU: this many tokens, or two full-length requests if more (vLLM refuses to
+# start unless one max_model_len request fits), and never less than 32 MiB.
 CPU_KV_TOKENS = 8192
 
 
@@ -315,14 +315,14 @@ class HarvestWorkerExtension(_Base):  # type: ignore[misc, valid-type]
 
 
 def _kv_cache_bytes(model: ModelInfo) -> int:
-    """KV-cache bytes on the CPU for `CPU_KV_TOKENS` tokens of this model, in float32."""
+    """KV-cache bytes on the CPU for this model, in float32 (see `CPU_KV_TOKENS`)."""
     import json
 
     config = json.loads((model.require_path() / "config.json").read_text())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
-    return max(32 << 20, per_token * CPU_KV_TOKENS)
+    return max(32 << 20, per_token * max(CPU_KV_TOKENS, 2 * model.max_model_len))
 
 
 class VLLMEngine(Engine):
