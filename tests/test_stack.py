@@ -1,0 +1,107 @@
+"""`make run` smoke test: the whole stack starts, says it is ready, runs a harvest submitted
+over HTTP, and stops on SIGTERM leaving no process behind.
+
+It runs `make run` when the install stamp is current (`make -q install`), else the command
+`make run` ends in (`.venv/bin/harvest up`), so the test never reinstalls the environment.
+Everything lives in a fresh HARVEST_HOME on free ports, apart from the session's stack.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+READY = ("ACS_API_BASE", "ACS_API_KEY", "PREFECT_UI")
+
+pytestmark = pytest.mark.skipif(not (REPO / "api" / "app.py").exists(), reason="needs the API (api/app.py)")
+
+
+def _ours(home: Path) -> list[psutil.Process]:
+    """Every process whose environment names this stack's HARVEST_HOME."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("HARVEST_HOME") == str(home) and proc.pid != os.getpid():
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return [p for p in found if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _command() -> list[str]:
+    up_to_date = subprocess.run(["make", "-q", "install"], cwd=REPO, capture_output=True).returncode == 0
+    return ["make", "run"] if up_to_date else [str(REPO / ".venv" / "bin" / "harvest"), "up"]
+
+
+def test_make_run_starts_serves_a_harvest_and_stops_clean(tmp_path):
+    from flows.processes import free_port
+
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
+    env.update(
+        HARVEST_HOME=str(home),
+        PREFECT_HOME=str(home / "prefect"),
+        HARVEST_PORT=str(free_port()),
+        HARVEST_PREFECT_PORT=str(free_port()),
+        HARVEST_USE_VLLM="0",
+        PREFECT_WORKER_QUERY_SECONDS="1",
+    )
+    home.mkdir()
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        _command(), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    lines: dict[str, str] = {}
+    errors: list[str] = []
+    threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True).start()
+    try:
+        for line in proc.stdout:
+            key, _, value = line.strip().partition("=")
+            if key in READY:
+                lines[key] = value
+            if len(lines) == len(READY) or time.monotonic() - started > 240:
+                break
+        ready_s = time.monotonic() - started
+        assert set(lines) == set(READY), "".join(errors)[-3000:]
+        base, key = lines["ACS_API_BASE"], lines["ACS_API_KEY"]
+        assert base == f"http://127.0.0.1:{env['HARVEST_PORT']}/v1" and key
+        assert httpx.get(lines["PREFECT_UI"] + "/api/health", timeout=5).status_code == 200
+        assert (home / "dev-key").read_text().strip() == key  # kept for the next start
+
+        auth = {"Authorization": f"Bearer {key}"}
+        answer = httpx.post(f"{base}/harvest", headers=auth, json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3]}, timeout=30)
+        assert answer.status_code == 202, answer.text
+        job_id = answer.json()["job_id"]
+        deadline = time.monotonic() + 180
+        while True:
+            body = httpx.get(f"{base}/harvest/{job_id}", params={"wait": 30}, headers=auth, timeout=60).json()
+            if body["status"] in ("done", "failed", "cancelled") or time.monotonic() > deadline:
+                break
+        assert body["status"] == "done", body
+        assert body["result"]["n_shards"] == 1 and body["result"]["tokens"] > 0
+        shard = httpx.get(body["result"]["shard_urls"][0], timeout=30)  # presigned: no key needed
+        assert shard.status_code == 200 and len(shard.content) > 0
+        print(f"ready in {ready_s:.1f} s")
+        assert len(_ours(home)) >= 4  # server, two workers, API (and the supervisor)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # what a terminal's process group gets
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            for p in _ours(home):
+                p.kill()
+            pytest.fail("harvest up did not stop within 90 s of SIGTERM")
+    time.sleep(1)
+    left = _ours(home)
+    assert not left, [(p.pid, p.cmdline()) for p in left]
