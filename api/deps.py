@@ -83,6 +83,8 @@ def invalid_from_errors(errors: list[dict]) -> InvalidRequest:
     first = errors[0]
     kind = first.get("type", "")
     param = _param(tuple(first.get("loc", ())), kind)
+    if param is None and kind == "model_type":
+        return InvalidRequest("The request body must be a JSON object.", param=None)
     if kind == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
     elif kind == "json_invalid":

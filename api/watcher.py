@@ -118,10 +118,14 @@ class Watcher:
             state = states.get(row["flow_run_id"])
             if state is None:
                 continue
-            result = read_result(self.storage, row["id"]) if state.status == "done" else None
-            moved = apply_state(row["id"], state, result=result)
-            if state.status == "running" and set_progress(row["id"], _shards_done(self.storage, row["id"])):
-                moved = True
+            try:
+                result = read_result(self.storage, row["id"]) if state.status == "done" else None
+                moved = apply_state(row["id"], state, result=result)
+                if state.status == "running" and set_progress(row["id"], _shards_done(self.storage, row["id"])):
+                    moved = True
+            except Exception:  # storage briefly away: this job waits for the next tick, the others go on
+                log.exception("could not follow job %s", row["id"])
+                continue
             if moved:
                 changed.append(row["id"])
         return changed

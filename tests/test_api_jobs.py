@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_tensors
 
-from tests.api_fixtures import ApiServer, finish_run, harvest_api_env, set_run
+from tests.api_fixtures import finish_run, set_run
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Interpretability research reads the residual stream.", "Hi"]
 
@@ -308,19 +308,20 @@ def test_twenty_simultaneous_submits_against_a_limit_of_three_admit_three(harves
         _cancel(harvest_api, key, job["job_id"])
 
 
-def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_home, tiny, hf_engine):
-    server = ApiServer(harvest_home, f"restart-{uuid.uuid4().hex[:6]}", harvest_api_env(harvest_home)).start()
+def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_api, hf_engine):
+    server = harvest_api  # killed and restarted on the same port, database and storage
     runs_dir = Path(server.env["HARVEST_TEST_RUNS_DIR"])
-    try:
-        key = server.make_key(name="restart")
-        finishing = _submit(server, key)["job_id"]  # ends while the API is down
-        cancelled = _submit(server, key)["job_id"]  # cancelled while the API re-attaches
-        for job in (finishing, cancelled):
-            set_run(server, job, "running")
-            _until(server, key, job, "running")
+    name = f"restart-{uuid.uuid4().hex[:6]}"
+    key = server.make_key(name=name)
+    finishing = _submit(server, key)["job_id"]  # ends while the API is down
+    cancelled = _submit(server, key)["job_id"]  # cancelled while the API re-attaches
+    for job in (finishing, cancelled):
+        set_run(server, job, "running")
+        _until(server, key, job, "running")
 
-        server.kill()  # SIGKILL: no shutdown code runs
-        (runs_dir / "unreachable").touch()  # and Prefect is not back yet either
+    server.kill()  # SIGKILL: no shutdown code runs
+    (runs_dir / "unreachable").touch()  # and Prefect is not back yet either
+    try:
         finish_run(server, finishing, hf_engine)
         server.start()
 
@@ -329,25 +330,25 @@ def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_home, tiny, 
             assert _get(server, key, job).json()["status"] == "pending"
         response = _cancel(server, key, cancelled)
         assert (response.json()["status"], response.json()["tokens"]) == ("cancelled", 0)
-
-        (runs_dir / "unreachable").unlink()
-        body = _until(server, key, finishing, "done")
-        assert body["tokens"] == body["result"]["tokens"] > 0
-        # The same run was followed, never started again.
-        assert server.runs.get(f"run-{finishing}")["starts"] == 1
-
-        # Charged exactly once: the store's sum is this job's tokens (the cancel charged 0),
-        # and further watcher ticks change nothing.
-        time.sleep(1.0)
-        from sqlalchemy import text
-
-        engine = server.engine()
-        with engine.connect() as conn:
-            charged = conn.execute(text("SELECT coalesce(sum(tokens), 0) FROM jobs")).scalar_one()
-        engine.dispose()
-        assert charged == body["tokens"] == _get(server, key, finishing).json()["tokens"]
     finally:
-        server.stop()
+        (runs_dir / "unreachable").unlink()
+    body = _until(server, key, finishing, "done")
+    assert body["tokens"] == body["result"]["tokens"] > 0
+    # The same run was followed, never started again.
+    assert server.runs.get(f"run-{finishing}")["starts"] == 1
+
+    # Charged exactly once: the key's charges are this job's tokens (the cancel charged 0),
+    # and further watcher ticks change nothing.
+    time.sleep(1.0)
+    from sqlalchemy import text
+
+    engine = server.engine()
+    with engine.connect() as conn:
+        charged = conn.execute(text(
+            "SELECT coalesce(sum(tokens), 0) FROM jobs WHERE key_id = (SELECT id FROM api_keys WHERE name = :n)"
+        ), {"n": name}).scalar_one()
+    engine.dispose()
+    assert charged == body["tokens"] == _get(server, key, finishing).json()["tokens"]
 
 
 def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harvest_api, key):

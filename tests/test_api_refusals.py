@@ -94,6 +94,12 @@ def test_malformed_json_is_400(harvest_api, key):
         content=b'{"model": "llama-tiny", "prompts": [', timeout=30,
     )
     _error(response, 400, "invalid_request", None)
+    for body in (b"", b"[1, 2]", b"null"):
+        response = httpx.post(
+            f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            content=body, timeout=30,
+        )
+        assert "JSON object" in _error(response, 400, "invalid_request", None)["message"]
 
 
 def test_over_two_million_estimated_tokens_is_400_on_prompts(harvest_api, key):
