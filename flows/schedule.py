@@ -33,13 +33,14 @@ FLOW = "corpus-refresh"
 ENTRYPOINT = "flows.corpus_refresh:corpus_refresh"
 
 
-def use_stack_api() -> None:
-    """Point Prefect at the local stack's server when PREFECT_API_URL is not set."""
+def use_stack_api() -> str | None:
+    """The Prefect API to use: PREFECT_API_URL, else the running local stack's, else None."""
     if os.environ.get("PREFECT_API_URL"):
-        return
+        return os.environ["PREFECT_API_URL"]
     path = get_settings().home / "stack.json"
     if path.exists():
-        os.environ["PREFECT_API_URL"] = json.loads(path.read_text())["prefect_api_url"]
+        return json.loads(path.read_text())["prefect_api_url"]
+    return None
 
 
 def _name_from(url: str) -> str:
@@ -115,25 +116,37 @@ def main(argv: list[str]) -> int:
     delete = sub.add_parser("delete", help="delete a scheduled refresh")
     delete.add_argument("name")
     args = parser.parse_args(argv[1:])
-    use_stack_api()
+    api_url = use_stack_api()
+    if api_url is None:
+        print("harvest schedule: no Prefect server: start the stack (`harvest up`) or set PREFECT_API_URL.", file=sys.stderr)
+        return 2
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from harvest.errors import HarvestError
 
     try:
-        if args.action == "create":
-            corpus = args.corpus if "://" in args.corpus else os.path.abspath(args.corpus)
-            name = run_coro_as_sync(
-                create_schedule(corpus, args.model, args.cron, column=args.column, layers=_layers(args.layers),
-                                shard_size=args.shard_size, name=args.name, timezone=args.timezone)
-            )
-            print(f"scheduled {name}: {args.cron} ({args.timezone})")
-        elif args.action == "list":
-            for item in run_coro_as_sync(list_schedules()):
-                print(f"{item['name']}\t{','.join(c for c in item['cron'] if c)}\t{item['parameters'].get('corpus_url')}")
-        else:
-            run_coro_as_sync(delete_schedule(args.name))
-            print(f"deleted {args.name}")
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            return _run(args)
     except HarvestError as exc:
         print(f"harvest schedule: {exc.message}", file=sys.stderr)
         return 2
+
+
+def _run(args) -> int:
+    if args.action == "create":
+        corpus = args.corpus if "://" in args.corpus else os.path.abspath(args.corpus)
+        name = run_coro_as_sync(
+            create_schedule(
+                corpus, args.model, args.cron, column=args.column, layers=_layers(args.layers),
+                shard_size=args.shard_size, name=args.name, timezone=args.timezone,
+            )
+        )
+        print(f"scheduled {name}: {args.cron} ({args.timezone})")
+    elif args.action == "list":
+        for item in run_coro_as_sync(list_schedules()):
+            print(f"{item['name']}\t{','.join(c for c in item['cron'] if c)}\t{item['parameters'].get('corpus_url')}")
+    else:
+        run_coro_as_sync(delete_schedule(args.name))
+        print(f"deleted {args.name}")
     return 0
