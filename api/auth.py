@@ -21,7 +21,7 @@ from sqlalchemy import insert, select, update
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from api.db import api_keys, aware, get_engine, locked, transaction, usage, utcnow
+from api.db import api_keys, aware, locked, transaction, usage, utcnow
 from harvest.errors import RateLimited, Unauthorized
 
 __all__ = [

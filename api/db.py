@@ -48,6 +48,7 @@ __all__ = [
     "reset_engine",
     "upgrade",
     "transaction",
+    "locked",
     "utcnow",
     "aware",
 ]

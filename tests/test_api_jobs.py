@@ -198,54 +198,6 @@ def test_another_keys_job_is_404_and_lists_are_per_key(harvest_api, key, done_jo
         httpx.delete(f"{harvest_api.base_url}/harvest/{job_id}", headers=_auth(other))
 
 
-def test_long_poll_answers_on_the_status_change(harvest_api, key):
-    job = _submit(harvest_api, key)["job_id"]
-    threading.Timer(1.0, set_run, (harvest_api, job, "running")).start()
-    started = time.monotonic()
-    response = _get(harvest_api, key, job, wait=20)
-    elapsed = time.monotonic() - started
-    assert response.json()["status"] == "running" and response.json()["started_at"]
-    assert 0.9 < elapsed < 3.0, elapsed
-    assert "X-Acs-Longpoll" not in response.headers
-    httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))
-
-
-def test_long_poll_answers_after_wait_seconds_without_a_change(harvest_api, key):
-    job = _submit(harvest_api, key)["job_id"]
-    started = time.monotonic()
-    response = _get(harvest_api, key, job, wait=1.5)
-    assert 1.4 < time.monotonic() - started < 3.0
-    assert response.status_code == 200 and response.json()["status"] == "pending"
-    # A cancel wakes a waiter at once too.
-    threading.Timer(0.5, lambda: httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))).start()
-    started = time.monotonic()
-    assert _get(harvest_api, key, job, wait=20).json()["status"] == "cancelled"
-    assert time.monotonic() - started < 2.5
-
-
-def test_waiters_over_the_limit_are_declined_and_waiters_never_poll_the_backend(harvest_api, key):
-    job = _submit(harvest_api, key)["job_id"]
-    reads = Path(harvest_api.env["HARVEST_TEST_RUNS_DIR"]) / "reads.log"
-    held = [threading.Thread(target=_get, args=(harvest_api, key, job), kwargs={"wait": 3}) for _ in range(2)]
-    for t in held:
-        t.start()
-    time.sleep(0.5)
-    before = len(reads.read_text().splitlines())
-    started = time.monotonic()
-    response = _get(harvest_api, key, job, wait=10)
-    assert time.monotonic() - started < 1.0
-    assert response.status_code == 200 and response.json()["status"] == "pending"
-    assert response.headers["X-Acs-Longpoll"] == "declined" and response.headers["Retry-After"] == "3"
-    time.sleep(2.0)
-    during = len(reads.read_text().splitlines()) - before
-    for t in held:
-        t.join()
-    # One backend read per watcher tick (0.2 s) for every job together, however many wait.
-    assert during <= 2.0 / 0.2 + 4, during
-    assert _get(harvest_api, key, job, wait=0.2).headers.get("X-Acs-Longpoll") is None  # slots came back
-    httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))
-
-
 def _cancel(server, key, job_id) -> httpx.Response:
     return httpx.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), timeout=30)
 
