@@ -8,6 +8,7 @@ answer the harvest object. Status changes come from the watcher.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import uuid
 
@@ -29,6 +30,8 @@ __all__ = ["router", "REQUEST_FILE"]
 REQUEST_FILE = "request.json"
 TERMINAL = ("done", "failed", "cancelled")
 _errors = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503)}
+
+log = logging.getLogger("harvest.api")
 
 router = APIRouter(prefix="/v1", tags=["harvest"], responses=_errors)
 
@@ -138,7 +141,10 @@ def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
             pass  # the backend is away: decide by what the store knows
     row, cancelled_now = cancel_job(job_id, key.id)
     if cancelled_now and row["flow_run_id"]:
-        deps.runs().cancel(row["flow_run_id"])
+        try:
+            deps.runs().cancel(row["flow_run_id"])
+        except Exception:  # the job is cancelled and charged; the operator's reaper stops strays
+            log.exception("could not stop run %s of cancelled job %s", row["flow_run_id"], job_id)
     return row
 
 

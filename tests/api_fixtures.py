@@ -15,8 +15,8 @@ Fixtures (each server starts only when a test asks for it, and is killed at sess
     ``llama-tiny-large`` (the tiny model on the large lane) and ``llama-tiny-noharvest``
     (served, not harvested), a 0.2 s watcher, a waiter limit of 2 and a large-lane capacity of 2. Its ``.make_key(**limits)``
     works like ``make_key``.
-``prefect_api`` → ``ApiServer`` whose runs are real Prefect flow runs (``harvest_stack`` of
-    tests/prefect_fixtures.py: server, deployments, one worker per lane).
+For real Prefect runs, give an ``ApiServer`` ``HARVEST_RUN_BACKEND=api.runs:PrefectRuns`` and
+``PREFECT_API_URL`` (as tests/test_api_stack.py does against a live ``harvest up``).
 
 ``ApiServer(env).start()`` starts more servers (e.g. to kill and restart one mid-job):
 ``.kill()`` (SIGKILL), ``.start()`` again on the same port, database and storage, ``.stop()``.
@@ -288,13 +288,3 @@ def harvest_api_env(home: Path) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def harvest_api(harvest_home: Path, tiny):
     yield from _server(harvest_home, "harvest", harvest_api_env(harvest_home))
-
-
-@pytest.fixture(scope="session")
-def prefect_api(harvest_home: Path, harvest_stack, tiny):
-    env = {
-        "HARVEST_RUN_BACKEND": "api.runs:PrefectRuns",
-        "HARVEST_STORAGE_URL": os.environ.get("HARVEST_STORAGE_URL", f"file://{harvest_home / 'storage'}"),
-        "HARVEST_WATCH_INTERVAL_S": "0.5",
-    }
-    yield from _server(harvest_home, "prefect", env)

@@ -88,6 +88,11 @@ def test_directions_that_do_not_fit_are_refused_with_the_numbers(harvest_api, ke
         assert needle in error["message"], error
 
 
+def test_a_model_whose_weights_are_not_here_is_503(harvest_api, key):
+    error = _error(_post(harvest_api, key, {**OK, "model": "llama-8b", "layers": [8]}), 503, "harvest_unavailable", None)
+    assert "meta-llama/Llama-3.1-8B" in error["message"]
+
+
 def test_malformed_json_is_400(harvest_api, key):
     response = httpx.post(
         f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
