@@ -178,6 +178,15 @@ def test_a_short_tensor_fails_the_shard(vllm_engine, prompts, monkeypatch):
         vllm_engine.capture(prompts, CaptureSpec(layers=LAYERS))
 
 
+def test_a_prompt_of_max_model_len_is_captured(vllm_engine, tiny):
+    """vLLM counts the sampled token against the length; the capture must still take a full prompt."""
+    full = [1] + [5, 6, 7, 8] * ((tiny.max_model_len - 1) // 4) + [9] * ((tiny.max_model_len - 1) % 4)
+    assert len(full) == tiny.max_model_len
+    shard = vllm_engine.capture([full, [1]], CaptureSpec(layers=[7]))
+    assert [tuple(v.shape) for v in shard.values] == [(1, tiny.max_model_len, 256), (1, 1, 256)]
+    assert shard.stats.count == tiny.max_model_len - 1
+
+
 def test_generate_covers_prompt_and_generated_positions(vllm_engine, hf_engine, prompts):
     prompt = prompts[1]
     greedy = vllm_engine.generate([prompt, prompt], [SamplingSpec(max_tokens=5, temperature=0), SamplingSpec(max_tokens=1, temperature=0)], [0, 7])

@@ -50,7 +50,7 @@ import torch
 
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.engines.base import Engine, Generation, SamplingSpec
-from harvest.errors import CaptureFailed
+from harvest.errors import CaptureFailed, ContextLengthExceeded
 from harvest.registry import ModelInfo
 from harvest.stats import RunningStats
 
@@ -337,6 +337,11 @@ class VLLMEngine(Engine):
         # serialised (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to run the engine core apart).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the hooks read V1 runner state
+        # A prompt of exactly max_model_len tokens must still be captured, but vLLM counts the
+        # one sampled token (which never runs) against the length: allow one position more
+        # than the checkpoint declares. No position past the model's own limit is ever run:
+        # `capture` runs only the prompt, and `generate` refuses prompt + max_tokens over it.
+        os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
         from vllm import LLM
 
         self.model = model
@@ -344,7 +349,7 @@ class VLLMEngine(Engine):
         args: dict[str, Any] = dict(
             model=path,
             tokenizer=path,
-            max_model_len=model.max_model_len,
+            max_model_len=model.max_model_len + 1,
             enforce_eager=True,  # module hooks do not fire inside compiled graphs
             enable_prefix_caching=False,  # a cached prefix would skip its positions
             enable_chunked_prefill=True,
@@ -406,6 +411,13 @@ class VLLMEngine(Engine):
         """Complete every prompt in one batch; `residual` covers prompt + generated − 1 positions."""
         from vllm import SamplingParams
 
+        for prompt, s in zip(prompts, sampling, strict=True):
+            if len(prompt) + s.max_tokens > self.model.max_model_len:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {self.model.max_model_len} tokens; the prompt has "
+                    f"{len(prompt)} and max_tokens asks for {s.max_tokens} more.",
+                    param="max_tokens",
+                )
         params = []
         for i, s in enumerate(sampling):
             params.append(
