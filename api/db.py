@@ -213,3 +213,8 @@ def locked(conn: Connection, table: Table, *where):
     if conn.dialect.name != "sqlite":
         query = query.with_for_update()
     return conn.execute(query).mappings().first()
+
+
+if __name__ == "__main__":  # `python -m api.db`: migrate HARVEST_DATABASE_URL to the newest schema
+    upgrade(make_engine(database_url()))
+    print(f"{database_url()}: schema at the newest revision")

@@ -1,0 +1,61 @@
+"""The whole app on PostgreSQL (127.0.0.1:5432, database `test`, a schema of its own): the same
+code as on SQLite, with the 20-submit race admitting exactly 3 and a cancel charged by the rule."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import httpx
+import pytest
+
+from tests.api_fixtures import ApiServer, harvest_api_env, set_run
+from tests.test_api_store import _drop_pg, _pg_url
+
+
+@pytest.fixture(scope="module")
+def pg_api(harvest_home, tiny):
+    schema = f"harvest_api_{uuid.uuid4().hex[:10]}"
+    url = _pg_url(schema)
+    if url is None:
+        pytest.skip("no PostgreSQL server at 127.0.0.1:5432")
+    server = ApiServer(harvest_home, "postgres", {**harvest_api_env(harvest_home), "HARVEST_DATABASE_URL": url})
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        _drop_pg(url, schema)
+
+
+def test_race_and_charging_on_postgresql(pg_api):
+    key = pg_api.make_key(name="pg", small=3)
+    auth = {"Authorization": f"Bearer {key}"}
+    barrier = threading.Barrier(20)
+    answers: list[httpx.Response] = []
+
+    def submit():
+        barrier.wait()
+        answers.append(httpx.post(f"{pg_api.base_url}/harvest", headers=auth, timeout=60,
+                                  json={"model": "llama-tiny", "prompts": ["race"]}))
+
+    threads = [threading.Thread(target=submit) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.status_code for r in answers) == [202] * 3 + [429] * 17
+    jobs = [r.json() for r in answers if r.status_code == 202]
+
+    set_run(pg_api, jobs[0]["job_id"], "running")
+    for _ in range(100):
+        if httpx.get(f"{pg_api.base_url}/harvest/{jobs[0]['job_id']}", headers=auth).json()["status"] == "running":
+            break
+    started = httpx.delete(f"{pg_api.base_url}/harvest/{jobs[0]['job_id']}", headers=auth).json()
+    assert (started["status"], started["tokens"]) == ("cancelled", jobs[0]["reserved_tokens"])
+    for job in jobs[1:]:
+        early = httpx.delete(f"{pg_api.base_url}/harvest/{job['job_id']}", headers=auth).json()
+        assert (early["status"], early["tokens"]) == ("cancelled", 0)
+    listed = httpx.get(f"{pg_api.base_url}/harvest", headers=auth).json()["data"]
+    assert {j["job_id"] for j in listed} == {j["job_id"] for j in jobs}
+    created = [j["created_at"] for j in listed]
+    assert created == sorted(created, reverse=True)  # newest first
