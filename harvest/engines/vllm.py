@@ -81,7 +81,7 @@ def _version(dist: str) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Worker side: runs inside vLLM's worker (this process on the CPU, a worker process on GPU)
+# Worker side: runs inside vLLM's worker (this process, unless multiprocessing is turned on)
 # --------------------------------------------------------------------------------------
 
 
@@ -207,20 +207,22 @@ class _Session:
             offset += rows
         if not pieces:
             return
+        # No step below waits for the device: row indices are built on the host, and no
+        # boolean-mask indexing (it would sync to count the rows).
         contiguous = pieces[0][1] == 0 and all(pieces[k][1] == pieces[k - 1][1] + pieces[k - 1][2] for k in range(1, len(pieces)))
         if contiguous:
             values = hidden[:offset]
         else:
-            index_rows = torch.cat([torch.arange(s, s + n, device=hidden.device) for _, s, n in pieces])
-            values = hidden.index_select(0, index_rows)
+            rows_index = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(hidden.device, non_blocking=True)
+            values = hidden.index_select(0, rows_index)
         if self.directions is not None:
             values = values.float() @ self.directions.T  # projected on the device
         if self.plan.stats:
             counted = values
             if skip_first:
-                mask = torch.ones(offset, dtype=torch.bool, device=values.device)
-                mask[skip_first] = False
-                counted = values[mask]
+                keep = torch.ones(offset, dtype=torch.bool)
+                keep[skip_first] = False
+                counted = values.index_select(0, keep.nonzero().squeeze(1).to(values.device, non_blocking=True))
             if layer not in self.stats:
                 self.stats[layer] = RunningStats(1, values.shape[-1], device=values.device)
             self.stats[layer].update(counted[None])
@@ -360,7 +362,15 @@ class VLLMEngine(Engine):
             args.update(dtype="float32", kv_cache_memory_bytes=_kv_cache_bytes(model))
         args.update(engine_args)
         self.engine_args = args
-        self.llm = LLM(**args)
+        # vLLM's CPU worker, here in our process, sets torch to one thread and replaces
+        # torch.set_num_threads with a no-op for everyone: put both back, so the HF engine,
+        # the API and the tests beside it keep their threads (and the prefill uses them too).
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLM(**args)
+        finally:
+            torch.set_num_threads = set_threads
+            set_threads(threads)
         if _in_process():
             _IN_PROCESS.add(id(self))
 
