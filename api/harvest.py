@@ -118,16 +118,19 @@ async def read_harvest(
             headers = {"X-Acs-Longpoll": "declined", "Retry-After": "3"}
         else:
             try:
-                deadline = asyncio.get_running_loop().time() + wait
-                while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
-                    if await watcher.wait(job_id, remaining):
-                        row = await run_in_threadpool(get_job, job_id, key.id)
-                        if view_status(row) != status:
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + wait
+                with watcher.subscription(job_id) as changed:
+                    row = await run_in_threadpool(get_job, job_id, key.id)  # after subscribing: nothing slips by
+                    while view_status(row) == status and (remaining := deadline - loop.time()) > 0:
+                        try:
+                            await asyncio.wait_for(changed.wait(), remaining)
+                        except asyncio.TimeoutError:
                             break
+                        changed.clear()
+                        row = await run_in_threadpool(get_job, job_id, key.id)
             finally:
                 watcher.leave()
-            if view_status(row) == status:
-                row = await run_in_threadpool(get_job, job_id, key.id)
     body = await run_in_threadpool(render, row, deps.storage(), deps.base_url(request), check_files=True)
     return JSONResponse(body, headers=headers)
 

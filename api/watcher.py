@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 from collections import defaultdict
+from contextlib import contextmanager
 
 from api.runs import Runs, RunState
 from api.store import BOOT_ID, active_jobs, apply_state, attach_run, fail_job, set_progress
@@ -172,15 +173,14 @@ class Watcher:
     def leave(self) -> None:
         self.waiting -= 1
 
-    async def wait(self, job_id: str, timeout: float) -> bool:
-        """Sleep until the job is notified or `timeout` passes; True when notified."""
+    @contextmanager
+    def subscription(self, job_id: str):
+        """An event set whenever the job is notified; subscribe before reading the job, so a
+        change between the read and the wait cannot be missed."""
         event = asyncio.Event()
         self._events[job_id].add(event)
         try:
-            await asyncio.wait_for(event.wait(), timeout=max(timeout, 0))
-            return True
-        except asyncio.TimeoutError:
-            return False
+            yield event
         finally:
             self._events[job_id].discard(event)
             if not self._events[job_id]:

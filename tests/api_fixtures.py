@@ -169,7 +169,7 @@ class ApiServer:
     def runs(self) -> FileRuns:
         return FileRuns(self.env["HARVEST_TEST_RUNS_DIR"])
 
-    def start(self, timeout: float = 60) -> "ApiServer":
+    def start(self, timeout: float = 180) -> "ApiServer":  # a loaded 2-core CI box is slow to import torch
         env = {**os.environ, **self.env, "PYTHONPATH": str(REPO)}
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
