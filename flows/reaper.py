@@ -24,7 +24,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -164,16 +163,23 @@ def reap_once_sync(**kwargs) -> list[Action]:
     return asyncio.run(reap_once(**kwargs))
 
 
-def run_forever(stop: threading.Event, pools: tuple[str, ...] = POOLS, log=print) -> None:
-    """Reap every HARVEST_REAPER_INTERVAL_S seconds until `stop` is set (a thread of `harvest up`)."""
+def run_forever(stop: threading.Event, pools: tuple[str, ...] = POOLS, log=print, api_url: str | None = None) -> None:
+    """Reap every HARVEST_REAPER_INTERVAL_S seconds until `stop` is set (a thread of `harvest up`).
+
+    api_url: the Prefect API (default: PREFECT_API_URL); given explicitly because Prefect's
+    settings context does not follow into a new thread.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     interval = float(os.environ.get("HARVEST_REAPER_INTERVAL_S", 5))
     while not stop.wait(interval):
         try:
-            for action in asyncio.run(reap_once(pools)):
+            with temporary_settings({PREFECT_API_URL: api_url} if api_url else {}):
+                actions = asyncio.run(reap_once(pools))
+            for action in actions:
                 log(f"reaper: {action.what} flow run {action.name} ({action.flow_run_id})")
         except Exception as exc:  # the server may be restarting; try again next round
             log(f"reaper: pass failed: {type(exc).__name__}: {exc}")
-        time.sleep(0)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,11 @@ def _build_models() -> None:
             _say(f"model {name}: {exc}")
 
 
+def _import_flows() -> None:
+    import flows.corpus_refresh  # noqa: F401  (imports flows.harvest: torch, transformers)
+    import flows.retention  # noqa: F401
+
+
 class Stack:
     def __init__(self, home: Path, port: int, prefect_port: int):
         self.home = home
@@ -86,6 +91,7 @@ class Stack:
         self.children: list[Managed] = []
         self.stop_event = threading.Event()
         self.reaper: threading.Thread | None = None
+        self.api_url: str | None = None
 
     def env(self, api_url: str | None = None) -> dict[str, str]:
         env = {
@@ -104,14 +110,31 @@ class Stack:
         started = time.monotonic()
         logs = self.home / "logs"
         prefect_home = Path(self.env()["PREFECT_HOME"])
-        with ThreadPoolExecutor(3) as pool:
+        # Everything that does not need the server runs while it starts (~10 s): the dev key,
+        # the embedded model, and importing the flows (torch, transformers) for the deploy.
+        with ThreadPoolExecutor(4) as pool:
             server_f = pool.submit(start_server, prefect_home, self.prefect_port, self.env(), 90)
             key_f = pool.submit(dev_key, self.home, self.env())
             models_f = pool.submit(_build_models)
+            imports_f = pool.submit(_import_flows)
             server, api_url = server_f.result()
             self.children.append(server)
             _say(f"prefect server ready at {api_url} ({time.monotonic() - started:.1f} s)")
             os.environ["PREFECT_API_URL"] = api_url
+            self.api_url = api_url
+            models_f.result()
+            # Workers and the API boot (seconds each) while the deployments are applied; a
+            # worker that comes first creates its pool, and the deploy then sets its limit.
+            for lane in LANES:
+                self.children.append(start_worker(lane, api_url, logs / f"worker-{lane}.log", self.env(api_url), name=f"{lane}-{os.getpid()}"))
+            key = key_f.result()
+            api = Managed(
+                "api",
+                [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1", "--port", str(self.port)],
+                self.env(api_url), logs / "api.log", cwd=str(REPO),
+            )
+            self.children.append(api)
+            imports_f.result()
             from prefect.settings import PREFECT_API_URL, temporary_settings
 
             from flows.deploy import apply_sync
@@ -119,22 +142,14 @@ class Stack:
             with temporary_settings({PREFECT_API_URL: api_url}):
                 names = apply_sync()
             _say(f"deployed {', '.join(names)} ({time.monotonic() - started:.1f} s)")
-            models_f.result()
-            for lane in LANES:
-                self.children.append(start_worker(lane, api_url, logs / f"worker-{lane}.log", self.env(api_url), name=f"{lane}-{os.getpid()}"))
-            key = key_f.result()
-        api = Managed(
-            "api",
-            [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1", "--port", str(self.port)],
-            self.env(api_url), logs / "api.log", cwd=str(REPO),
-        )
-        self.children.append(api)
         wait_http(f"http://127.0.0.1:{self.port}/openapi.json", 90, api)
         _say(f"api ready ({time.monotonic() - started:.1f} s)")
 
         from flows.reaper import run_forever
 
-        self.reaper = threading.Thread(target=run_forever, args=(self.stop_event,), kwargs={"log": _say}, daemon=True)
+        self.reaper = threading.Thread(
+            target=run_forever, args=(self.stop_event,), kwargs={"log": _say, "api_url": self.api_url}, daemon=True
+        )
         self.reaper.start()
         info = {
             "ACS_API_BASE": f"http://127.0.0.1:{self.port}/v1",
