@@ -96,7 +96,7 @@ def main() -> None:
     plain = median["plain vLLM prefill"]
     hf = median["HF harvest, quartiles"]
     print(
-        f"model hidden 1024 x 16 layers, float32 on CPU ({os.cpu_count()} cores; torch threads: vLLM sets its own); "
+        f"model hidden 1024 x 16 layers, float32 on CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads for both engines); "
         f"{args.prompts} prompts, {total} tokens; median of {args.rounds} rounds; vLLM start {vllm_start:.1f} s"
     )
     print(f"{'arm':26s} {'seconds':>8s} {'tokens/s':>9s} {'vs plain vLLM':>14s} {'vs HF harvest':>14s}")
