@@ -21,7 +21,6 @@ import re
 import sys
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import DeploymentScheduleCreate
 from prefect.client.schemas.schedules import CronSchedule
 from prefect.utilities.asyncutils import run_coro_as_sync
 

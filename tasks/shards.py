@@ -15,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from harvest.engines.base import Engine
+from harvest.errors import HarvestError
 from harvest.pipeline import JobSummary, Timings, finalize, run_shards
 from harvest.request import ResolvedJob
 from harvest.storage import Storage
@@ -33,11 +34,30 @@ class ShardWork:
         self.tokenized = tokenized
 
 
-@task(name="harvest-shard", task_run_name="shard-{k}", cache_policy=NO_CACHE, persist_result=False, retries=1)
+def _transient(task, task_run, state) -> bool:
+    """Retry storage or runtime hiccups, not the service's own refusals (a capture that
+    missed a layer fails the same way twice)."""
+    try:
+        state.result()
+    except HarvestError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(
+    name="harvest-shard",
+    task_run_name="shard-{k}",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retries=1,
+    retry_condition_fn=_transient,
+)
 def harvest_shard(work: ShardWork, k: int) -> dict:
     """Write shard k (or skip it if it is already written and verified).
 
-    One retry: a transient storage error costs a second attempt at this shard only; the
+    One retry for a transient error: it costs a second attempt at this shard only, and the
     write is idempotent (atomic overwrite of the same bytes).
     """
     timings, skipped = run_shards(work.job, work.storage, work.engine, [k], tokenized=work.tokenized)
