@@ -132,7 +132,7 @@ def parity() -> int:
     check("statistics vs numpy float64", shard.stats.count == counted.shape[1] and max(mean_err, std_err) <= FP32_RTOL,
           f"count {shard.stats.count}, mean {mean_err:.2e}, std {std_err:.2e}")
 
-    import harvest.engines.vllm as module
+    import harvest.engines.vllm_worker as module
 
     real = module._layer_modules
     module._layer_modules = lambda worker: {k: m for k, m in real(worker).items() if k != 3}

@@ -30,9 +30,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import harvest.engines.vllm as vllm_engine_module
+import harvest.engines.vllm_worker as vllm_worker_module
 from harvest.capture import CaptureSpec
-from harvest.engines.base import SamplingSpec, load_engine, vllm_available
+from harvest.engines.base import SamplingSpec, vllm_available
 from harvest.errors import CaptureFailed
 from harvest.tokenize import load_tokenizer
 from tests.reference import hf_reference_layers
@@ -152,8 +152,8 @@ def test_activation_statistics_equal_reference(vllm_engine, prompts, reference):
 
 def test_a_missed_layer_fails_the_shard(vllm_engine, prompts, monkeypatch):
     """Fault at one seam: layer discovery loses block 3, so its hook is never installed."""
-    real = vllm_engine_module._layer_modules
-    monkeypatch.setattr(vllm_engine_module, "_layer_modules", lambda worker: {k: m for k, m in real(worker).items() if k != 3})
+    real = vllm_worker_module._layer_modules
+    monkeypatch.setattr(vllm_worker_module, "_layer_modules", lambda worker: {k: m for k, m in real(worker).items() if k != 3})
     with pytest.raises(CaptureFailed, match=r"missed layer\(s\) \[3\]"):
         vllm_engine.capture(prompts, CaptureSpec(layers=LAYERS))
     monkeypatch.undo()
@@ -164,7 +164,7 @@ def test_a_missed_layer_fails_the_shard(vllm_engine, prompts, monkeypatch):
 
 def test_a_short_tensor_fails_the_shard(vllm_engine, prompts, monkeypatch):
     """Fault at one seam: the step's row map loses the last row of one request."""
-    real = vllm_engine_module._step_segments
+    real = vllm_worker_module._step_segments
 
     def drop_a_row(runner):
         segments = real(runner)
@@ -173,7 +173,7 @@ def test_a_short_tensor_fails_the_shard(vllm_engine, prompts, monkeypatch):
             segments[-1] = (index, start, end - 1)
         return segments
 
-    monkeypatch.setattr(vllm_engine_module, "_step_segments", drop_a_row)
+    monkeypatch.setattr(vllm_worker_module, "_step_segments", drop_a_row)
     with pytest.raises(CaptureFailed, match="ran .* positions"):
         vllm_engine.capture(prompts, CaptureSpec(layers=LAYERS))
 

@@ -1,0 +1,266 @@
+"""The vLLM worker side of the harvest engine: hooks on the requested blocks, reduced on device.
+
+`HarvestWorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`). For one shard
+the driver calls `harvest_begin(plan)`, runs `LLM.generate`, then `harvest_end()`. In between,
+forward hooks on the requested blocks only take each step's rows of this session's requests
+(told apart by `extra_args["harvest_index"]` and the step's `query_start_loc`), add the fused
+(mlp_out, residual) pair into the stream, project it (float32, on the device) when asked,
+fold the statistics partial (`RunningStats`, float64, on the device; each prompt's first
+position left out), and copy the stored-dtype values to host memory once per layer per step.
+
+A hook never raises into vLLM (that would take its engine down for every later shard): it
+records the error, and `harvest_end` reports it with every prompt's position count checked
+per layer, so the driver raises `CaptureFailed` instead of returning a short tensor.
+Tensor parallelism: rank 0 answers (the stream is replicated). Pipeline parallelism is not
+supported (a rank would hold only its own blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from harvest.stats import RunningStats
+
+__all__ = ["INDEX_KEY", "CapturePlan", "HarvestWorkerExtension", "in_process"]
+
+INDEX_KEY = "harvest_index"
+"""`SamplingParams.extra_args` key naming a request's prompt index within the session."""
+
+
+def in_process() -> bool:
+    """True when vLLM's engine core (and so this worker) runs in the driver's process."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+
+
+@dataclass
+class CapturePlan:
+    """What one session captures; pickled to the worker at the start of a shard."""
+
+    layers: list[int]
+    """Blocks to hook, ascending."""
+    directions: np.ndarray | None
+    """Unit directions float32 `[n_directions, hidden]`, or None to keep the stream."""
+    stored_dtype: str
+    """"bfloat16" or "float32": the dtype values are copied to host in."""
+    n_prompts: int
+    keep: list[int] | None
+    """Positions to keep per prompt (its length for a harvest); None keeps every position."""
+    stats: bool
+    """Fold statistics (all positions kept except each prompt's first)."""
+
+
+def _layer_modules(worker: Any) -> dict[int, torch.nn.Module]:
+    """Global block index → decoder-layer module on this worker (vllm-lens' discovery).
+
+    The one seam the missing-layer test replaces.
+    """
+    from vllm_lens._worker_ext import _discover_layer_modules
+
+    return _discover_layer_modules(worker)
+
+
+def _step_segments(runner: Any) -> list[tuple[int, int, int]] | None:
+    """`(prompt index, start row, end row)` of this session's requests in the running step."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0] if metadata else None
+    if not metadata:
+        return None
+    query_start_loc = next((m.query_start_loc for m in metadata.values() if hasattr(m, "query_start_loc")), None)
+    if query_start_loc is None:
+        raise RuntimeError("no attention metadata with query_start_loc: cannot tell which rows belong to which request")
+    num_reqs = runner.input_batch.num_reqs
+    bounds = query_start_loc[: num_reqs + 1].tolist()
+    segments = []
+    for i, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
+        state = runner.requests.get(req_id)
+        extra = state.sampling_params.extra_args if state is not None and state.sampling_params is not None else None
+        if extra and INDEX_KEY in extra:
+            segments.append((int(extra[INDEX_KEY]), bounds[i], bounds[i + 1]))
+    return segments
+
+
+class _Session:
+    """Hooks on the requested blocks for one shard, and what they have gathered so far."""
+
+    def __init__(self, runner: Any, plan: CapturePlan, modules: dict[int, torch.nn.Module]):
+        self.runner = runner
+        self.plan = plan
+        self.device = next(runner.model.parameters()).device
+        self.directions = None if plan.directions is None else torch.from_numpy(plan.directions).to(self.device, torch.float32)
+        self.stored_dtype = getattr(torch, plan.stored_dtype)
+        n_features = plan.directions.shape[0] if plan.directions is not None else None
+        self.n_features = n_features
+        self.seen = {layer: [0] * plan.n_prompts for layer in plan.layers}
+        self.chunks: dict[int, list[list[torch.Tensor]]] = {layer: [[] for _ in range(plan.n_prompts)] for layer in plan.layers}
+        self.stats: dict[int, RunningStats] = {}
+        self.errors: list[str] = []
+        self._cached: tuple[Any, list] | None = None  # (step's attn metadata, its segments)
+        self._hidden_ptr = 0
+        self.handles = [modules[layer].register_forward_hook(self._hook(layer)) for layer in plan.layers if layer in modules]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _segments(self) -> list[tuple[int, int, int]] | None:
+        # Every hooked layer of one step sees the same metadata object: work the rows out once.
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        key = get_forward_context().attn_metadata if is_forward_context_available() else None
+        if self._cached is None or self._cached[0] is not key:
+            self._cached = (key, _step_segments(self.runner))
+        return self._cached[1]
+
+    def _hook(self, layer: int):
+        def hook(_module, _args, output):
+            try:
+                self._capture(layer, output)
+            except Exception as exc:  # noqa: BLE001 - raising here would take vLLM's engine down
+                self.errors.append(f"layer {layer}: {type(exc).__name__}: {exc}")
+            return None
+
+        return hook
+
+    @torch.inference_mode()
+    def _capture(self, layer: int, output) -> None:
+        segments = self._segments()
+        if not segments:
+            return
+        if isinstance(output, tuple):
+            hidden = output[0] if len(output) < 2 or output[1] is None else output[0] + output[1]
+        else:
+            hidden = output
+        self._hidden_ptr = hidden.data_ptr()
+        seen = self.seen[layer]
+        pieces: list[tuple[int, int, int]] = []  # (prompt, first row, rows kept)
+        skip_first: list[int] = []  # offsets (in the gathered rows) of each prompt's position 0
+        offset = 0
+        for index, start, end in segments:
+            rows = end - start
+            if self.plan.keep is not None:
+                rows = min(rows, self.plan.keep[index] - seen[index])
+            if rows <= 0:
+                continue
+            if seen[index] == 0:
+                skip_first.append(offset)
+            pieces.append((index, start, rows))
+            seen[index] += rows
+            offset += rows
+        if not pieces:
+            return
+        # No step below waits for the device: row indices are built on the host, and no
+        # boolean-mask indexing (it would sync to count the rows).
+        contiguous = pieces[0][1] == 0 and all(pieces[k][1] == pieces[k - 1][1] + pieces[k - 1][2] for k in range(1, len(pieces)))
+        if contiguous:
+            values = hidden[:offset]
+        else:
+            rows_index = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(hidden.device, non_blocking=True)
+            values = hidden.index_select(0, rows_index)
+        if self.directions is not None:
+            values = values.float() @ self.directions.T  # projected on the device
+        if self.plan.stats:
+            counted = values
+            if skip_first:
+                keep = torch.ones(offset, dtype=torch.bool)
+                keep[skip_first] = False
+                counted = values.index_select(0, keep.nonzero().squeeze(1).to(values.device, non_blocking=True))
+            if layer not in self.stats:
+                self.stats[layer] = RunningStats(1, values.shape[-1], device=values.device)
+            self.stats[layer].update(counted[None])
+        host = self._to_host(values.to(self.stored_dtype))  # one copy per layer per step
+        at = 0
+        for index, _start, rows in pieces:
+            self.chunks[layer][index].append(host[at : at + rows])
+            at += rows
+
+    def _to_host(self, values: torch.Tensor) -> torch.Tensor:
+        if values.device.type == "cuda":
+            # Into pinned memory, without waiting: the forward pass goes on while the copy runs
+            # (the caching allocator orders any reuse of `values` after it); `result` syncs.
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            return host.copy_(values, non_blocking=True)
+        # On the CPU `values` may still be vLLM's own buffer (no projection, no dtype change).
+        return values.clone() if values.data_ptr() == self._hidden_ptr else values
+
+    def result(self, hidden_size: int) -> dict:
+        """The reduced shard: per-prompt `[n_layers, n_tokens, n_features]` and one stats partial."""
+        plan = self.plan
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the pinned copies have landed
+        errors = list(self.errors)
+        missing = [layer for layer in plan.layers if not any(self.seen[layer])]
+        if missing:
+            errors.append(f"The capture missed layer(s) {missing}: no activations came back for them.")
+        values: list[torch.Tensor | None] = [None] * plan.n_prompts
+        if not errors:
+            for index in range(plan.n_prompts):
+                counts = {layer: self.seen[layer][index] for layer in plan.layers}
+                want = plan.keep[index] if plan.keep is not None else max(counts.values())
+                short = {layer: n for layer, n in counts.items() if n != want}
+                if short:
+                    errors.append(f"Prompt {index} ran {want} positions, but the capture holds {short} (layer: positions).")
+                    break
+                values[index] = torch.stack([torch.cat(self.chunks[layer][index]) for layer in plan.layers])
+        stats_state = None
+        if plan.stats and not errors:
+            n_features = self.n_features or hidden_size
+            stacked = RunningStats(len(plan.layers), n_features)
+            parts = [self.stats.get(layer) or RunningStats(1, n_features) for layer in plan.layers]
+            counts = {layer: part.count for layer, part in zip(plan.layers, parts)}
+            if len(set(counts.values())) != 1:
+                errors.append(f"The layers' statistics cover different numbers of positions: {counts}.")
+            else:
+                stacked.count = parts[0].count
+                stacked.mean = torch.cat([p.mean.cpu() for p in parts])
+                stacked.m2 = torch.cat([p.m2.cpu() for p in parts])
+                stacked.norm_sum = torch.cat([p.norm_sum.cpu() for p in parts])
+                stats_state = stacked.state_dict()
+        return {"values": values if not errors else None, "stats": stats_state, "errors": errors}
+
+
+try:  # subclassing vllm-lens keeps its own features working on our engine (see harvest.engines.vllm)
+    from vllm_lens._worker_ext import HiddenStatesExtension as _Base
+except ImportError:  # pragma: no cover - only without vllm-lens
+    _Base = object
+
+
+class HarvestWorkerExtension(_Base):  # type: ignore[misc, valid-type]
+    """Mixed into vLLM's worker (`worker_extension_cls`); its methods are `collective_rpc` targets."""
+
+    _harvest_session: _Session | None = None
+
+    def _harvest_should_capture(self) -> bool:
+        # The residual stream is replicated across tensor-parallel ranks: rank 0 answers.
+        tp = self.parallel_config.tensor_parallel_size
+        return tp <= 1 or self.rank % tp == 0
+
+    def harvest_begin(self, plan_bytes: bytes) -> None:
+        self.harvest_end()  # a session left over from a failed call never leaks hooks
+        if not self._harvest_should_capture():
+            return
+        plan: CapturePlan = pickle.loads(plan_bytes)
+        self._harvest_session = _Session(self.model_runner, plan, _layer_modules(self))
+
+    def harvest_end(self) -> dict | bytes | None:
+        session, self._harvest_session = self._harvest_session, None
+        if session is None:
+            return None
+        session.close()
+        result = session.result(self.model_config.get_hidden_size())
+        if in_process():
+            return result  # same process as the driver: hand the tensors over as they are
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
