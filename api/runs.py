@@ -64,7 +64,7 @@ class PrefectRuns:
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-        from flows.submit import job_status
+        from flows.submit import job_status, run_started_at
 
         states: dict[str, RunState] = {}
         with get_client(sync_client=True) as client:
@@ -78,7 +78,8 @@ class PrefectRuns:
                     states[str(run.id)] = RunState(
                         status=status,
                         message=(message or "The harvest run failed.") if status == "failed" else None,
-                        started_at=run.start_time,
+                        # Prefect stamps start_time on a run cancelled before it ran, too.
+                        started_at=run_started_at(run),
                     )
         return states
 
