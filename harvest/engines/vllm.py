@@ -41,6 +41,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -122,6 +123,9 @@ class VLLMEngine(Engine):
             args.update(dtype="float32", kv_cache_memory_bytes=_kv_cache_bytes(model))
         args.update(engine_args)
         self.engine_args = args
+        # One call at a time: the worker holds one capture session, and `vllm.LLM` is not
+        # thread-safe (the API may call from several threads).
+        self._lock = threading.Lock()
         # vLLM's CPU worker, here in our process, sets torch to one thread and replaces
         # torch.set_num_threads with a no-op for everyone: put both back, so the HF engine,
         # the API and the tests beside it keep their threads (and the prefill uses them too).
@@ -139,11 +143,12 @@ class VLLMEngine(Engine):
     def _session(self, plan: CapturePlan, prompts: list[list[int]], params: list) -> tuple[list, dict]:
         from vllm.inputs import TokensPrompt
 
-        self.llm.collective_rpc("harvest_begin", args=(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL),))
-        try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        finally:
-            answers = self.llm.collective_rpc("harvest_end")
+        with self._lock:
+            self.llm.collective_rpc("harvest_begin", args=(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL),))
+            try:
+                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+            finally:
+                answers = self.llm.collective_rpc("harvest_end")
         payload = next((a for a in answers if a is not None), None)
         if payload is None:
             raise CaptureFailed("The vLLM worker returned no capture.")
@@ -208,7 +213,8 @@ class VLLMEngine(Engine):
         else:
             from vllm.inputs import TokensPrompt
 
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+            with self._lock:
+                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
             residuals = [None] * len(prompts)
 
         generations = []
