@@ -5,6 +5,8 @@ checked instead (the HMAC file route's expiry is tested in test_api_jobs.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from urllib.parse import parse_qs, urlparse
 
@@ -20,16 +22,35 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
+    """moto's S3 server in its own process, as a real S3-compatible server would be.
+
+    Not the in-process ThreadedMotoServer: it imports Flask into the test process, and vLLM's
+    start-up scan of every loaded module trips over Flask's context proxies, so a vLLM engine
+    started later in the same session would fail.
+    """
     import boto3
-    from moto.server import ThreadedMotoServer
 
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, **_boto_credentials()).create_bucket(Bucket=BUCKET)
+    client = boto3.client("s3", endpoint_url=endpoint, **_boto_credentials())
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            break
+        except Exception:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise
+            time.sleep(0.3)
     yield endpoint
-    server.stop()
+    server.terminate()
+    server.wait(timeout=10)
 
 
 def _boto_credentials() -> dict:
