@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from contextlib import asynccontextmanager
 from functools import lru_cache
 
@@ -43,6 +42,7 @@ from harvest.batcher import EnginePool
 from harvest.errors import InvalidRequest
 from harvest.inline import completion_response, parse_completion_request, prepare_completion
 from harvest.registry import Registry, load_registry
+from harvest.settings import get_settings
 
 __all__ = ["router", "engine_pool", "registry_of"]
 
@@ -78,7 +78,7 @@ def engine_pool(app: FastAPI) -> EnginePool:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     pool = engine_pool(app)
-    preload = [name.strip() for name in os.environ.get("HARVEST_INLINE_PRELOAD", "").split(",") if name.strip()]
+    preload = [name.strip() for name in (get_settings().inline_preload or "").split(",") if name.strip()]
     warming = [asyncio.ensure_future(_warm(pool, app, name)) for name in preload]
     try:
         yield

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     public_base_url: str | None = None
     """Base URL put in file download links (e.g. behind a proxy); default the request's own."""
 
+    inline_preload: str | None = None
+    """Comma-separated served names whose inline engines the API loads at start-up."""
+
     @field_validator("home")
     @classmethod
     def _absolute_home(cls, value: Path) -> Path:
