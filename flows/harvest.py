@@ -18,8 +18,9 @@ shard that was in flight.
 Scale-out (`workers=N`): the shards are cut into N contiguous ranges. This run keeps the
 first; the others become flow runs of the lane's deployment (`shard_range=[a, b]`), each
 loading the model once. When its own range is done, this run waits for the helpers; a helper
-that has not started by then (the lane is full, e.g. `large` with limit 1) is cancelled and its
-range done here, and one that failed has its range resumed here. So scale-out never deadlocks
+still not started after a grace period (HARVEST_HELPER_GRACE_S, 30 s; the lane is full, e.g.
+`large` with limit 1) is cancelled and its range done here, and one that failed has its range
+resumed here. So scale-out never deadlocks
 on the lane's limit and never loses a shard. Statistics are merged in shard order from the
 per-shard float64 partials, so they are identical to a single-worker run.
 
@@ -62,6 +63,10 @@ HELPER_TAG = "scale-out-helper"
 PAUSE_ENV = "HARVEST_FLOW_SHARD_PAUSE_S"
 LOAD_PAUSE_ENV = "HARVEST_FLOW_LOAD_PAUSE_S"
 POLL_S = 1.0
+# How long a helper may stay scheduled after this run finished its own range before this run
+# takes its shards over: a worker needs a poll and a process start (10-20 s on a loaded CPU
+# box) to pick it up, and a model load takes far longer than this wait.
+HELPER_GRACE_S = float(os.environ.get("HARVEST_HELPER_GRACE_S", 30))
 
 
 def split_ranges(n_shards: int, workers: int) -> list[list[int]]:
@@ -204,6 +209,7 @@ def _collect_helpers(work: ShardWork, run: _Run, helpers: list[tuple[list[int], 
     logger = get_run_logger()
     timings = Timings()
     pending = list(helpers)
+    grace_ends = time.monotonic() + HELPER_GRACE_S
     while pending:
         for rng, child_id in list(pending):
             if run.cancelling():
@@ -211,7 +217,9 @@ def _collect_helpers(work: ShardWork, run: _Run, helpers: list[tuple[list[int], 
             state = run.client.read_flow_run(child_id).state
             kind = state.type if state else StateType.SCHEDULED
             if kind == StateType.SCHEDULED:
-                # Not started: the lane is full. Cancel it (only accepted while it has not
+                if time.monotonic() < grace_ends:
+                    continue
+                # Still not started: the lane is full. Cancel it (only accepted while it has not
                 # started) and do its shards here rather than wait for a slot we hold.
                 result = run.client.set_flow_run_state(child_id, CancelledState(message="taken over by the parent run"))
                 if result.status.value != "ACCEPT":

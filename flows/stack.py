@@ -218,6 +218,10 @@ def main(argv: list[str]) -> int:
         _say(f"failed to start: {type(exc).__name__}: {exc}")
         code = 1
     finally:
+        # A second signal (make forwards one, an impatient Ctrl-C) must not cut the stop short
+        # and orphan the children: `down` is bounded (SIGKILL after a grace), so let it finish.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         _say("stopping")
         stack.down()
         _say("stopped")
