@@ -72,7 +72,7 @@ class ModelInfo:
 def _candidate_dirs(weights: str, settings: Settings) -> list[Path]:
     if weights.startswith("/"):
         return [Path(weights)]
-    candidates = [settings.home / weights]
+    candidates = [settings.home / weights, settings.home / "models" / weights]
     if "/" in weights:
         hub = Path(os.environ.get("HF_HUB_CACHE", Path.home() / ".cache" / "huggingface" / "hub"))
         snapshots = hub / ("models--" + weights.replace("/", "--")) / "snapshots"
