@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from harvest.engines.hf import HFEngine
+from harvest.engines.hf import HFEngine, right_padded
 from harvest.pipeline import run_job
 from harvest.registry import ModelInfo
 from harvest.request import HarvestRequest, ResolvedJob
@@ -59,12 +59,7 @@ def main() -> None:
     def bare() -> float:
         started = time.perf_counter()
         for batch in batches:
-            width = max(lengths[i] for i in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : lengths[i]] = torch.tensor(prompts[i])
-                mask[row, : lengths[i]] = 1
+            ids, mask = right_padded(prompts, batch)
             engine.hf_model.model(input_ids=ids, attention_mask=mask, use_cache=False)
         return time.perf_counter() - started
 

@@ -17,7 +17,7 @@ from harvest.capture import CaptureSpec, PromptReducer, ShardCapture, StopForwar
 from harvest.engines.base import Engine
 from harvest.registry import ModelInfo
 
-__all__ = ["HFEngine", "load_hf_model"]
+__all__ = ["HFEngine", "load_hf_model", "right_padded"]
 
 # Padded tokens per forward batch when the request gives no batch_size: large enough to
 # keep the matmuls efficient, small enough that [batch, seq, hidden] per layer stays modest.
@@ -32,6 +32,17 @@ def load_hf_model(model: ModelInfo, device: torch.device | None = None):
     dtype = torch.float32 if device.type == "cpu" else "auto"
     hf_model = AutoModelForCausalLM.from_pretrained(model.require_path(), dtype=dtype)
     return hf_model.to(device).eval()
+
+
+def right_padded(prompts: list[list[int]], batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and attention mask `[len(batch), longest]` for the prompts at `batch`, padded on the right."""
+    width = max(len(prompts[i]) for i in batch)
+    input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, index in enumerate(batch):
+        input_ids[row, : len(prompts[index])] = torch.tensor(prompts[index])
+        attention_mask[row, : len(prompts[index])] = 1
+    return input_ids, attention_mask
 
 
 class HFEngine(Engine):
@@ -70,12 +81,7 @@ class HFEngine(Engine):
         values: list[torch.Tensor | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
         for batch in self._batches(lengths, batch_size):
-            width = max(lengths[i] for i in batch)
-            input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-            attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, index in enumerate(batch):
-                input_ids[row, : lengths[index]] = torch.tensor(prompts[index])
-                attention_mask[row, : lengths[index]] = 1
+            input_ids, attention_mask = right_padded(prompts, batch)
             with block_hooks(self.blocks, spec.layers) as captured:
                 try:
                     self.hf_model.model(
@@ -85,7 +91,7 @@ class HFEngine(Engine):
                     )
                 except StopForward:
                     pass
-            check_capture(captured, spec.layers, (len(batch), width))
+            check_capture(captured, spec.layers, tuple(input_ids.shape))
             stacked = torch.stack([captured[layer] for layer in spec.layers])  # [L, batch, seq, hidden]
             for row, index in enumerate(batch):
                 values[index] = reducer.reduce(stacked[:, row, : lengths[index]])
