@@ -17,21 +17,13 @@ import time
 from functools import lru_cache
 from urllib.parse import urlencode
 
-from harvest.errors import HarvestError
+from harvest.errors import LinkRefused
 from harvest.settings import get_settings
 from harvest.storage import Storage
 
 __all__ = ["LinkRefused", "FILE_NAME", "signing_key", "sign", "verify", "presign"]
 
 FILE_NAME = re.compile(r"^(shard_\d{5}\.safetensors|stats\.safetensors|manifest\.json)$")
-
-
-class LinkRefused(HarvestError):
-    """403: a download link that expired, was altered, or names no file of the job."""
-
-    status = 403
-    type = "invalid_request_error"
-    code = "link_invalid"
 
 
 @lru_cache(maxsize=1)

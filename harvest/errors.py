@@ -7,6 +7,7 @@
     │   ├── ActivationPromptTooLong    400 activation_prompt_too_long
     │   └── ContextLengthExceeded      400 context_length_exceeded
     ├── Unauthorized                   401 invalid_api_key
+    ├── LinkRefused                    403 link_invalid (expired, altered or foreign link)
     ├── NotFound                       404 harvest_job_not_found
     ├── NotCancellable                 409 harvest_not_cancellable
     ├── PayloadTooLarge                413 request_too_large
@@ -28,6 +29,7 @@ __all__ = [
     "ActivationPromptTooLong",
     "ContextLengthExceeded",
     "Unauthorized",
+    "LinkRefused",
     "NotFound",
     "NotCancellable",
     "PayloadTooLarge",
@@ -80,6 +82,14 @@ class Unauthorized(HarvestError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class LinkRefused(HarvestError):
+    """A download link that expired, was altered, or names no file of the job."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "link_invalid"
 
 
 class NotFound(HarvestError):
