@@ -162,7 +162,7 @@ class Stack:
         return info
 
     def watch(self) -> int:
-        """Block until a signal (→ 0) or a child's death (→ 1)."""
+        """Block until a child dies (→ 1); a signal unwinds it with KeyboardInterrupt (→ 0 in `main`)."""
         while not self.stop_event.wait(1.0):
             for child in self.children:
                 if not child.alive():
@@ -197,18 +197,19 @@ def main(argv: list[str]) -> int:
     stack = Stack(home, args.port or settings.port, args.prefect_port or int(os.environ.get("HARVEST_PREFECT_PORT", 4200)))
 
     def on_signal(signum, frame):
-        if stack.stop_event.is_set() or stack.reaper is None:
-            stack.stop_event.set()
-            raise KeyboardInterrupt  # still starting: abandon the start, then stop what started
-        stack.stop_event.set()
+        # Never take a lock here (no Event.set): the handler runs in the main thread, possibly
+        # inside `stop_event.wait`, which holds the event's lock, and would deadlock. Ignore
+        # any further signal (make forwards one, an impatient Ctrl-C) so nothing can cut the
+        # stop short, then unwind `up` or `watch`; the `finally` below stops every child.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     code = 0
     try:
         info = stack.up()
-        if stack.stop_event.is_set():
-            return 0
         for name, value in info.items():
             print(f"{name}={value}", flush=True)
         code = stack.watch()
@@ -218,8 +219,8 @@ def main(argv: list[str]) -> int:
         _say(f"failed to start: {type(exc).__name__}: {exc}")
         code = 1
     finally:
-        # A second signal (make forwards one, an impatient Ctrl-C) must not cut the stop short
-        # and orphan the children: `down` is bounded (SIGKILL after a grace), so let it finish.
+        # Also when a child died (no signal): `down` is bounded (SIGKILL after a grace), so
+        # let nothing interrupt it and orphan the children.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _say("stopping")
