@@ -22,6 +22,7 @@ from api import deps
 from api.db import get_engine
 from api.completions import router as completions_router
 from api.files import router as files_router
+from api.lease import Lease, replica_id
 from api.harvest import router as harvest_router
 from api.models import router as models_router
 from api.watcher import Watcher
@@ -32,12 +33,23 @@ __all__ = ["app", "create_app"]
 
 log = logging.getLogger("harvest.api")
 
+REPLICA = replica_id()
+"""This API process's name in the watcher lease (`/health` says whether it holds it)."""
+
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     settings = get_settings()
     await run_in_threadpool(get_engine)  # migrate before the first request
-    watcher = Watcher(deps.runs(), deps.storage(), settings.watch_interval_s, settings.longpoll_max_waiters)
+    watcher = Watcher(
+        deps.runs(),
+        deps.storage(),
+        interval=settings.watch_interval_s,
+        max_waiters=settings.longpoll_max_waiters,
+        lease=Lease("watcher", REPLICA, settings.watcher_lease_s),
+        max_restarts=settings.max_restarts,
+        orphan_after_s=settings.orphan_after_s,
+    )
     app.state.watcher = watcher
     await watcher.start()
     try:
@@ -70,8 +82,10 @@ def create_app() -> FastAPI:
     app.include_router(models_router)
 
     @app.get("/health", include_in_schema=False)
-    def health() -> dict:
-        return {"status": "ok"}
+    def health(request: Request) -> dict:
+        """Liveness for a load balancer; `watcher` says whether this replica follows Prefect."""
+        watcher = getattr(request.app.state, "watcher", None)
+        return {"status": "ok", "replica": REPLICA, "watcher": bool(watcher and watcher.lease.held)}
 
     return app
 

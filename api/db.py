@@ -30,6 +30,7 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    text,
 )
 from sqlalchemy.engine import Connection, Engine
 
@@ -42,6 +43,7 @@ __all__ = [
     "usage",
     "service_flags",
     "lane_locks",
+    "leases",
     "database_url",
     "make_engine",
     "get_engine",
@@ -49,6 +51,9 @@ __all__ = [
     "upgrade",
     "transaction",
     "locked",
+    "JOB_CHANNEL",
+    "job_changed",
+    "local_listeners",
     "utcnow",
     "aware",
 ]
@@ -94,7 +99,7 @@ jobs = Table(
     Column("error", Text, nullable=True),
     Column("request_url", Text, nullable=False),
     Column("flow_run_id", String(64), nullable=True),
-    Column("attached_by", String(64), nullable=True),
+    Column("restarts", Integer, nullable=False, default=0, server_default="0"),
     Column("result", JSON, nullable=True),
     Index("ix_jobs_key_created", "key_id", "created_at"),
     Index("ix_jobs_status", "status"),
@@ -114,6 +119,16 @@ service_flags = Table(
     Column("name", String(64), primary_key=True),
     Column("value", Text, nullable=True),
     Column("updated_at", DateTime, nullable=False),
+)
+
+# One row per lease; `api.lease` takes and renews them (the watcher's: one API replica follows
+# Prefect at a time).
+leases = Table(
+    "leases",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("holder", String(200), nullable=False),
+    Column("expires_at", DateTime, nullable=False),
 )
 
 # One row per lane, locked (FOR UPDATE) by every admission on that lane, so the service-wide
@@ -198,11 +213,38 @@ def upgrade(engine: Engine) -> None:
         command.upgrade(config, "head")
 
 
+JOB_CHANNEL = "harvest_job_changed"
+"""PostgreSQL channel on which every change of a job's status is announced (payload: job id)."""
+
+local_listeners: list = []
+"""Callbacks `fn(job_id)` of this process, called after a commit that changed a job (SQLite)."""
+
+_CHANGED = "harvest_changed_jobs"
+
+
+def job_changed(conn: Connection, job_id: str) -> None:
+    """Announce, once this transaction commits, that the job's status changed.
+
+    On PostgreSQL this is `pg_notify`: the server delivers it at commit, to every API replica
+    that LISTENs (`api.notify`), this one included, and drops it on rollback. SQLite is the
+    single-process store: the announcement goes to this process's `local_listeners`.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_notify(:channel, :job_id)"), {"channel": JOB_CHANNEL, "job_id": job_id})
+    else:
+        conn.info.setdefault(_CHANGED, set()).add(job_id)
+
+
 @contextmanager
 def transaction(engine: Engine | None = None):
     """One transaction (committed on success, rolled back on error)."""
     with (engine or get_engine()).begin() as conn:
+        conn.info.pop(_CHANGED, None)  # left by a transaction that rolled back
         yield conn
+        changed = conn.info.pop(_CHANGED, ())
+    for job_id in changed:  # committed: tell this process's listeners
+        for listener in list(local_listeners):
+            listener(job_id)
 
 
 def locked(conn: Connection, table: Table, *where):

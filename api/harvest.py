@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from api import deps
 from api.auth import ApiKey, current_key
 from api.schemas import ErrorBody, Harvest, HarvestList, render
-from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, view_status
+from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs
 from harvest.errors import ModelUnavailable
 from harvest.pipeline import tokenize_job
 from harvest.request import HarvestRequest, resolve_job
@@ -29,6 +29,9 @@ __all__ = ["router", "REQUEST_FILE"]
 
 REQUEST_FILE = "request.json"
 TERMINAL = ("done", "failed", "cancelled")
+# A waiter re-reads its job at least this often, so a change announced while this replica's
+# LISTEN connection was being re-opened still answers (`api.notify`).
+REREAD_S = 5.0
 _errors = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503)}
 
 log = logging.getLogger("harvest.api")
@@ -111,7 +114,7 @@ async def read_harvest(
     """Read a harvest; with `wait`, answer when its status changes or after `wait` seconds."""
     row = await run_in_threadpool(get_job, job_id, key.id)
     headers: dict[str, str] = {}
-    status = view_status(row)
+    status = row["status"]
     if wait > 0 and status not in TERMINAL:
         watcher = deps.watcher(request)
         if not watcher.try_enter():
@@ -122,11 +125,11 @@ async def read_harvest(
                 deadline = loop.time() + wait
                 with watcher.subscription(job_id) as changed:
                     row = await run_in_threadpool(get_job, job_id, key.id)  # after subscribing: nothing slips by
-                    while view_status(row) == status and (remaining := deadline - loop.time()) > 0:
+                    while row["status"] == status and (remaining := deadline - loop.time()) > 0:
                         try:
-                            await asyncio.wait_for(changed.wait(), remaining)
+                            await asyncio.wait_for(changed.wait(), min(remaining, REREAD_S))
                         except asyncio.TimeoutError:
-                            break
+                            pass
                         changed.clear()
                         row = await run_in_threadpool(get_job, job_id, key.id)
             finally:
@@ -146,7 +149,7 @@ def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
     if cancelled_now and row["flow_run_id"]:
         try:
             deps.runs().cancel(row["flow_run_id"])
-        except Exception:  # the job is cancelled and charged; the operator's reaper stops strays
+        except Exception:  # the job is cancelled and charged; Prefect finishes a cancel whose host is gone
             log.exception("could not stop run %s of cancelled job %s", row["flow_run_id"], job_id)
     return row
 
@@ -154,9 +157,7 @@ def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
 @router.delete("/harvest/{job_id}", response_model=Harvest)
 async def cancel_harvest(job_id: str, request: Request, key: ApiKey = Depends(current_key)):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
-    watcher = deps.watcher(request)
-    row = await run_in_threadpool(_cancel, job_id, key, watcher)
-    watcher.notify(job_id)
+    row = await run_in_threadpool(_cancel, job_id, key, deps.watcher(request))
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)))
 
 

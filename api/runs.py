@@ -32,6 +32,8 @@ class RunState:
     """Why it failed (the run's state message)."""
     started_at: datetime | None = None
     """When the run started running (aware UTC), if it did."""
+    crashed: bool = False
+    """Its host died under it (Prefect's Crashed); the watcher reschedules it (`status` failed)."""
 
 
 class Runs(Protocol):
@@ -43,6 +45,9 @@ class Runs(Protocol):
 
     def read(self, run_ids: list[str]) -> dict[str, RunState]:
         """States of these runs (runs unknown to the backend are left out)."""
+
+    def reschedule(self, run_id: str) -> None:
+        """Put a crashed run back in its lane's queue; it resumes on whichever host takes it."""
 
 
 class PrefectRuns:
@@ -58,11 +63,18 @@ class PrefectRuns:
 
         cancel_harvest_run(run_id)
 
+    def reschedule(self, run_id: str) -> None:
+        from flows.submit import reschedule_harvest_run
+
+        reschedule_harvest_run(run_id)
+
     def read(self, run_ids: list[str]) -> dict[str, RunState]:
         if not run_ids:
             return {}
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        from prefect.client.schemas.objects import StateType
 
         from flows.submit import job_status, run_started_at
 
@@ -80,6 +92,7 @@ class PrefectRuns:
                         message=(message or "The harvest run failed.") if status == "failed" else None,
                         # Prefect stamps start_time on a run cancelled before it ran, too.
                         started_at=run_started_at(run),
+                        crashed=run.state is not None and run.state.type == StateType.CRASHED,
                     )
         return states
 

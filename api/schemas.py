@@ -10,7 +10,6 @@ from pydantic import BaseModel
 
 from api.db import aware
 from api.links import presign
-from api.store import view_status
 from harvest.manifest import MANIFEST, STATS
 from harvest.settings import get_settings
 from harvest.shards import shard_name
@@ -111,7 +110,7 @@ def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = Fa
     numbers, drops its links, and the job says `urls_expired: true`.
     """
     settings = get_settings()
-    status = view_status(row)
+    status = row["status"]
     body = {
         "object": "harvest",
         "job_id": row["id"],

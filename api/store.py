@@ -10,43 +10,40 @@ else can, so a job is charged exactly once however many watchers, cancels or API
 race for it. Monthly token use is the sum of `tokens` of jobs ended that month plus the
 `reserved_tokens` of jobs still active.
 
-Restart: a job's `attached_by` is the boot id of the API process that last read its run. A
-fresh process has a new boot id, so its active jobs read `pending` until its watcher has read
-their runs again (re-attached) and written its own boot id.
+Status lives in the database alone, so every API replica answers the same for a job, and it
+only moves forward: pending → running → done | failed | cancelled. Every change is announced
+(`api.db.job_changed`: PostgreSQL NOTIFY, or this process's listeners on SQLite), which is
+what wakes long-poll waiters on any replica.
 """
 
 from __future__ import annotations
 
-import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import and_, func, insert, or_, select, update
 
 from api.auth import ApiKey, month_of
-from api.db import api_keys, jobs, lane_locks, locked, service_flags, transaction, utcnow
+from api.db import api_keys, job_changed, jobs, lane_locks, locked, service_flags, transaction, utcnow
 from api.runs import RunState
 from harvest.errors import NotCancellable, NotFound, RateLimited
 
 __all__ = [
-    "BOOT_ID",
     "ACTIVE",
     "admit",
     "get_job",
     "list_jobs",
     "active_jobs",
+    "unstarted_jobs",
     "attach_run",
     "apply_state",
+    "record_restart",
     "cancel_job",
     "fail_job",
     "set_progress",
-    "view_status",
     "set_spend_cap",
     "get_spend_cap",
     "tokens_used",
 ]
-
-BOOT_ID = uuid.uuid4().hex
-"""This API process's identity (see the module docstring on restarts)."""
 
 ACTIVE = ("pending", "running")
 SPEND_CAP = "spend_cap_retry_after"
@@ -86,7 +83,7 @@ def set_spend_cap(retry_after: int | None, engine=None) -> None:
             conn.execute(insert(service_flags).values(name=SPEND_CAP, value=str(int(retry_after)), updated_at=utcnow()))
 
 
-def admit(key: ApiKey, job: dict, *, capacity: int, boot: str = BOOT_ID, engine=None) -> dict:
+def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
     """Insert the job if every cap allows it, atomically; else raise the cap's 429.
 
     `job` holds the columns that come from the request (id, model, lane, n_prompts, layers,
@@ -165,9 +162,7 @@ def admit(key: ApiKey, job: dict, *, capacity: int, boot: str = BOOT_ID, engine=
             "completed_at": None,
             "error": None,
             "flow_run_id": None,
-            # This process starts the run; only a job whose admitting process died before
-            # that (another boot id, no run) is started by a watcher (`api.watcher`).
-            "attached_by": boot,
+            "restarts": 0,
             "result": None,
         }
         conn.execute(insert(jobs).values(**row))
@@ -211,16 +206,18 @@ def active_jobs(engine=None) -> list[dict]:
         return [dict(r) for r in conn.execute(select(jobs).where(jobs.c.status.in_(ACTIVE))).mappings().all()]
 
 
-def attach_run(job_id: str, run_id: str, boot: str = BOOT_ID, engine=None) -> None:
+def unstarted_jobs(older_than_s: float, engine=None) -> list[dict]:
+    """Active jobs with no run, admitted over `older_than_s` ago: their admitting replica died
+    between admission and starting the run (a live one takes well under a second)."""
+    cutoff = utcnow() - timedelta(seconds=older_than_s)
     with transaction(engine) as conn:
-        conn.execute(update(jobs).where(jobs.c.id == job_id).values(flow_run_id=run_id, attached_by=boot))
+        query = select(jobs).where(jobs.c.status.in_(ACTIVE), jobs.c.flow_run_id.is_(None), jobs.c.created_at < cutoff)
+        return [dict(r) for r in conn.execute(query).mappings().all()]
 
 
-def view_status(row: dict, boot: str = BOOT_ID) -> str:
-    """The status to answer: an active job not (yet) re-attached by this process reads pending."""
-    if row["status"] in ACTIVE and row["attached_by"] != boot:
-        return "pending"
-    return row["status"]
+def attach_run(job_id: str, run_id: str, engine=None) -> None:
+    with transaction(engine) as conn:
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(flow_run_id=run_id))
 
 
 def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = None, result: dict | None = None, **extra) -> bool:
@@ -229,28 +226,30 @@ def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = Non
     if result is not None:
         values["result"] = result
     outcome = conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE)).values(**values))
-    return outcome.rowcount == 1
+    if outcome.rowcount != 1:
+        return False
+    job_changed(conn, job_id)
+    return True
 
 
-def apply_state(job_id: str, state: RunState, *, result: dict | None = None, boot: str = BOOT_ID, engine=None) -> bool:
-    """Record what the run says (and that this process follows it); True when the status changed.
+def apply_state(job_id: str, state: RunState, *, result: dict | None = None, engine=None) -> bool:
+    """Record what the run says; True when the job's status changed.
 
     done → charged the tokens that ran (`result["tokens"]`); failed → 0; cancelled outside the
-    API (e.g. the Prefect UI) → the reserved tokens if its GPU run had started, else 0.
+    API (e.g. the Prefect UI) → the reserved tokens if its GPU run had started, else 0. A run
+    that reads pending again (rescheduled after its host died) leaves a running job running.
     """
     with transaction(engine) as conn:
         row = locked(conn, jobs, jobs.c.id == job_id)  # concurrent endings queue here
         if row is None or row["status"] not in ACTIVE:
             return False
-        before = view_status(dict(row), boot)
-        conn.execute(update(jobs).where(jobs.c.id == job_id).values(attached_by=boot))
         started = row["started_at"] or (state.started_at.replace(tzinfo=None) if state.started_at else None)
         if state.status == "running":
-            if row["status"] == "pending":
-                conn.execute(
-                    update(jobs).where(jobs.c.id == job_id).values(status="running", started_at=started or utcnow())
-                )
-            return before != "running"
+            if row["status"] != "pending":
+                return False
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(status="running", started_at=started or utcnow()))
+            job_changed(conn, job_id)
+            return True
         if state.status == "done":
             if result is None:
                 return _end(conn, job_id, status="failed", tokens=0, error="The run completed but wrote no manifest.")
@@ -262,14 +261,32 @@ def apply_state(job_id: str, state: RunState, *, result: dict | None = None, boo
             return _end(conn, job_id, status="failed", tokens=0, error=state.message or "The harvest run failed.")
         if state.status == "cancelled":
             return _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if started else 0)
-        return before != "pending"
+        return False
 
 
-def cancel_job(job_id: str, key_id: str, boot: str = BOOT_ID, engine=None) -> tuple[dict, bool]:
+def record_restart(job_id: str, max_restarts: int, engine=None) -> bool:
+    """Count one more reschedule of the job's run after its host died; False (and the job
+    failed, charged 0) once it has used `max_restarts`, so a run that crashes its host every
+    time cannot loop for ever."""
+    with transaction(engine) as conn:
+        row = locked(conn, jobs, jobs.c.id == job_id)
+        if row is None or row["status"] not in ACTIVE:
+            return False
+        if row["restarts"] >= max_restarts:
+            _end(
+                conn, job_id, status="failed", tokens=0,
+                error=f"The hosts running this harvest died {row['restarts'] + 1} times; giving up.",
+            )
+            return False
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(restarts=row["restarts"] + 1))
+        return True
+
+
+def cancel_job(job_id: str, key_id: str, engine=None) -> tuple[dict, bool]:
     """Cancel a pending or running job; returns the row and whether this call cancelled it.
 
-    Charged the reserved tokens only when the API sees its GPU run started (status running
-    and followed by this process); before that, or while re-attaching after a restart, 0.
+    Charged the reserved tokens when its GPU run started (status running), else 0; the route
+    reads the run first (`Watcher.refresh`), so "started" is what Prefect says now.
     """
     with transaction(engine) as conn:
         row = locked(conn, jobs, jobs.c.id == job_id)  # concurrent endings queue here
@@ -282,7 +299,7 @@ def cancel_job(job_id: str, key_id: str, boot: str = BOOT_ID, engine=None) -> tu
                 f"The harvest {job_id} is {row['status']}; only pending or running harvests can be cancelled.",
                 param="job_id",
             )
-        running = view_status(dict(row), boot) == "running"
+        running = row["status"] == "running"
         ended = _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if running else 0)
         return dict(_row(conn, job_id)), ended
 

@@ -1,14 +1,20 @@
-"""The API's single watcher: follows the runs of all active jobs and wakes long-poll waiters.
+"""The API's watcher: follows the runs of all active jobs, on one replica at a time.
 
-Once per `watch_interval_s` it reads the states of every active job's run in one call to the
-run backend (one Prefect query for all jobs, however many clients wait), records changes in
-the job store (which charges ended jobs, exactly once), counts written shards for progress,
-and wakes the waiters of each job whose status changed. A `?wait=` reader never talks to
-Prefect; it sleeps on an asyncio event until the watcher (or a cancel) sets it.
+Every API replica runs a `Watcher`; only the one holding the `watcher` lease (`api.lease`)
+works, so the service makes one Prefect query per tick however many replicas and clients
+there are. Once per `watch_interval_s` the holder reads the states of every active job's run
+in one call to the run backend, records changes in the job store (which charges ended jobs,
+exactly once) and counts written shards for progress. It also finishes what others left:
 
-On a fresh API process the first tick is the re-attachment: active jobs read `pending` until
-it has read their runs; a job admitted by a process that died before starting its run gets
-its run started here (idempotent per job id, so a run that did start is found, not doubled).
+- a run whose host died is marked Crashed by Prefect's heartbeat automation
+  (`flows.liveness`); the watcher reschedules it onto another host of its lane, where it
+  resumes from the verified shards, at most `max_restarts` times a job;
+- a job whose admitting replica died before starting its run gets its run started here
+  (idempotent per job id, so a run that did start is found, not doubled).
+
+A `?wait=` reader never talks to Prefect: it sleeps on an asyncio event that is set when its
+job changes, announced by whichever replica changed it (`api.notify`).
+
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import logging
 from collections import defaultdict
 from contextlib import contextmanager
 
+from api.lease import Lease
+from api.notify import JobChanges
 from api.runs import Runs, RunState
-from api.store import BOOT_ID, active_jobs, apply_state, attach_run, fail_job, set_progress
+from api.store import active_jobs, apply_state, attach_run, fail_job, record_restart, set_progress, unstarted_jobs
 from harvest.manifest import MANIFEST
 from harvest.storage import Storage
 
@@ -53,11 +61,17 @@ def _shards_done(storage: Storage, job_id: str) -> int:
 class Watcher:
     """One per API process (started by the app's lifespan)."""
 
-    def __init__(self, runs: Runs, storage: Storage, interval: float, max_waiters: int):
+    def __init__(
+        self, runs: Runs, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
+        max_restarts: int = 3, orphan_after_s: float = 30.0,
+    ):
         self.runs = runs
         self.storage = storage
         self.interval = interval
         self.max_waiters = max_waiters
+        self.lease = lease
+        self.max_restarts = max_restarts
+        self.orphan_after_s = orphan_after_s
         self.waiting = 0
         self.ticks = 0
         self.run_reads = 0
@@ -65,11 +79,13 @@ class Watcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._kick: asyncio.Event | None = None
+        self._changes = JobChanges(self.notify_threadsafe)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._kick = asyncio.Event()
+        self._changes.start()
         self._task = asyncio.create_task(self._run(), name="harvest-watcher")
 
     async def stop(self) -> None:
@@ -79,13 +95,18 @@ class Watcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._changes.stop()
+        if self.lease.held:
+            try:
+                await asyncio.to_thread(self.lease.release)  # hand over at once, not after the TTL
+            except Exception:
+                log.exception("could not release the watcher lease")
 
     async def _run(self) -> None:
         while True:
             try:
-                changed = await asyncio.to_thread(self.tick)
-                for job_id in changed:
-                    self.notify(job_id)
+                if await asyncio.to_thread(self.lease.acquire):
+                    await asyncio.to_thread(self.tick)
             except asyncio.CancelledError:
                 raise
             except Exception:  # Prefect or the database briefly away: try again next tick
@@ -101,16 +122,14 @@ class Watcher:
         if self._loop is not None and self._kick is not None:
             self._loop.call_soon_threadsafe(self._kick.set)
 
-    # --- one pass over all active jobs --------------------------------------------------
+    # --- one pass over all active jobs (lease holder only) --------------------------------
     def tick(self) -> list[str]:
         """Read every active job's run once; returns the jobs whose status changed."""
         self.ticks += 1
         changed: list[str] = []
-        rows = active_jobs()
-        for row in rows:
-            if row["flow_run_id"] is None and row["attached_by"] != BOOT_ID:
-                changed += self._restart_orphan(row)
-        with_runs = [r for r in rows if r["flow_run_id"]]
+        for row in unstarted_jobs(self.orphan_after_s):
+            changed += self._start_orphan(row)
+        with_runs = [r for r in active_jobs() if r["flow_run_id"]]
         if not with_runs:
             return changed
         self.run_reads += 1
@@ -120,10 +139,13 @@ class Watcher:
             if state is None:
                 continue
             try:
-                result = read_result(self.storage, row["id"]) if state.status == "done" else None
-                moved = apply_state(row["id"], state, result=result)
-                if state.status == "running" and set_progress(row["id"], _shards_done(self.storage, row["id"])):
-                    moved = True
+                if state.crashed:
+                    moved = self._restart_crashed(row, state)
+                else:
+                    result = read_result(self.storage, row["id"]) if state.status == "done" else None
+                    moved = apply_state(row["id"], state, result=result)
+                    if state.status == "running" and set_progress(row["id"], _shards_done(self.storage, row["id"])):
+                        moved = True
             except Exception:  # storage briefly away: this job waits for the next tick, the others go on
                 log.exception("could not follow job %s", row["id"])
                 continue
@@ -131,8 +153,18 @@ class Watcher:
                 changed.append(row["id"])
         return changed
 
-    def _restart_orphan(self, row: dict) -> list[str]:
-        """A job admitted by an API process that died before starting its run."""
+    def _restart_crashed(self, row: dict, state: RunState) -> bool:
+        """Its host died (heartbeats stopped): reschedule the run onto the lane's other hosts,
+        within the job's restart budget; past it the job fails, charged nothing."""
+        if not record_restart(row["id"], self.max_restarts):
+            return True  # failed, and its run stays Crashed: nothing is left to stop
+        log.warning("job %s: its run %s crashed (%s); rescheduling it", row["id"], row["flow_run_id"], state.message)
+        self.runs.reschedule(row["flow_run_id"])
+        # A job that never reached `running` did run (it crashed): it is running again now.
+        return apply_state(row["id"], RunState(status="running", started_at=state.started_at))
+
+    def _start_orphan(self, row: dict) -> list[str]:
+        """A job admitted by an API replica that died before starting its run."""
         try:
             run_id = self.runs.start(row["id"], row["request_url"], row["model"], row["lane"], row["key_id"])
         except Exception as exc:
@@ -140,15 +172,14 @@ class Watcher:
             fail_job(row["id"], f"The harvest could not be started: {exc}")
             return [row["id"]]
         attach_run(row["id"], run_id)
-        row["flow_run_id"] = run_id
         return []
 
     def refresh(self, row: dict) -> bool:
-        """Read one job's run now (before a cancel decides what to charge)."""
-        if not row["flow_run_id"] or row["attached_by"] != BOOT_ID:
+        """Read one job's run now (before a cancel decides what to charge); any replica may."""
+        if not row["flow_run_id"]:
             return False
         state: RunState | None = self.runs.read([row["flow_run_id"]]).get(row["flow_run_id"])
-        if state is None:
+        if state is None or state.crashed:
             return False
         result = read_result(self.storage, row["id"]) if state.status == "done" else None
         return apply_state(row["id"], state, result=result)

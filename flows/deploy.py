@@ -42,7 +42,9 @@ def pool_limit(pool: dict) -> int | None:
 
 
 def pull_steps(repo: Path = REPO) -> list[dict]:
-    return [{"prefect.deployments.steps.set_working_directory": {"directory": str(repo)}}]
+    """None: a worker host imports the flows from the installed package (module entrypoints,
+    see infra/prefect.yaml), never from a checkout or a shared disk."""
+    return []
 
 
 async def _apply_pool(client, pool: dict) -> None:
@@ -68,7 +70,7 @@ async def _apply_deployment(client, spec: dict, repo: Path) -> str:
         description=spec.get("description"),
         work_pool_name=spec["work_pool"]["name"],
         entrypoint=spec["entrypoint"],
-        path=str(repo),
+        path=None,
         pull_steps=pull_steps(repo),
         parameter_openapi_schema=flow.parameters.model_dump(),
         parameters=spec.get("parameters") or {},

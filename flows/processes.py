@@ -115,14 +115,15 @@ class Managed:
             return ""
 
 
-def wait_http(url: str, timeout: float, proc: Managed | None = None) -> None:
-    """Wait until `url` answers HTTP (any status below 500)."""
+def wait_http(url: str, timeout: float, proc: Managed | None = None, *, ok_only: bool = False) -> None:
+    """Wait until `url` answers HTTP (any status below 500; with `ok_only`, a 2xx)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and not proc.alive():
             raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
         try:
-            if httpx.get(url, timeout=2).status_code < 500:
+            status = httpx.get(url, timeout=2).status_code
+            if status < 300 or (status < 500 and not ok_only):
                 return
         except httpx.HTTPError:
             pass
@@ -134,38 +135,54 @@ def _prefect() -> list[str]:
     return [sys.executable, "-m", "prefect"]
 
 
-def start_server(home: Path, port: int, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[Managed, str]:
-    """`prefect server start` on 127.0.0.1:port with its SQLite database under `home`.
+def start_server(
+    home: Path, port: int, env: dict[str, str] | None = None, timeout: float = 60, *, host: str = "127.0.0.1",
+    advertise: str | None = None,
+) -> tuple[Managed, str]:
+    """`prefect server start` on host:port, PREFECT_HOME = `home`.
 
-    Returns the process and the API URL, once the API answers (~10 s cold, DESIGN).
+    Its database is Prefect's own setting: PREFECT_API_DATABASE_CONNECTION_URL (PostgreSQL in
+    production) when set, else SQLite under `home`. Returns the process and the API URL (at the
+    `advertise` address, default `host`), once the API answers (~10 s cold, DESIGN).
     """
+    api_url = f"http://{advertise or host}:{port}/api"
     env = {
         **os.environ,
         **(env or {}),
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_UI_API_URL": api_url,
     }
     env.pop("PREFECT_API_URL", None)  # the server must not try to talk to another server
     server = Managed(
         "prefect-server",
-        [*_prefect(), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        [*_prefect(), "server", "start", "--host", host, "--port", str(port)],
         env,
         home / "server.log",
+        cwd=str(home),
     )
-    api_url = f"http://127.0.0.1:{port}/api"
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     try:
-        wait_http(f"{api_url}/health", timeout, server)
+        wait_http(f"http://{local}:{port}/api/health", timeout, server)
     except Exception:
         server.stop()
         raise
     return server, api_url
 
 
-def start_worker(pool: str, api_url: str, log: Path, env: dict[str, str] | None = None, name: str | None = None) -> Managed:
-    """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_USE_VLLM=0)."""
+def start_worker(
+    pool: str, api_url: str, log: Path, env: dict[str, str] | None = None, name: str | None = None, *,
+    healthcheck: bool = False, cwd: str | None = None,
+) -> Managed:
+    """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_USE_VLLM=0).
+
+    healthcheck: serve `/health` on PREFECT_WORKER_WEBSERVER_HOST/PORT (a load balancer's or a
+    supervisor's view of whether the worker still polls).
+    """
     env = {**os.environ, **(env or {}), "PREFECT_API_URL": api_url}
     argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
     if name:
         argv += ["--name", name]
-    return Managed(f"worker-{pool}", argv, env, log, signals=2)
+    if healthcheck:
+        argv.append("--with-healthcheck")
+    return Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)

@@ -29,7 +29,7 @@ from harvest.settings import get_settings
 __all__ = ["create_schedule", "list_schedules", "delete_schedule", "main", "use_stack_api"]
 
 FLOW = "corpus-refresh"
-ENTRYPOINT = "flows.corpus_refresh:corpus_refresh"
+ENTRYPOINT = "flows.corpus_refresh.corpus_refresh"
 
 
 def use_stack_api() -> str | None:
@@ -50,7 +50,7 @@ def _name_from(url: str) -> str:
 async def create_schedule(corpus: str, model: str, cron: str, *, column="text", layers=None, shard_size=32, name=None, timezone="UTC") -> str:
     from prefect.flows import load_flow_from_entrypoint
 
-    from flows.deploy import REPO, pull_steps
+    from flows.deploy import pull_steps
     from harvest.corpus import read_prompts
     from harvest.registry import load_registry
 
@@ -65,8 +65,8 @@ async def create_schedule(corpus: str, model: str, cron: str, *, column="text", 
             name=name,
             work_pool_name=info.lane,
             entrypoint=ENTRYPOINT,
-            path=str(REPO),
-            pull_steps=pull_steps(REPO),
+            path=None,
+            pull_steps=pull_steps(),
             parameter_openapi_schema=flow.parameters.model_dump(),
             parameters={"corpus_url": corpus, "model": model, "column": column, "layers": layers, "shard_size": shard_size, "name": name},
             tags=["corpus-refresh", f"model:{model}", f"lane:{info.lane}"],

@@ -1,14 +1,14 @@
 """`harvest up` (what `make run` runs): the whole service on this machine, in the foreground.
 
-Starts, in order, and waits for each to answer:
+The fleet's roles (`flows.roles`) on one box, sharing one HARVEST_HOME, started in order and
+each waited for:
 
-1. the Prefect server on 127.0.0.1:$HARVEST_PREFECT_PORT (default 4200), SQLite under
-   `$HARVEST_HOME/prefect` (PREFECT_HOME) — meanwhile the embedded model is built if needed
-   and the dev API key created (first start only; kept in `$HARVEST_HOME/dev-key`);
-2. pools and deployments from infra/prefect.yaml (idempotent, limits re-applied);
-3. one process worker per lane (`small`, `large`);
-4. the API: `uvicorn api.app:app --host 127.0.0.1 --port $HARVEST_PORT` (default 8000);
-5. the reaper (a thread here, every 5 s).
+1. the control plane: the Prefect server on 127.0.0.1:$HARVEST_PREFECT_PORT (default 4200),
+   SQLite under `$HARVEST_HOME/prefect` (PREFECT_HOME) — meanwhile the embedded model is built
+   if needed and the dev API key created (first start only; kept in `$HARVEST_HOME/dev-key`);
+   then pools, deployments and liveness automations (idempotent, limits re-applied);
+2. one worker host per lane (`small`, `large`);
+3. one API replica on 127.0.0.1:$HARVEST_PORT (default 8000).
 
 Then prints, on stdout:
 
@@ -27,20 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flows.processes import Managed, start_server, start_worker, wait_http
+from flows.roles import Supervisor, apply_control_plane, serve, start_api_replica, start_worker_host
+from flows.processes import start_server
 
 __all__ = ["main", "dev_key", "LANES"]
 
 LANES = ("small", "large")
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _say(text: str) -> None:
@@ -54,7 +52,7 @@ def dev_key(home: Path, env: dict[str, str]) -> str | None:
         return path.read_text().strip()
     result = subprocess.run(
         [sys.executable, "-m", "harvest.cli", "keys", "create", "--name", "dev"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=env, cwd=home, capture_output=True, text=True, timeout=120,
     )
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
@@ -83,105 +81,37 @@ def _import_flows() -> None:
     import flows.retention  # noqa: F401
 
 
-class Stack:
-    def __init__(self, home: Path, port: int, prefect_port: int):
-        self.home = home
-        self.port = port
-        self.prefect_port = prefect_port
-        self.children: list[Managed] = []
-        self.stop_event = threading.Event()
-        self.reaper: threading.Thread | None = None
-        self.api_url: str | None = None
-
-    def env(self, api_url: str | None = None) -> dict[str, str]:
-        env = {
-            **os.environ,
-            "HARVEST_HOME": str(self.home),
-            "HARVEST_PORT": str(self.port),
-            "PREFECT_HOME": os.environ.get("PREFECT_HOME") or str(self.home / "prefect"),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "HARVEST_REPO": str(REPO),
-        }
-        if api_url:
-            env["PREFECT_API_URL"] = api_url
-        return env
-
-    def up(self) -> dict[str, str]:
-        started = time.monotonic()
-        logs = self.home / "logs"
-        prefect_home = Path(self.env()["PREFECT_HOME"])
-        # Everything that does not need the server runs while it starts (~10 s): the dev key,
-        # the embedded model, and importing the flows (torch, transformers) for the deploy.
-        with ThreadPoolExecutor(4) as pool:
-            server_f = pool.submit(start_server, prefect_home, self.prefect_port, self.env(), 90)
-            key_f = pool.submit(dev_key, self.home, self.env())
-            models_f = pool.submit(_build_models)
-            imports_f = pool.submit(_import_flows)
-            server, api_url = server_f.result()
-            self.children.append(server)
-            _say(f"prefect server ready at {api_url} ({time.monotonic() - started:.1f} s)")
-            os.environ["PREFECT_API_URL"] = api_url
-            self.api_url = api_url
-            models_f.result()
-            # Workers and the API boot (seconds each) while the deployments are applied; a
-            # worker that comes first creates its pool, and the deploy then sets its limit.
-            for lane in LANES:
-                self.children.append(start_worker(lane, api_url, logs / f"worker-{lane}.log", self.env(api_url), name=f"{lane}-{os.getpid()}"))
-            key = key_f.result()
-            api = Managed(
-                "api",
-                [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1", "--port", str(self.port)],
-                self.env(api_url), logs / "api.log", cwd=str(REPO),
-            )
-            self.children.append(api)
-            imports_f.result()
-            from prefect.settings import PREFECT_API_URL, temporary_settings
-
-            from flows.deploy import apply_sync
-
-            with temporary_settings({PREFECT_API_URL: api_url}):
-                names = apply_sync()
-            _say(f"deployed {', '.join(names)} ({time.monotonic() - started:.1f} s)")
-        wait_http(f"http://127.0.0.1:{self.port}/openapi.json", 90, api)
-        _say(f"api ready ({time.monotonic() - started:.1f} s)")
-
-        from flows.reaper import run_forever
-
-        self.reaper = threading.Thread(
-            target=run_forever, args=(self.stop_event,), kwargs={"log": _say, "api_url": self.api_url}, daemon=True
-        )
-        self.reaper.start()
-        info = {
-            "ACS_API_BASE": f"http://127.0.0.1:{self.port}/v1",
-            "ACS_API_KEY": key or "",
-            "PREFECT_UI": f"http://127.0.0.1:{self.prefect_port}",
-        }
-        (self.home / "stack.json").write_text(
-            json.dumps({**info, "prefect_api_url": api_url, "pid": os.getpid(), "children": [c.pid for c in self.children]}, indent=2)
-        )
-        return info
-
-    def watch(self) -> int:
-        """Block until a child dies (→ 1); a signal unwinds it with KeyboardInterrupt (→ 0 in `main`)."""
-        while not self.stop_event.wait(1.0):
-            for child in self.children:
-                if not child.alive():
-                    _say(f"{child.name} exited with {child.proc.returncode}; stopping (log: {child.log_path})")
-                    return 1
-        return 0
-
-    def down(self) -> None:
-        self.stop_event.set()
-        # API first (no new jobs), then workers (and their flow runs), the server last;
-        # `Managed.started` also holds a child whose start was interrupted before it answered.
-        for child in sorted(Managed.started, key=lambda c: {"api": 0, "prefect-server": 2}.get(c.name, 1)):
-            if child.alive():
-                child.stop()
-        if self.reaper is not None:
-            self.reaper.join(timeout=10)
-        stack_file = self.home / "stack.json"
-        if stack_file.exists():
-            stack_file.unlink()
+def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
+    """Start everything (children go to `Managed.started`); returns the ready lines."""
+    started = time.monotonic()
+    env = {**os.environ, "HARVEST_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    prefect_home = Path(os.environ.get("PREFECT_HOME") or home / "prefect")
+    # Everything that does not need the server runs while it starts (~10 s): the dev key, the
+    # embedded model, and importing the flows (torch, transformers) for the deploy.
+    with ThreadPoolExecutor(8) as pool:
+        server_f = pool.submit(start_server, prefect_home, prefect_port, env, 90)
+        key_f = pool.submit(dev_key, home, env)
+        models_f = pool.submit(_build_models)
+        imports_f = pool.submit(_import_flows)
+        _, api_url = server_f.result()
+        _say(f"prefect server ready at {api_url} ({time.monotonic() - started:.1f} s)")
+        os.environ["PREFECT_API_URL"] = api_url
+        models_f.result()
+        # Workers and the API boot (seconds each) while the deployments are applied; a worker
+        # that comes first creates its pool, and the deploy then sets its limit.
+        workers = [pool.submit(start_worker_host, home, lane, api_url, name=f"{lane}-{os.getpid()}") for lane in LANES]
+        key = key_f.result()
+        api_f = pool.submit(start_api_replica, home, "127.0.0.1", port)
+        imports_f.result()
+        names = apply_control_plane(api_url)
+        _say(f"deployed {', '.join(names)} ({time.monotonic() - started:.1f} s)")
+        for worker in workers:
+            worker.result()
+        _, api_base = api_f.result()
+    _say(f"api ready ({time.monotonic() - started:.1f} s)")
+    info = {"ACS_API_BASE": api_base, "ACS_API_KEY": key or "", "PREFECT_UI": api_url.removesuffix("/api")}
+    (home / "stack.json").write_text(json.dumps({**info, "prefect_api_url": api_url, "pid": os.getpid()}, indent=2))
+    return info
 
 
 def main(argv: list[str]) -> int:
@@ -193,37 +123,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[1:])
     settings = get_settings()
     home = settings.home
-    home.mkdir(parents=True, exist_ok=True)
-    stack = Stack(home, args.port or settings.port, args.prefect_port or int(os.environ.get("HARVEST_PREFECT_PORT", 4200)))
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    stack_file = home / "stack.json"
 
-    def on_signal(signum, frame):
-        # Never take a lock here (no Event.set): the handler runs in the main thread, possibly
-        # inside `stop_event.wait`, which holds the event's lock, and would deadlock. Ignore
-        # any further signal (make forwards one, an impatient Ctrl-C) so nothing can cut the
-        # stop short, then unwind `up` or `watch`; the `finally` below stops every child.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
+    def start(supervisor: Supervisor) -> dict[str, str]:
+        return up(home, args.port or settings.port, args.prefect_port or settings.prefect_port)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    code = 0
-    try:
-        info = stack.up()
-        for name, value in info.items():
-            print(f"{name}={value}", flush=True)
-        code = stack.watch()
-    except KeyboardInterrupt:
-        code = 0
-    except Exception as exc:
-        _say(f"failed to start: {type(exc).__name__}: {exc}")
-        code = 1
-    finally:
-        # Also when a child died (no signal): `down` is bounded (SIGKILL after a grace), so
-        # let nothing interrupt it and orphan the children.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _say("stopping")
-        stack.down()
-        _say("stopped")
-    return code
+    return serve("harvest up", start, on_stop=lambda: stack_file.unlink(missing_ok=True))

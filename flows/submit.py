@@ -4,8 +4,10 @@ The API calls these by name and never sees deployments, pools or Prefect state t
 
     await astart_harvest_run(job_id, request_url, model, lane, key_id)  -> flow_run_id (str)
     await acancel_harvest_run(flow_run_id)                              -> job status after it
+    await areschedule_harvest_run(flow_run_id)                          crashed → scheduled again
     await aread_harvest_run(flow_run_id)                                -> RunStatus
-    start_harvest_run / cancel_harvest_run / read_harvest_run           the same, synchronous
+    start_harvest_run / cancel_harvest_run / read_harvest_run / reschedule_harvest_run
+                                                                        the same, synchronous
 
 Each sync function is the async one run to completion (safe to call from inside an event loop
 too: Prefect's helper then runs it on another thread).
@@ -18,10 +20,12 @@ second call for the same job (e.g. an API restarted mid-submit) returns the same
 Job status from the flow-run state (`job_status`):
 
     SCHEDULED, PENDING, PAUSED (Late, AwaitingRetry…)  → pending
-        except a run that already ran once and was rescheduled by the reaper → running
+        except a run that already ran once and was rescheduled after a crash → running
     RUNNING                                            → running
     COMPLETED                                          → done
-    FAILED, CRASHED                                    → failed  (error: the state message)
+    FAILED, CRASHED                                    → failed  (error: the state message;
+                                                         the API's watcher reschedules a CRASHED
+                                                         run first, within a restart budget)
     CANCELLING, CANCELLED                              → cancelled
 """
 
@@ -34,7 +38,7 @@ from uuid import UUID
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 from prefect.client.schemas.objects import FlowRun, StateType
-from prefect.states import Cancelled, Cancelling
+from prefect.states import AwaitingRetry, Cancelled, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 __all__ = [
@@ -45,6 +49,8 @@ __all__ = [
     "astart_harvest_run",
     "acancel_harvest_run",
     "aread_harvest_run",
+    "areschedule_harvest_run",
+    "reschedule_harvest_run",
     "start_harvest_run",
     "cancel_harvest_run",
     "read_harvest_run",
@@ -146,7 +152,7 @@ async def _cancel_one(client, run: FlowRun) -> FlowRun:
     else:
         # PENDING or RUNNING: the worker sees CANCELLING, SIGTERMs the process (the flow's
         # main thread stops within ~2 s, model loading included) and marks it Cancelled. A
-        # CANCELLING run whose worker is gone is finished by the reaper.
+        # CANCELLING run whose host is gone is finished by Prefect (`flows.liveness`).
         await client.set_flow_run_state(run.id, Cancelling(message="Cancelled by request."), force=True)
     return await client.read_flow_run(run.id)
 
@@ -174,6 +180,17 @@ async def aread_harvest_run(flow_run_id: str | UUID) -> RunStatus:
         return _status(await client.read_flow_run(UUID(str(flow_run_id))))
 
 
+async def areschedule_harvest_run(flow_run_id: str | UUID) -> None:
+    """A crashed run (its host died) back to Scheduled: any worker of its pool picks it up, and
+    the same flow run resumes, skipping the shards already written and verified."""
+    async with get_client() as client:
+        await client.set_flow_run_state(
+            UUID(str(flow_run_id)),
+            AwaitingRetry(message="Its host died; rescheduled to resume on another host of the lane."),
+            force=True,
+        )
+
+
 def start_harvest_run(
     job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int = 1, env: dict[str, str] | None = None
 ) -> str:
@@ -186,3 +203,7 @@ def cancel_harvest_run(flow_run_id: str | UUID) -> str:
 
 def read_harvest_run(flow_run_id: str | UUID) -> RunStatus:
     return run_coro_as_sync(aread_harvest_run(flow_run_id))
+
+
+def reschedule_harvest_run(flow_run_id: str | UUID) -> None:
+    run_coro_as_sync(areschedule_harvest_run(flow_run_id))

@@ -19,6 +19,9 @@ __all__ = ["main"]
 # subcommand → module with `main(argv) -> int` (loaded lazily; see the module docstring)
 DELEGATED = {
     "up": "flows.stack",
+    "server": "flows.roles",
+    "api": "flows.roles",
+    "worker": "flows.roles",
     "schedule": "flows.schedule",
     "sweep": "flows.retention",
     "keys": "api.admin",

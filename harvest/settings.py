@@ -41,7 +41,16 @@ class Settings(BaseSettings):
     """SQLAlchemy URL of the job store; default SQLite at `<home>/harvest.db` (PostgreSQL in production)."""
 
     port: int = Field(default=8000, ge=1, le=65535)
-    """Port of the API (`harvest up` binds 127.0.0.1:<port>)."""
+    """Port of the API (`harvest api` and `harvest up` bind <host>:<port>)."""
+
+    host: str = "127.0.0.1"
+    """Address the API binds (`0.0.0.0` behind a load balancer)."""
+
+    prefect_host: str = "127.0.0.1"
+    """Address the Prefect server of `harvest server` / `harvest up` binds and advertises."""
+
+    prefect_port: int = Field(default=4200, ge=1, le=65535)
+    """Port of the Prefect server of `harvest server` / `harvest up`."""
 
     signing_secret: str | None = None
     """HMAC secret of file-store download links; default a random one kept in `<home>/signing.key`."""
@@ -63,6 +72,15 @@ class Settings(BaseSettings):
 
     watch_interval_s: float = Field(default=1.0, gt=0)
     """How often the API's one watcher reads the states of all active flow runs."""
+
+    watcher_lease_s: float = Field(default=5.0, gt=0)
+    """Lifetime of the watcher lease: another API replica takes over this long after its holder died."""
+
+    max_restarts: int = Field(default=3, ge=0)
+    """How often a job's run is rescheduled after its host died before the job fails."""
+
+    orphan_after_s: float = Field(default=30.0, gt=0)
+    """A job with no run this long after admission (its replica died mid-submit) is started by the watcher."""
 
     run_backend: str = "api.runs:PrefectRuns"
     """`module:Class` that starts, cancels and reads job runs (the API's one seam to Prefect)."""

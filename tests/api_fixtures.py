@@ -122,12 +122,20 @@ class FileRuns:
             data = self.get(run_id)
             if data is not None:
                 started = data.get("started_at")
+                crashed = data["status"] == "crashed"  # its host died (Prefect's Crashed)
                 states[run_id] = RunState(
-                    status=data["status"],
+                    status="failed" if crashed else data["status"],
                     message=data.get("message"),
                     started_at=datetime.fromisoformat(started) if started else None,
+                    crashed=crashed,
                 )
         return states
+
+    def reschedule(self, run_id: str) -> None:
+        data = self.get(run_id)
+        data["status"] = "running"  # Prefect: Scheduled again with run_count > 0 reads running
+        data["reschedules"] = data.get("reschedules", 0) + 1
+        self._write(run_id, data)
 
     def set(self, run_id: str, status: str, message: str | None = None) -> None:
         data = self.get(run_id) or {}
@@ -280,6 +288,7 @@ def harvest_api_env(home: Path) -> dict[str, str]:
     return {
         "HARVEST_MODELS_FILE": str(models),
         "HARVEST_WATCH_INTERVAL_S": "0.2",
+        "HARVEST_ORPHAN_AFTER_S": "1",
         "HARVEST_LONGPOLL_MAX_WAITERS": "2",
         "HARVEST_LANE_CAPACITY_LARGE": "2",
     }

@@ -260,13 +260,13 @@ def test_twenty_simultaneous_submits_against_a_limit_of_three_admit_three(harves
         _cancel(harvest_api, key, job["job_id"])
 
 
-def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_api, hf_engine):
+def test_the_api_killed_mid_job_follows_on_and_charges_once(harvest_api, hf_engine):
     server = harvest_api  # killed and restarted on the same port, database and storage
     runs_dir = Path(server.env["HARVEST_TEST_RUNS_DIR"])
     name = f"restart-{uuid.uuid4().hex[:6]}"
     key = server.make_key(name=name)
     finishing = _submit(server, key)["job_id"]  # ends while the API is down
-    cancelled = _submit(server, key)["job_id"]  # cancelled while the API re-attaches
+    cancelled = _submit(server, key)["job_id"]  # cancelled while Prefect is still away
     for job in (finishing, cancelled):
         set_run(server, job, "running")
         _until(server, key, job, "running")
@@ -277,11 +277,13 @@ def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_api, hf_engi
         finish_run(server, finishing, hf_engine)
         server.start()
 
-        # Not re-attached yet: both read pending, and a cancel now is free.
+        # The status is the database's, whichever process reads it: still running (never back
+        # to pending), and a cancel now charges what a started GPU run costs (SPEC §6).
         for job in (finishing, cancelled):
-            assert _get(server, key, job).json()["status"] == "pending"
+            assert _get(server, key, job).json()["status"] == "running"
+        reserved = _get(server, key, cancelled).json()["reserved_tokens"]
         response = _cancel(server, key, cancelled)
-        assert (response.json()["status"], response.json()["tokens"]) == ("cancelled", 0)
+        assert (response.json()["status"], response.json()["tokens"]) == ("cancelled", reserved)
     finally:
         (runs_dir / "unreachable").unlink()
     body = _until(server, key, finishing, "done")
@@ -289,8 +291,8 @@ def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_api, hf_engi
     # The same run was followed, never started again.
     assert server.runs.get(f"run-{finishing}")["starts"] == 1
 
-    # Charged exactly once: the key's charges are this job's tokens (the cancel charged 0),
-    # and further watcher ticks change nothing.
+    # Charged exactly once: the key's charges are this job's tokens plus the cancelled job's
+    # reservation, and further watcher ticks change nothing.
     time.sleep(1.0)
     from sqlalchemy import text
 
@@ -300,7 +302,8 @@ def test_the_api_killed_mid_job_reattaches_and_charges_once(harvest_api, hf_engi
             "SELECT coalesce(sum(tokens), 0) FROM jobs WHERE key_id = (SELECT id FROM api_keys WHERE name = :n)"
         ), {"n": name}).scalar_one()
     engine.dispose()
-    assert charged == body["tokens"] == _get(server, key, finishing).json()["tokens"]
+    assert body["tokens"] == _get(server, key, finishing).json()["tokens"]
+    assert charged == body["tokens"] + reserved
 
 
 def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harvest_api, key):
@@ -331,7 +334,7 @@ def test_a_job_admitted_by_a_process_that_died_before_starting_it_is_started_by_
             "id": job_id, "model": "llama-tiny", "lane": "small", "n_prompts": 1, "layers": [2], "shard_size": 32,
             "n_shards": 1, "add_special_tokens": True, "contents": "activations", "reserved_tokens": 3,
             "request_url": f"{harvest_api.env['HARVEST_STORAGE_URL']}/jobs/{job_id}/request.json",
-        }, capacity=100, boot="a-process-that-died", engine=engine)
+        }, capacity=100, engine=engine)  # and no run started: its replica died here
     finally:
         engine.dispose()
     deadline = time.monotonic() + 10
@@ -374,3 +377,23 @@ def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
     listing = subprocess.run([sys.executable, "-m", "harvest.cli", "keys", "list"], env=env, capture_output=True,
                              text=True, check=True).stdout
     assert "cli" in listing and key not in listing and key[:10] in listing
+
+
+def test_a_crashed_run_is_rescheduled_within_the_jobs_restart_budget(harvest_api, key):
+    """Prefect marks a run Crashed when its host's heartbeats stop (`flows.liveness`); the
+    watcher puts it back in its lane's queue, the job staying running, until the budget
+    (HARVEST_MAX_RESTARTS, 3) is spent; then the job fails, charged nothing."""
+    job = _submit(harvest_api, key)["job_id"]
+    set_run(harvest_api, job, "running")
+    _until(harvest_api, key, job, "running")
+    for n in range(1, 4):
+        set_run(harvest_api, job, "crashed", message="heartbeats stopped")
+        deadline = time.monotonic() + 10
+        while harvest_api.runs.get(f"run-{job}").get("reschedules", 0) < n:
+            assert time.monotonic() < deadline, f"crash {n} was never rescheduled"
+            time.sleep(0.05)
+        assert _get(harvest_api, key, job).json()["status"] == "running"
+    set_run(harvest_api, job, "crashed", message="heartbeats stopped")
+    body = _until(harvest_api, key, job, "failed")
+    assert body["tokens"] == 0 and "died 4 times" in body["error"]
+    assert harvest_api.runs.get(f"run-{job}")["reschedules"] == 3

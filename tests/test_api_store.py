@@ -1,6 +1,6 @@
 """The job store on SQLite and on PostgreSQL (127.0.0.1:5432, database `test`): atomic
-admission under every cap, charging rules, charged-once, restart re-attachment, activation
-quota. Each test runs on a fresh database (a new SQLite file, a new PostgreSQL schema)."""
+admission under every cap, charging rules, charged-once, status that never goes back, the
+restart budget of runs whose host died, the watcher lease, activation quota. Each test runs on a fresh database (a new SQLite file, a new PostgreSQL schema)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from api.store import (
     get_job,
     list_jobs,
     set_spend_cap,
+    record_restart,
     tokens_used,
-    view_status,
 )
 from harvest.errors import NotCancellable, NotFound, RateLimited, Unauthorized
 
@@ -189,52 +189,51 @@ def test_spend_cap_refuses_with_retry_after(engine):
     admit(key, _job(), capacity=10, engine=engine)
 
 
-def _admitted(engine, key, tokens=10, boot="boot-a"):
+def _admitted(engine, key, tokens=10):
     row = admit(key, _job(tokens=tokens), capacity=10, engine=engine)
-    attach_run(row["id"], f"run-{row['id']}", boot=boot, engine=engine)
+    attach_run(row["id"], f"run-{row['id']}", engine=engine)
     return row["id"]
 
 
 def test_charging_rules(engine):
     _, key = create_key("charges", small=10, engine=engine)
-    boot = "boot-a"
     done = _admitted(engine, key, tokens=50)
-    apply_state(done, RunState("running"), boot=boot, engine=engine)
-    apply_state(done, RunState("done"), result={"tokens": 42, "n_shards": 1}, boot=boot, engine=engine)
+    apply_state(done, RunState("running"), engine=engine)
+    apply_state(done, RunState("done"), result={"tokens": 42, "n_shards": 1}, engine=engine)
     assert get_job(done, engine=engine)["tokens"] == 42  # done → the tokens that ran
 
     failed = _admitted(engine, key)
-    apply_state(failed, RunState("running"), boot=boot, engine=engine)
-    apply_state(failed, RunState("failed", message="CUDA out of memory"), boot=boot, engine=engine)
+    apply_state(failed, RunState("running"), engine=engine)
+    apply_state(failed, RunState("failed", message="CUDA out of memory"), engine=engine)
     row = get_job(failed, engine=engine)
     assert (row["status"], row["tokens"], row["error"]) == ("failed", 0, "CUDA out of memory")
 
     early = _admitted(engine, key)  # cancelled before its GPU run started → 0
-    row, cancelled = cancel_job(early, key.id, boot=boot, engine=engine)
+    row, cancelled = cancel_job(early, key.id, engine=engine)
     assert cancelled and (row["status"], row["tokens"]) == ("cancelled", 0)
 
     late = _admitted(engine, key, tokens=33)  # cancelled after → the reserved tokens
-    apply_state(late, RunState("running"), boot=boot, engine=engine)
-    row, _ = cancel_job(late, key.id, boot=boot, engine=engine)
+    apply_state(late, RunState("running"), engine=engine)
+    row, _ = cancel_job(late, key.id, engine=engine)
     assert (row["status"], row["tokens"]) == ("cancelled", 33)
 
-    again, cancelled = cancel_job(late, key.id, boot=boot, engine=engine)  # second cancel: same answer
+    again, cancelled = cancel_job(late, key.id, engine=engine)  # second cancel: same answer
     assert not cancelled and again["tokens"] == 33
     for ended in (done, failed):
         with pytest.raises(NotCancellable):
-            cancel_job(ended, key.id, boot=boot, engine=engine)
+            cancel_job(ended, key.id, engine=engine)
     with pytest.raises(NotFound):
-        cancel_job(late, "another-key", boot=boot, engine=engine)
+        cancel_job(late, "another-key", engine=engine)
 
 
 def test_a_job_is_charged_once_however_many_endings_race(engine):
     _, key = create_key("once", engine=engine)
     job = _admitted(engine, key, tokens=20)
-    apply_state(job, RunState("running"), boot="boot-a", engine=engine)
+    apply_state(job, RunState("running"), engine=engine)
     endings = [
-        lambda: apply_state(job, RunState("done"), result={"tokens": 17, "n_shards": 1}, boot="boot-a", engine=engine),
-        lambda: cancel_job(job, key.id, boot="boot-a", engine=engine)[1],
-        lambda: apply_state(job, RunState("failed", message="x"), boot="boot-b", engine=engine),
+        lambda: apply_state(job, RunState("done"), result={"tokens": 17, "n_shards": 1}, engine=engine),
+        lambda: cancel_job(job, key.id, engine=engine)[1],
+        lambda: apply_state(job, RunState("failed", message="x"), engine=engine),
     ] * 4
     lock = threading.Lock()
     order = iter(endings)
@@ -252,23 +251,56 @@ def next_of(iterator, lock):
         return next(iterator)
 
 
-def test_after_a_restart_jobs_read_pending_until_reattached_and_cancel_is_free(engine):
-    _, key = create_key("restart", small=10, engine=engine)
-    first, second = _admitted(engine, key, tokens=25), _admitted(engine, key, tokens=25)
-    for job in (first, second):
-        apply_state(job, RunState("running"), boot="boot-a", engine=engine)
-        assert view_status(get_job(job, engine=engine), boot="boot-a") == "running"
-    # A new process (boot-b) has not read the runs yet: both read pending.
-    assert view_status(get_job(first, engine=engine), boot="boot-b") == "pending"
-    row, _ = cancel_job(second, key.id, boot="boot-b", engine=engine)
-    assert (row["status"], row["tokens"]) == ("cancelled", 0)  # cancel while re-attaching: free
-    # Re-attached: running again, then done, charged once.
-    assert apply_state(first, RunState("running"), boot="boot-b", engine=engine) is True
-    assert view_status(get_job(first, engine=engine), boot="boot-b") == "running"
-    apply_state(first, RunState("done"), result={"tokens": 24, "n_shards": 1}, boot="boot-b", engine=engine)
-    assert apply_state(first, RunState("done"), result={"tokens": 24, "n_shards": 1}, boot="boot-c", engine=engine) is False
+def test_status_comes_from_the_database_and_never_goes_back(engine):
+    _, key = create_key("forward", small=10, engine=engine)
+    job = _admitted(engine, key, tokens=25)
+    assert apply_state(job, RunState("pending"), engine=engine) is False
+    assert apply_state(job, RunState("running"), engine=engine) is True
+    # A run rescheduled after its host died reads pending again: the job stays running.
+    assert apply_state(job, RunState("pending"), engine=engine) is False
+    assert apply_state(job, RunState("running"), engine=engine) is False  # no change, no announcement
     with engine.connect() as conn:
+        assert conn.execute(select(jobs.c.status).where(jobs.c.id == job)).scalar_one() == "running"
+    assert apply_state(job, RunState("done"), result={"tokens": 24, "n_shards": 1}, engine=engine) is True
+    for later in (RunState("running"), RunState("pending"), RunState("failed", message="x")):
+        assert apply_state(job, later, engine=engine) is False
+    with engine.connect() as conn:
+        assert conn.execute(select(jobs.c.status, jobs.c.tokens).where(jobs.c.id == job)).one() == ("done", 24)
         assert tokens_used(conn, key.id) == 24
+
+
+def test_a_job_whose_hosts_keep_dying_fails_after_its_restart_budget_charged_nothing(engine):
+    _, key = create_key("crashes", engine=engine)
+    job = _admitted(engine, key, tokens=30)
+    apply_state(job, RunState("running"), engine=engine)
+    assert [record_restart(job, 2, engine=engine) for _ in range(3)] == [True, True, False]
+    with engine.connect() as conn:
+        status, tokens, error, restarts = conn.execute(
+            select(jobs.c.status, jobs.c.tokens, jobs.c.error, jobs.c.restarts).where(jobs.c.id == job)
+        ).one()
+    assert (status, tokens, restarts) == ("failed", 0, 2) and "died 3 times" in error
+    assert record_restart(job, 2, engine=engine) is False  # ended: nothing more to count
+
+
+def test_one_holder_of_the_watcher_lease_at_a_time(engine):
+    import time
+
+    from api.lease import Lease
+
+    a, b = Lease("watcher", "replica-a", 0.5, engine), Lease("watcher", "replica-b", 0.5, engine)
+    assert a.acquire() and not b.acquire()
+    assert a.acquire()  # renewal
+    assert a.current_holder() == "replica-a"
+    time.sleep(0.7)  # a stopped renewing (died): b takes over once it expired
+    assert b.acquire() and not a.acquire()
+    assert b.current_holder() == "replica-b"
+    b.release()  # a clean stop hands over at once
+    assert a.acquire()
+    holders, _ = _race(8, lambda: Lease("watcher", f"r-{uuid.uuid4().hex[:6]}", 30, engine).acquire())
+    assert holders.count(True) == 0  # a holds it: nobody else may take it, however many try
+    a.release()
+    winners, _ = _race(8, lambda: Lease("watcher", f"r-{uuid.uuid4().hex[:6]}", 30, engine).acquire())
+    assert winners.count(True) == 1
 
 
 def test_listing_is_newest_first_and_paginated(engine):

@@ -1,0 +1,256 @@
+"""The service's roles, one command each, for running it as a fleet.
+
+    harvest server               the control plane: Prefect server, pools, deployments,
+                                 schedules and liveness automations (applied idempotently)
+    harvest api                  one API replica (any number of them on one PostgreSQL)
+    harvest worker --lane LANE   one worker host of a lane (its Prefect worker)
+
+`harvest up` (`flows.stack`) is the one-box stack built from the same parts.
+
+Each role reads only its own configuration: `PREFECT_API_URL` (api, worker),
+`HARVEST_DATABASE_URL` (api), `HARVEST_STORAGE_URL` with `HARVEST_S3_ENDPOINT_URL` and the
+AWS variables (api, worker), Prefect's `PREFECT_API_DATABASE_CONNECTION_URL` (server), and
+`HARVEST_HOME` as the host's own scratch: model cache, logs, Prefect's home. Each runs its
+children with `HARVEST_HOME` as working directory, and flow code is imported from the
+installed package (deployments have module entrypoints and no pull steps), so no role reads
+the source checkout or another role's files. Each prints its ready line(s) on stdout once it
+answers, and stops cleanly on SIGTERM or Ctrl-C, leaving no child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from flows.processes import Managed, free_port, start_server, start_worker, wait_http
+
+__all__ = [
+    "Supervisor",
+    "serve",
+    "advertised",
+    "start_control_plane",
+    "start_api_replica",
+    "start_worker_host",
+    "server_main",
+    "api_main",
+    "worker_main",
+]
+
+
+def say(prog: str, text: str) -> None:
+    print(f"{prog}: {text}", file=sys.stderr, flush=True)
+
+
+def advertised(host: str) -> str:
+    """The address others use to reach a server bound to `host` (a wildcard means this host)."""
+    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+
+
+class Supervisor:
+    """The children of one role (or of `harvest up`): watched, and stopped together."""
+
+    # Stop order: API first (no new jobs), then workers (and their flow runs), the server last.
+    ORDER = {"api": 0, "prefect-server": 2}
+
+    def __init__(self, prog: str):
+        self.prog = prog
+        self.stopping = threading.Event()
+
+    def watch(self) -> int:
+        """Block until a child dies (→ 1); a signal unwinds it with KeyboardInterrupt."""
+        while not self.stopping.wait(1.0):
+            for child in Managed.started:
+                if not child.alive():
+                    say(self.prog, f"{child.name} exited with {child.proc.returncode}; stopping (log: {child.log_path})")
+                    return 1
+        return 0
+
+    def down(self) -> None:
+        self.stopping.set()
+        # `Managed.started` also holds a child whose start was interrupted before it answered.
+        for child in sorted(Managed.started, key=lambda c: self.ORDER.get(c.name, 1)):
+            if child.alive():
+                child.stop()
+
+
+def serve(prog: str, start: Callable[[Supervisor], dict[str, str] | list[str]], on_stop: Callable[[], None] | None = None) -> int:
+    """Run a role in the foreground: start it, print its ready lines, watch it, stop it.
+
+    `start` returns the lines to print (a dict prints as NAME=value) once everything answers.
+    """
+    supervisor = Supervisor(prog)
+
+    def on_signal(signum, frame):
+        # Never take a lock here (no Event.set): the handler runs in the main thread, possibly
+        # inside `stopping.wait`, which holds the event's lock, and would deadlock. Ignore any
+        # further signal (make forwards one, an impatient Ctrl-C) so nothing can cut the stop
+        # short, then unwind; the `finally` below stops every child.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    try:
+        ready = start(supervisor)
+        lines = [f"{k}={v}" for k, v in ready.items()] if isinstance(ready, dict) else ready
+        for line in lines:
+            print(line, flush=True)
+        code = supervisor.watch()
+    except KeyboardInterrupt:
+        code = 0
+    except Exception as exc:
+        say(prog, f"failed to start: {type(exc).__name__}: {exc}")
+        code = 1
+    finally:
+        # Also when a child died (no signal): `down` is bounded (SIGKILL after a grace), so let
+        # nothing interrupt it and orphan the children.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        say(prog, "stopping")
+        supervisor.down()
+        if on_stop is not None:
+            on_stop()
+        say(prog, "stopped")
+    return code
+
+
+def _prefect_home(home: Path) -> Path:
+    return Path(os.environ.get("PREFECT_HOME") or home / "prefect")
+
+
+def start_control_plane(home: Path, host: str, port: int, timeout: float = 90) -> tuple[Managed, str]:
+    """The Prefect server (its database from PREFECT_API_DATABASE_CONNECTION_URL, else SQLite
+    under PREFECT_HOME), then pools, deployments, schedules and liveness automations."""
+    server, api_url = start_server(_prefect_home(home), port, {"HARVEST_HOME": str(home)}, timeout, host=host, advertise=advertised(host))
+    apply_control_plane(api_url)
+    return server, api_url
+
+
+def apply_control_plane(api_url: str) -> list[str]:
+    """Everything the control plane declares, applied to the server at `api_url` (idempotent)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deploy import apply_sync
+    from flows.liveness import apply_automations_sync
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        names = apply_sync()
+        pools = sorted({name.split("harvest-", 1)[1] for name in names if "/harvest-" in name})
+        names += apply_automations_sync(pools)
+    return names
+
+
+def start_api_replica(home: Path, host: str, port: int, env: dict[str, str] | None = None, timeout: float = 90) -> tuple[Managed, str]:
+    """One uvicorn API process on host:port; returns it and its `ACS_API_BASE` once it answers."""
+    api = Managed(
+        "api",
+        [sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port)],
+        {**os.environ, **(env or {}), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port)},
+        home / "logs" / f"api-{port}.log",
+        cwd=str(home),
+    )
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    wait_http(f"http://{local}:{port}/health", timeout, api)
+    return api, f"http://{advertised(host)}:{port}/v1"
+
+
+def start_worker_host(
+    home: Path, lane: str, api_url: str, *, env: dict[str, str] | None = None, health_port: int | None = None,
+    name: str | None = None, timeout: float = 90,
+) -> Managed:
+    """This host's Prefect worker on the lane's pool, with heartbeats on (`flows.liveness`);
+    returns once its health check says it polls."""
+    from flows.liveness import HEARTBEAT_ENV
+
+    health_port = health_port or free_port()
+    worker_env = {
+        **(env or {}),
+        **HEARTBEAT_ENV,
+        "HARVEST_HOME": str(home),
+        "PREFECT_WORKER_WEBSERVER_HOST": "127.0.0.1",
+        "PREFECT_WORKER_WEBSERVER_PORT": str(health_port),
+    }
+    name = name or f"{socket.gethostname()}-{lane}-{os.getpid()}"
+    worker = start_worker(lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name=name, healthcheck=True, cwd=str(home))
+    wait_http(f"http://127.0.0.1:{health_port}/health", timeout, worker, ok_only=True)
+    return worker
+
+
+def _home() -> Path:
+    from harvest.settings import get_settings
+
+    home = get_settings().home
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def _prefect_api_url(prog: str) -> str:
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:
+        raise SystemExit(f"{prog}: set PREFECT_API_URL to the control plane's (what `harvest server` printed)")
+    return url
+
+
+def server_main(argv: list[str]) -> int:
+    from harvest.settings import get_settings
+
+    parser = argparse.ArgumentParser(prog="harvest server", description="The control plane: Prefect server, pools, deployments, automations.")
+    parser.add_argument("--host", help="address to bind and advertise (default HARVEST_PREFECT_HOST, 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default HARVEST_PREFECT_PORT, 4200)")
+    args = parser.parse_args(argv[1:])
+    settings = get_settings()
+    host, port = args.host or settings.prefect_host, args.port or settings.prefect_port
+
+    def start(supervisor: Supervisor) -> dict[str, str]:
+        started = time.monotonic()
+        _, api_url = start_control_plane(_home(), host, port)
+        say("harvest server", f"ready in {time.monotonic() - started:.1f} s")
+        return {"PREFECT_API_URL": api_url, "PREFECT_UI": api_url.removesuffix("/api")}
+
+    return serve("harvest server", start)
+
+
+def api_main(argv: list[str]) -> int:
+    from harvest.settings import get_settings
+
+    parser = argparse.ArgumentParser(prog="harvest api", description="One API replica.")
+    parser.add_argument("--host", help="address to bind (default HARVEST_HOST, 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default HARVEST_PORT, 8000)")
+    args = parser.parse_args(argv[1:])
+    settings = get_settings()
+    _prefect_api_url("harvest api")
+
+    def start(supervisor: Supervisor) -> dict[str, str]:
+        _, base = start_api_replica(_home(), args.host or settings.host, args.port or settings.port)
+        return {"ACS_API_BASE": base}
+
+    return serve("harvest api", start)
+
+
+def worker_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="harvest worker", description="One worker host of a lane.")
+    parser.add_argument("--lane", required=True, help="the lane (work pool) this host serves, e.g. small")
+    parser.add_argument("--name", help="worker name in the Prefect UI (default <hostname>-<lane>-<pid>)")
+    parser.add_argument("--health-port", type=int, help="port of the worker's /health on 127.0.0.1 (default a free one)")
+    args = parser.parse_args(argv[1:])
+    api_url = _prefect_api_url("harvest worker")
+
+    def start(supervisor: Supervisor) -> list[str]:
+        start_worker_host(_home(), args.lane, api_url, health_port=args.health_port, name=args.name)
+        return [f"WORKER_READY lane={args.lane}"]
+
+    return serve("harvest worker", start)
+
+
+def main(argv: list[str]) -> int:
+    """`harvest server|api|worker …` (the CLI hands over the whole argv)."""
+    return {"server": server_main, "api": api_main, "worker": worker_main}[argv[0]](argv)
