@@ -1,15 +1,14 @@
 """Operating the flows on a real Prefect server: cancellation (during forward passes and while
-the model loads), a worker lost mid-job (the reaper reschedules, a new worker resumes without
-recomputing shards), a run stuck CANCELLING after its worker died, and the pool limit."""
+the model loads) and the pool limit. Hosts that die are in tests/test_liveness.py (Prefect's
+own machinery) and tests/test_fleet.py (resumed on another host, end to end)."""
 
 from __future__ import annotations
 
 import json
 import time
 
-import psutil
 
-from harvest.manifest import MANIFEST
+from harvest.jobfiles import MANIFEST, PROGRESS
 
 PAUSE = "HARVEST_FLOW_SHARD_PAUSE_S"
 LOAD_PAUSE = "HARVEST_FLOW_LOAD_PAUSE_S"
@@ -17,7 +16,7 @@ LOAD_PAUSE = "HARVEST_FLOW_LOAD_PAUSE_S"
 
 def _progress(job) -> dict:
     try:
-        return json.loads(job.storage.read_bytes("_progress.json"))
+        return json.loads(job.storage.read_bytes(PROGRESS))
     except FileNotFoundError:
         return {}
 
@@ -85,64 +84,6 @@ def test_cancel_before_start_never_runs(harvest_stack):
     time.sleep(3)
     status = harvest_stack.status(job.flow_run_id)
     assert status.status == "cancelled" and status.run_count == 0 and status.started_at is None
-
-
-def _worker_of(flow_run_id, workers):
-    """Our worker process whose child runs this flow run (from its infrastructure_pid)."""
-    from prefect.client.orchestration import get_client
-
-    from flows.reaper import local_pid
-
-    with get_client(sync_client=True) as client:
-        pid = _wait_for(lambda: local_pid(client.read_flow_run(flow_run_id)), 60, "infrastructure_pid")
-    parent = psutil.Process(pid).parent().pid
-    return pid, next(w for w in workers.workers if w.pid == parent)
-
-
-def test_lost_worker_resumes_on_a_new_worker_without_recomputing(harvest_stack):
-    from flows.reaper import reap_once_sync
-
-    workers = harvest_stack.workers
-    job = harvest_stack.submit({"model": "llama-tiny", "prompts": [f"text {i}" for i in range(8)], "shard_size": 1}, env={PAUSE: "0.4"})
-    _wait_for(lambda: _progress(job).get("shards_done", 0) >= 3, 240, "three shards")
-    pid, worker = _worker_of(job.flow_run_id, workers)
-    workers.kill(worker)  # the worker and its flow-run process, at once: a lost machine
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    done_before = {name: job.storage.fs.modified(job.storage.path(name)) for name in _shards(job)}
-    assert len(done_before) >= 3
-    assert _state_name(job.flow_run_id) == "Running"  # Prefect alone would leave it so for ever
-
-    workers.small = workers.start("small")
-    actions = reap_once_sync(pools=("small",))
-    assert [(a.flow_run_id, a.what) for a in actions] == [(job.flow_run_id, "rescheduled")]
-    status = harvest_stack.wait(job.flow_run_id, timeout=240)
-    assert status.status == "done" and status.run_count == 2
-    for name, modified in done_before.items():  # written once, never again
-        assert job.storage.fs.modified(job.storage.path(name)) == modified, name
-    assert _progress(job)["shards_skipped"] == len(done_before)
-    assert len(json.loads(job.storage.read_bytes(MANIFEST))["shards"]) == 8
-
-
-def test_reaper_finishes_a_cancel_whose_worker_died(harvest_stack):
-    from flows.reaper import reap_once_sync
-    from flows.submit import cancel_harvest_run
-
-    workers = harvest_stack.workers
-    job = harvest_stack.submit({"model": "llama-tiny", "prompts": ["hello"] * 2, "shard_size": 1}, env={LOAD_PAUSE: "120"})
-    _wait_for(lambda: _progress(job).get("stage") == "loading", 240, "the loading stage")
-    pid, worker = _worker_of(job.flow_run_id, workers)
-    worker.proc.kill()  # only the worker: its flow-run process lives on, orphaned
-    worker.proc.wait()
-    workers.small = workers.start("small")
-    cancel_harvest_run(job.flow_run_id)
-    time.sleep(3)
-    assert _state_name(job.flow_run_id) == "Cancelling"  # nobody left to finish it
-    assert psutil.pid_exists(pid)
-
-    actions = reap_once_sync(pools=("small",))
-    assert (job.flow_run_id, "cancelled") in [(a.flow_run_id, a.what) for a in actions]
-    assert _state_name(job.flow_run_id) == "Cancelled"
-    _wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10, "the process to die")
 
 
 def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):

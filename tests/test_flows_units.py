@@ -1,5 +1,6 @@
 """The orchestration layer's pure parts, no server: shard splitting, the job-state mapping,
-the job-folder layout and progress, the retention sweep, deployment file and pool limits."""
+the scale-out take-over decision, the job-folder layout and progress, the retention sweep,
+deployment file and pool limits, the flows' settings."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from uuid import uuid4
 
 import pytest
 
-from flows.harvest import split_ranges
-from flows.jobs import job_storage, read_progress, read_request, write_request
+from flows.harvest import COLLECT, RECOMPUTE, TAKE_OVER, WAIT, helper_action, split_ranges
 from flows.retention import expired_jobs, sweep
+from harvest.jobfiles import JobFiles
 from harvest.request import HarvestRequest
+from harvest.settings import Settings
 from harvest.storage import Storage
 
 
@@ -40,7 +42,7 @@ def _run(state_type: str, run_count: int = 0, message: str | None = None):
     [
         ("SCHEDULED", 0, "pending"),
         ("PENDING", 0, "pending"),
-        ("SCHEDULED", 1, "running"),  # rescheduled by the reaper after it had started
+        ("SCHEDULED", 1, "running"),  # rescheduled after its host died, having started
         ("RUNNING", 1, "running"),
         ("COMPLETED", 1, "done"),
         ("FAILED", 1, "failed"),
@@ -58,24 +60,113 @@ def test_job_status_from_flow_run_state(state, run_count, status):
 def test_request_round_trip_and_progress_counts_shard_records(tmp_path):
     storage = Storage(f"file://{tmp_path}")
     request = HarvestRequest(model="llama-tiny", prompts=["a", "b", "c"], shard_size=2)
-    url = write_request("job-1", request, storage)
-    assert url == f"file://{tmp_path}/jobs/job-1/request.json"
-    job = job_storage(url)
-    assert read_request(job) == request
-    assert read_progress(job) == {"shards_done": 0, "n_shards": 2}
-    job.write_bytes("_parts/shard_00000.safetensors", b"x")
-    job.write_bytes("_progress.json", json.dumps({"stage": "forward", "shards_done": 99}).encode())
-    assert read_progress(job) == {"shards_done": 1, "n_shards": 2, "stage": "forward"}
+    files = JobFiles.for_job("job-1", storage)
+    url = files.write_request(request)
+    assert url == files.request_url == f"file://{tmp_path}/jobs/job-1/request.json"
+    job = JobFiles.from_request_url(url)
+    assert job.url == f"file://{tmp_path}/jobs/job-1" and JobFiles.job_ids(storage) == ["job-1"]
+    assert job.read_request() == request
+    assert job.read_progress() == {"shards_done": 0, "n_shards": 2}
+    job.storage.write_bytes("_parts/shard_00000.safetensors", b"x")
+    job.storage.write_bytes("_parts/timings-00001-00002.json", b"{}")  # a helper's timings: not a shard
+    job.storage.write_bytes("_progress.json", json.dumps({"stage": "forward", "shards_done": 99}).encode())
+    assert job.shards_done() == 1
+    assert job.read_progress() == {"shards_done": 1, "n_shards": 2, "stage": "forward"}
     with pytest.raises(ValueError):
-        job_storage(f"file://{tmp_path}/jobs/job-1/other.json")
+        JobFiles.from_request_url(f"file://{tmp_path}/jobs/job-1/other.json")
+
+
+def test_job_folder_names_are_the_spec_layout(tmp_path):
+    files = JobFiles.for_job("j", Storage(f"file://{tmp_path}"))
+    assert (files.shard_name(3), files.part_name(3)) == ("shard_00003.safetensors", "_parts/shard_00003.safetensors")
+    assert files.shard_names(2) == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    assert (files.REQUEST, files.STATS, files.MANIFEST, files.PROGRESS) == (
+        "request.json", "stats.safetensors", "manifest.json", "_progress.json"
+    )
+    files.write_helper_timings([2, 5], {"load_s": 1.5, "forward_s": 2.0, "save_s": 0.0, "upload_s": 0.25})
+    assert files.storage.exists("_parts/timings-00002-00005.json")
+    assert files.read_helper_timings([2, 5])["forward_s"] == 2.0 and files.read_helper_timings([0, 2]) is None
+
+
+def test_read_result_from_the_manifest(tmp_path):
+    files = JobFiles.for_job("j", Storage(f"file://{tmp_path}"))
+    assert files.read_result() is None and not files.has_manifest()
+    manifest = {
+        "shards": [{}, {}], "layer_indices": [1, 3], "contents": "activations", "tokens": 42,
+        "bytes_written": 1000, "timings": {"load_s": 1, "forward_s": 2.5, "extra_s": 9}, "created_at": "x",
+    }
+    files.storage.write_bytes("manifest.json", json.dumps(manifest).encode())
+    assert files.read_result() == {
+        "n_shards": 2, "layer_indices": [1, 3], "contents": "activations", "tokens": 42, "bytes_written": 1000,
+        "timings": {"load_s": 1.0, "forward_s": 2.5, "save_s": 0.0, "upload_s": 0.0},
+    }
+    files.discard_manifest()
+    assert not files.has_manifest()
+    files.discard_manifest()  # none left: nothing to do
+
+
+STALL = 60.0
+
+
+@pytest.mark.parametrize(
+    "state, since_grace_s, unchanged_s, action",
+    [
+        ("COMPLETED", -10, 0, COLLECT),
+        ("FAILED", -10, 0, RECOMPUTE),
+        ("CANCELLED", -10, 0, RECOMPUTE),
+        # Not started: the helper's own until the grace ends, then taken over.
+        ("SCHEDULED", -1, 500, WAIT),
+        ("SCHEDULED", 0, 0, TAKE_OVER),
+        ("PENDING", -1, 0, WAIT),
+        ("PENDING", 5, 5, TAKE_OVER),  # picked up, but its process never got to Running
+        ("PAUSED", 1, 1, TAKE_OVER),
+        # Running: waited for however long (a dead host's run is marked Crashed by Prefect).
+        ("RUNNING", 10_000, 10_000, WAIT),
+        # Crashed, stuck Cancelling, unknown: taken over once unchanged for the stall bound.
+        ("CRASHED", 100, STALL - 1, WAIT),
+        ("CRASHED", -5, STALL, TAKE_OVER),
+        ("CANCELLING", 100, 10, WAIT),
+        ("CANCELLING", 100, STALL + 1, TAKE_OVER),
+        (None, 100, 10, WAIT),
+        (None, 100, STALL, TAKE_OVER),
+    ],
+)
+def test_helper_take_over_decision(state, since_grace_s, unchanged_s, action):
+    from prefect.client.schemas.objects import StateType
+
+    kind = None if state is None else StateType(state)
+    assert helper_action(kind, since_grace_s, unchanged_s, stall_s=STALL) == action
+
+
+def test_every_helper_state_but_running_ends_within_a_bound():
+    from prefect.client.schemas.objects import StateType
+
+    late = 10 * STALL
+    for kind in [*StateType, None]:
+        ends = helper_action(kind, late, late, stall_s=STALL) != WAIT
+        assert ends == (kind != StateType.RUNNING), kind
+
+
+def test_flow_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HARVEST_FLOW_SHARD_PAUSE_S", "0.5")
+    monkeypatch.setenv("HARVEST_FLOW_LOAD_PAUSE_S", "120")
+    monkeypatch.setenv("HARVEST_HELPER_GRACE_S", "2")
+    settings = Settings()
+    assert (settings.flow_shard_pause_s, settings.flow_load_pause_s, settings.helper_grace_s) == (0.5, 120, 2)
+    defaults = {name: field.default for name, field in Settings.model_fields.items()}
+    assert (defaults["flow_shard_pause_s"], defaults["flow_load_pause_s"], defaults["helper_grace_s"]) == (0, 0, 30)
+    monkeypatch.setenv("HARVEST_HELPER_GRACE_S", "-1")
+    with pytest.raises(ValueError):
+        Settings()
 
 
 def _job(root: Storage, job_id: str, ended: datetime | None) -> Storage:
-    job = root.child(f"jobs/{job_id}")
-    job.write_bytes("request.json", b"{}")
-    job.write_bytes("shard_00000.safetensors", b"data")
+    files = JobFiles.for_job(job_id, root)
+    job = files.storage
+    job.write_bytes(files.REQUEST, b"{}")
+    job.write_bytes(files.shard_name(0), b"data")
     if ended is not None:
-        job.write_bytes("manifest.json", json.dumps({"created_at": ended.isoformat()}).encode())
+        job.write_bytes(files.MANIFEST, json.dumps({"created_at": ended.isoformat()}).encode())
     return job
 
 
@@ -106,8 +197,15 @@ def test_prefect_yaml_declares_the_pools_and_deployments(monkeypatch):
 
     spec = load_spec()
     pools = {p["name"]: p for p in spec["pools"]}
-    assert {n: (p["type"], pool_limit(p)) for n, p in pools.items()} == {"small": ("process", 3), "large": ("process", 1)}
+    for name in ("HARVEST_POOL_LIMIT_SMALL", "HARVEST_POOL_LIMIT_LARGE"):
+        monkeypatch.delenv(name, raising=False)
+    unset = Settings()
+    assert {n: (p["type"], pool_limit(p, unset)) for n, p in pools.items()} == {"small": ("process", 3), "large": ("process", 1)}
     assert {d["name"] for d in spec["deployments"]} == {"harvest-small", "harvest-large", "corpus-refresh", "retention-sweep"}
     monkeypatch.setenv("HARVEST_POOL_LIMIT_LARGE", "2")
     monkeypatch.setenv("HARVEST_POOL_LIMIT_SMALL", "none")
-    assert pool_limit(pools["large"]) == 2 and pool_limit(pools["small"]) is None
+    settings = Settings()  # read at call time (get_settings() is cached per process)
+    assert (settings.pool_limit_large, settings.pool_limit_small) == (2, None)
+    assert pool_limit(pools["large"], settings) == 2 and pool_limit(pools["small"], settings) is None
+    monkeypatch.setenv("HARVEST_POOL_LIMIT_SMALL", "")
+    assert pool_limit(pools["small"], Settings()) is None and pool_limit({"name": "other", "concurrency_limit": 5}, Settings()) == 5

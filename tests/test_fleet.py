@@ -1,0 +1,227 @@
+"""The production topology, end to end (`tests.topology`): a control plane on PostgreSQL, two API
+replicas on one PostgreSQL job store, two worker hosts of the `small` lane in network
+namespaces of their own, files on moto's S3 server, nothing else shared.
+
+- Jobs submitted through one replica are read, long-polled and cancelled through the other;
+  no status ever goes back; each job is charged once (checked against the manifest the worker
+  host wrote and the tokenizer run here, not the column the API charged); the presigned S3
+  links download with no key and match the manifest's sha256.
+- Host death: every process of the host running a job is SIGKILLed mid-job; Prefect's
+  heartbeat automation marks the run Crashed, the lease-holding replica reschedules it, the
+  other host resumes it: done, the shards written before the kill untouched (S3
+  LastModified), charged once.
+- Replica death: the replica holding the watcher lease is SIGKILLed; the other takes the lease
+  over within seconds, and a long-poll already waiting on it wakes on the job's next change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from datetime import datetime, timezone
+
+import httpx
+import psycopg
+import pytest
+
+from tests.topology import Fleet
+
+ORDER = {"pending": 0, "running": 1, "done": 2, "failed": 2, "cancelled": 2}
+SHARD_PAUSE_S = "1.0"  # worker hosts slow each shard by this much, so tests can act mid-job
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    with Fleet(
+        root, replicas_n=2, hosts_n=2,
+        host_env={"HARVEST_FLOW_SHARD_PAUSE_S": SHARD_PAUSE_S},
+        replica_env={"HARVEST_WATCH_INTERVAL_S": "0.5", "HARVEST_WATCHER_LEASE_S": "3"},
+    ) as fleet:
+        yield fleet
+
+
+def _auth(fleet) -> dict:
+    return {"Authorization": f"Bearer {fleet.key}"}
+
+
+def _submit(fleet, replica, prompts, **fields) -> dict:
+    body = {"model": "llama-tiny", "prompts": prompts, "layers": [2, 5], "shard_size": 1, **fields}
+    response = httpx.post(f"{replica.base_url}/harvest", json=body, headers=_auth(fleet), timeout=120)
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def _get(fleet, replica, job_id, wait: float = 0) -> dict:
+    response = httpx.get(f"{replica.base_url}/harvest/{job_id}", params={"wait": wait} if wait else None,
+                         headers=_auth(fleet), timeout=wait + 30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _until(fleet, replica, job_id, statuses, timeout=240) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = _get(fleet, replica, job_id, wait=min(30, max(1, deadline - time.monotonic())))
+        if body["status"] in statuses:
+            return body
+        assert time.monotonic() < deadline, f"job {job_id} still {body['status']} after {timeout} s"
+
+
+class StatusRecorder:
+    """Reads each job through every replica in turn, every 0.2 s, and keeps what it saw."""
+
+    def __init__(self, fleet, job_ids):
+        self.fleet, self.seen = fleet, {job: [] for job in job_ids}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            for replica in self.fleet.replicas:
+                for job in self.seen:
+                    try:
+                        self.seen[job].append(_get(self.fleet, replica, job)["status"])
+                    except Exception:
+                        pass  # a replica killed by a test
+            time.sleep(0.2)
+
+    def finish(self) -> dict[str, list[str]]:
+        self.stop.set()
+        self.thread.join()
+        return self.seen
+
+
+def _never_back(statuses: list[str]) -> bool:
+    return all(ORDER[a] <= ORDER[b] for a, b in zip(statuses, statuses[1:]))
+
+
+def _charged(fleet, job_id) -> int | None:
+    with psycopg.connect(fleet.jobs_url.replace("+psycopg", "")) as conn:
+        return conn.execute("SELECT tokens FROM jobs WHERE id = %s", (job_id,)).fetchone()[0]
+
+
+def _expected_tokens(prompts) -> int:
+    """Tokens of the prompts, counted here with the model's own tokenizer (BOS included)."""
+    from harvest.registry import load_registry
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(load_registry().get("llama-tiny").require_path())
+    return sum(len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts)
+
+
+def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_links(fleet):
+    a, b = fleet.replicas
+    prompts = [f"The fleet harvests prompt number {i}." for i in range(4)]
+    done_job = _submit(fleet, a, prompts)["job_id"]
+    cancel_job = _submit(fleet, a, [f"cancel me {i}" for i in range(30)])["job_id"]
+    recorder = StatusRecorder(fleet, [done_job, cancel_job])
+
+    running = _until(fleet, b, cancel_job, ("running",))  # long-polled through the other replica
+    assert running["started_at"]
+    cancelled = httpx.delete(f"{b.base_url}/harvest/{cancel_job}", headers=_auth(fleet), timeout=60).json()
+    assert cancelled["status"] == "cancelled" and cancelled["tokens"] == cancelled["reserved_tokens"]
+    assert _get(fleet, a, cancel_job)["status"] == "cancelled"
+
+    body = _until(fleet, b, done_job, ("done", "failed", "cancelled"))
+    assert body["status"] == "done", body
+    time.sleep(2)  # more watcher ticks: nothing may change any more
+    seen = recorder.finish()
+    for job, statuses in seen.items():
+        assert _never_back(statuses), (job, statuses)
+    assert "running" in seen[done_job] or seen[done_job][0] == "done"
+
+    # Presigned links from replica A, fetched with no key at all, match the manifest.
+    links = _get(fleet, a, done_job)["result"]
+    manifest = httpx.get(links["manifest_url"], timeout=30)
+    assert manifest.status_code == 200
+    manifest = manifest.json()
+    assert [s["file"] for s in manifest["shards"]] == [f"shard_{k:05d}.safetensors" for k in range(4)]
+    for url, shard in zip(links["shard_urls"], manifest["shards"]):
+        assert "X-Amz-Signature" in url
+        data = httpx.get(url, timeout=30).content
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
+
+    # Charged once: what the host's manifest says ran, which is what the tokenizer counts here.
+    assert _charged(fleet, done_job) == manifest["tokens"] == _expected_tokens(prompts)
+    assert _charged(fleet, cancel_job) == cancelled["reserved_tokens"] == _expected_tokens([f"cancel me {i}" for i in range(30)])
+
+
+def _objects(fleet, prefix) -> dict[str, object]:
+    listing = fleet.s3.client.list_objects_v2(Bucket=fleet.s3.bucket, Prefix=prefix)
+    return {o["Key"].rsplit("/", 1)[-1]: o["LastModified"] for o in listing.get("Contents", [])}
+
+
+def test_a_host_that_dies_mid_job_loses_nothing(fleet):
+    a, b = fleet.replicas
+    prompts = [f"host death prompt {i}" for i in range(14)]
+    job = _submit(fleet, a, prompts)
+    run_id = job["run_id"]
+    prefix = f"fleet/jobs/{job['job_id']}/"
+
+    deadline = time.monotonic() + 240
+    while sum(1 for n in _objects(fleet, prefix) if n.startswith("shard_")) < 3:
+        assert time.monotonic() < deadline, "three shards were never written"
+        time.sleep(0.3)
+    victim = next(h for h in fleet.hosts if run_id in h.flow_run_ids())
+    victim.kill()  # every process of the host at once: worker, flow run, everything
+    killed_at = time.monotonic()
+    before = {n: t for n, t in _objects(fleet, prefix).items() if n.startswith("shard_")}
+    assert len(before) >= 3
+
+    body = _until(fleet, b, job["job_id"], ("done", "failed", "cancelled"), timeout=300)
+    assert body["status"] == "done", body
+    recovered_s = time.monotonic() - killed_at
+    survivor = next(h for h in fleet.hosts if h is not victim)
+    after = _objects(fleet, prefix)
+    for name, modified in before.items():  # written once, before the kill, never again
+        assert after[name] == modified, name
+    manifest = json.loads(fleet.s3.client.get_object(Bucket=fleet.s3.bucket, Key=prefix + "manifest.json")["Body"].read())
+    assert len(manifest["shards"]) == len(prompts)
+    assert _charged(fleet, job["job_id"]) == manifest["tokens"] == _expected_tokens(prompts)
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: fleet.prefect_api_url}), get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+        history = [s.name for s in client.read_flow_run_states(run_id)]
+    assert run.run_count == 2 and "Crashed" in history, history
+    print(f"host death: done {recovered_s:.0f} s after the kill, on {survivor.host.name}")
+
+
+def test_the_lease_holders_death_hands_over_and_waiters_still_wake(fleet):
+    holder = next(r for r in fleet.replicas if r.health()["watcher"])
+    other = next(r for r in fleet.replicas if r is not holder)
+    job = _submit(fleet, other, [f"lease {i}" for i in range(6)])["job_id"]
+    _until(fleet, other, job, ("running",))
+
+    answer: dict = {}
+
+    def wait_on_other():
+        started = time.monotonic()
+        answer["body"] = _get(fleet, other, job, wait=60)
+        answer["woke"] = datetime.now(timezone.utc)
+        answer["after_s"] = time.monotonic() - started
+
+    waiter = threading.Thread(target=wait_on_other)
+    waiter.start()
+    time.sleep(0.5)  # the waiter is waiting
+    holder.role.kill()
+    killed_at = time.monotonic()
+    while not other.health()["watcher"]:
+        assert time.monotonic() - killed_at < 15, "no replica took the watcher lease over"
+        time.sleep(0.2)
+    takeover_s = time.monotonic() - killed_at
+    waiter.join(timeout=90)
+    assert answer["body"]["status"] == "done" and answer["after_s"] < 55, answer
+    # Woken by the change itself (NOTIFY from the new holder), not by the end of its wait.
+    with psycopg.connect(fleet.jobs_url.replace("+psycopg", "")) as conn:
+        completed = conn.execute("SELECT completed_at FROM jobs WHERE id = %s", (job,)).fetchone()[0]
+    wake_s = (answer["woke"] - completed.replace(tzinfo=timezone.utc)).total_seconds()
+    assert 0 <= wake_s < 2, wake_s
+    print(f"lease taken over {takeover_s:.1f} s after the holder died; the waiter woke {wake_s * 1000:.0f} ms "
+          f"after the job was done ({answer['after_s']:.1f} s into its wait)")
