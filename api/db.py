@@ -177,6 +177,8 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
+MIGRATION_LOCK = 0x68617276  # an arbitrary constant: "harv"
+
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
@@ -209,6 +211,11 @@ def upgrade(engine: Engine) -> None:
     config = Config()
     config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Replicas starting together would race to create the same tables: the first to
+            # take this lock migrates, the others then find the schema at head. (SQLite's
+            # BEGIN IMMEDIATE already serialises them.)
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         config.attributes["connection"] = conn
         command.upgrade(config, "head")
 

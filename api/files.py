@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse
 from api import deps
 from api.links import verify
 from harvest.errors import NotFound
+from harvest.jobfiles import JobFiles
 
 __all__ = ["router"]
 
@@ -23,7 +24,7 @@ router = APIRouter(prefix="/v1", tags=["files"])
 def download(job_id: str, name: str, expires: str | None = Query(None), signature: str | None = Query(None)):
     """A job's result file, for a signed unexpired link."""
     verify(job_id, name, expires, signature)
-    files = deps.storage().child(f"jobs/{job_id}")
+    files = JobFiles.for_job(job_id, deps.storage()).storage
     if not files.is_local:
         raise NotFound("This store serves its own presigned links.", code="file_not_found")
     if not files.exists(name):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -21,13 +20,13 @@ from api.auth import ApiKey, current_key
 from api.schemas import ErrorBody, Harvest, HarvestList, render
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs
 from harvest.errors import ModelUnavailable
+from harvest.jobfiles import JobFiles, n_shards
 from harvest.pipeline import tokenize_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
 
-__all__ = ["router", "REQUEST_FILE"]
+__all__ = ["router"]
 
-REQUEST_FILE = "request.json"
 TERMINAL = ("done", "failed", "cancelled")
 # A waiter re-reads its job at least this often, so a change announced while this replica's
 # LISTEN connection was being re-opened still answers (`api.notify`).
@@ -44,6 +43,7 @@ def _prepare(request: HarvestRequest) -> dict:
     job = resolve_job(request, deps.registry())
     tokens = sum(len(t.ids) for t in tokenize_job(job))  # also refuses over 2,000,000
     job_id = str(uuid.uuid4())
+    files = JobFiles.for_job(job_id, deps.storage())
     return {
         "id": job_id,
         "model": job.model.name,
@@ -51,11 +51,11 @@ def _prepare(request: HarvestRequest) -> dict:
         "n_prompts": len(request.prompts),
         "layers": job.layers,
         "shard_size": request.shard_size,
-        "n_shards": math.ceil(len(request.prompts) / request.shard_size),
+        "n_shards": n_shards(len(request.prompts), request.shard_size),
         "add_special_tokens": request.add_special_tokens,
         "contents": job.contents,
         "reserved_tokens": tokens,
-        "request_url": f"{deps.storage().url}/jobs/{job_id}/{REQUEST_FILE}",
+        "request_url": files.request_url,
     }
 
 
@@ -69,7 +69,7 @@ def _submit(key: ApiKey, request: HarvestRequest) -> dict:
     admit(key, job, capacity=_capacity(job["lane"]))
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts.
-        deps.storage().child(f"jobs/{job['id']}").write_bytes(REQUEST_FILE, request.model_dump_json().encode())
+        JobFiles.for_job(job["id"], deps.storage()).write_request(request)
         run_id = deps.runs().start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
     except Exception as exc:
         fail_job(job["id"], f"The harvest could not be started: {exc}")

@@ -4,26 +4,25 @@ On `s3://` storage the store signs them itself (SigV4 presigned GET, `X-Amz-Expi
 local file store the API signs `/v1/files/{job_id}/{name}?expires=…&signature=…` with HMAC-SHA256
 over the job id, the file name and the expiry, and serves the file only when the signature
 matches and the expiry has not passed (403 otherwise). Only the job's own result files can be
-named (`FILE_NAME`), so no link reaches outside the job's prefix.
+named (`harvest.jobfiles.RESULT_FILE`), so no link reaches outside the job's prefix.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 import secrets
 import time
 from functools import lru_cache
 from urllib.parse import urlencode
 
 from harvest.errors import LinkRefused
+from harvest.jobfiles import RESULT_FILE, JobFiles
 from harvest.settings import get_settings
 from harvest.storage import Storage
 
-__all__ = ["LinkRefused", "FILE_NAME", "signing_key", "sign", "verify", "presign"]
+__all__ = ["LinkRefused", "signing_key", "sign", "verify", "presign"]
 
-FILE_NAME = re.compile(r"^(shard_\d{5}\.safetensors|stats\.safetensors|manifest\.json)$")
 
 
 @lru_cache(maxsize=1)
@@ -56,7 +55,7 @@ def sign(base_url: str, job_id: str, name: str, expires: int) -> str:
 
 def verify(job_id: str, name: str, expires: str | None, signature: str | None) -> None:
     """Raise 403 unless the link is intact, unexpired and names one of the job's files."""
-    if not FILE_NAME.match(name) or expires is None or signature is None or not expires.isdigit():
+    if not RESULT_FILE.match(name) or expires is None or signature is None or not expires.isdigit():
         raise LinkRefused("This download link is not valid.")
     if not hmac.compare_digest(_mac(job_id, name, int(expires)), signature):
         raise LinkRefused("This download link is not valid: its signature does not match.")
@@ -69,13 +68,13 @@ def presign(storage: Storage, job_id: str, name: str, expires: int, base_url: st
     if storage.is_local:
         return sign(base_url, job_id, name, expires)
     if storage.url.startswith("s3://"):
-        bucket, _, key = storage.child(f"jobs/{job_id}").path(name).partition("/")
+        bucket, _, key = JobFiles.for_job(job_id, storage).storage.path(name).partition("/")
         seconds = max(int(expires - time.time()), 1)
         return _s3_client().generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=seconds
         )
     # Any other fsspec store that can sign (gcs, az) does it itself.
-    return storage.fs.sign(storage.child(f"jobs/{job_id}").path(name), expiration=int(expires - time.time()))
+    return storage.fs.sign(JobFiles.for_job(job_id, storage).storage.path(name), expiration=int(expires - time.time()))
 
 
 @lru_cache(maxsize=1)

@@ -10,9 +10,8 @@ from pydantic import BaseModel
 
 from api.db import aware
 from api.links import presign
-from harvest.manifest import MANIFEST, STATS
+from harvest.jobfiles import JobFiles
 from harvest.settings import get_settings
-from harvest.shards import shard_name
 from harvest.storage import Storage
 
 __all__ = ["Progress", "Timings", "Result", "Harvest", "HarvestList", "ErrorBody", "render"]
@@ -137,15 +136,15 @@ def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = Fa
     body["result"] = result
     now = datetime.now(timezone.utc)
     purge_at = aware(row["completed_at"]) + timedelta(days=settings.retention_days)
-    job_files = storage.child(f"jobs/{row['id']}")
-    if now >= purge_at or (check_files and not job_files.exists(MANIFEST)):
+    files = JobFiles.for_job(row["id"], storage)
+    if now >= purge_at or (check_files and not files.has_manifest()):
         body["urls_expired"] = True
         return body
     expires = min(int(time.time()) + settings.url_expiry_s, int(purge_at.timestamp()))
     link = lambda name: presign(storage, row["id"], name, expires, base_url)  # noqa: E731
-    result["shard_urls"] = [link(shard_name(k)) for k in range(result["n_shards"])]
-    result["manifest_url"] = link(MANIFEST)
-    result["stats_url"] = link(STATS)
+    result["shard_urls"] = [link(name) for name in files.shard_names(result["n_shards"])]
+    result["manifest_url"] = link(files.MANIFEST)
+    result["stats_url"] = link(files.STATS)
     body["urls_expire_at"] = datetime.fromtimestamp(expires, timezone.utc).isoformat()
     body["urls_expired"] = False
     return body

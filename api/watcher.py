@@ -29,33 +29,12 @@ from api.lease import Lease
 from api.notify import JobChanges
 from api.runs import Runs, RunState
 from api.store import active_jobs, apply_state, attach_run, fail_job, record_restart, set_progress, unstarted_jobs
-from harvest.manifest import MANIFEST
+from harvest.jobfiles import JobFiles
 from harvest.storage import Storage
 
-__all__ = ["Watcher", "read_result"]
+__all__ = ["Watcher"]
 
 log = logging.getLogger("harvest.api.watcher")
-
-
-def read_result(storage: Storage, job_id: str) -> dict | None:
-    """The result numbers of a finished job, from its manifest (None when there is none)."""
-    files = storage.child(f"jobs/{job_id}")
-    if not files.exists(MANIFEST):
-        return None
-    manifest = json.loads(files.read_bytes(MANIFEST))
-    timings = manifest.get("timings", {})
-    return {
-        "n_shards": len(manifest["shards"]),
-        "layer_indices": manifest["layer_indices"],
-        "contents": manifest["contents"],
-        "tokens": manifest["tokens"],
-        "bytes_written": manifest["bytes_written"],
-        "timings": {k: float(timings.get(k, 0.0)) for k in ("load_s", "forward_s", "save_s", "upload_s")},
-    }
-
-
-def _shards_done(storage: Storage, job_id: str) -> int:
-    return sum(1 for name in storage.child(f"jobs/{job_id}/_parts").listdir() if name.endswith(".safetensors"))
 
 
 class Watcher:
@@ -142,9 +121,10 @@ class Watcher:
                 if state.crashed:
                     moved = self._restart_crashed(row, state)
                 else:
-                    result = read_result(self.storage, row["id"]) if state.status == "done" else None
+                    files = JobFiles.for_job(row["id"], self.storage)
+                    result = files.read_result() if state.status == "done" else None
                     moved = apply_state(row["id"], state, result=result)
-                    if state.status == "running" and set_progress(row["id"], _shards_done(self.storage, row["id"])):
+                    if state.status == "running" and set_progress(row["id"], files.shards_done()):
                         moved = True
             except Exception:  # storage briefly away: this job waits for the next tick, the others go on
                 log.exception("could not follow job %s", row["id"])
@@ -181,7 +161,7 @@ class Watcher:
         state: RunState | None = self.runs.read([row["flow_run_id"]]).get(row["flow_run_id"])
         if state is None or state.crashed:
             return False
-        result = read_result(self.storage, row["id"]) if state.status == "done" else None
+        result = JobFiles.for_job(row["id"], self.storage).read_result() if state.status == "done" else None
         return apply_state(row["id"], state, result=result)
 
     # --- long-poll waiters ----------------------------------------------------------------

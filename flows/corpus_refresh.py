@@ -19,10 +19,10 @@ from datetime import datetime, timezone
 from prefect import flow, get_run_logger
 
 from harvest.corpus import read_prompts
+from harvest.jobfiles import JobFiles
 from harvest.request import MAX_PROMPTS, HarvestRequest
 from harvest.storage import open_storage
 from flows.harvest import harvest
-from flows.jobs import REQUEST
 
 __all__ = ["corpus_refresh", "refresh_prefix"]
 
@@ -53,10 +53,10 @@ def corpus_refresh(
     parts = []
     for i, start in enumerate(range(0, len(prompts), MAX_PROMPTS)):
         request = HarvestRequest(model=model, prompts=prompts[start : start + MAX_PROMPTS], layers=layers, shard_size=shard_size)
-        part = folder.child(f"part-{i:04d}")
-        part.write_bytes(REQUEST, request.model_dump_json().encode())
+        part = JobFiles(folder.child(f"part-{i:04d}"))  # a job's layout, in a dated folder
+        request_url = part.write_request(request)
         job_id = f"{name}-{folder.url.rsplit('/', 1)[-1]}-part-{i:04d}"
-        state = harvest(job_id=job_id, request_url=f"{part.url}/{REQUEST}", return_state=True)
+        state = harvest(job_id=job_id, request_url=request_url, return_state=True)
         if not state.is_completed():
             raise RuntimeError(f"part {i} of {corpus_url} ended {state.name}: {state.message}")
         parts.append(part.url)

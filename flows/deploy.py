@@ -6,12 +6,12 @@ deployments are upserted by (flow, name), schedules replaced. Deployments are cr
 the client rather than `prefect deploy` so that no prompt, build step or git state is involved
 and a start takes ~1 s; `prefect deploy --all` with the same file still works for operators.
 
-Limits: `HARVEST_POOL_LIMIT_<LANE>` (an integer, or "none") overrides the file.
+Limits: `HARVEST_POOL_LIMIT_<LANE>` (an integer, or "none"), read through `Settings`
+(`pool_limit_small`, `pool_limit_large`), overrides the file.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.asyncutils import run_coro_as_sync
 
+from harvest.settings import Settings, get_settings
+
 __all__ = ["REPO", "PREFECT_YAML", "load_spec", "pool_limit", "apply", "apply_sync", "pull_steps"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,12 +35,10 @@ def load_spec(path: Path = PREFECT_YAML) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def pool_limit(pool: dict) -> int | None:
-    """The pool's concurrency limit: HARVEST_POOL_LIMIT_<NAME> if set, else the file's."""
-    override = os.environ.get(f"HARVEST_POOL_LIMIT_{pool['name'].upper()}")
-    if override is None:
-        return pool.get("concurrency_limit")
-    return None if override.strip().lower() in ("", "none") else int(override)
+def pool_limit(pool: dict, settings: Settings | None = None) -> int | None:
+    """The pool's concurrency limit: HARVEST_POOL_LIMIT_<NAME> if set (Settings), else the file's."""
+    given, limit = (settings or get_settings()).pool_limit_override(pool["name"])
+    return limit if given else pool.get("concurrency_limit")
 
 
 def pull_steps(repo: Path = REPO) -> list[dict]:

@@ -11,18 +11,23 @@ prompts and tensors never go through Prefect. The run
    work in `task.map` threads would only be SIGKILLed after a 30 s grace (DESIGN);
 4. merges statistics and writes the manifest last, and returns a small summary.
 
-Resume: shards already written and verified (size + sha256 record beside each) are skipped, so
-a re-run of the same flow run (the reaper reschedules one whose process died) costs only the
-shard that was in flight.
+The job's files and their names are `harvest.jobfiles.JobFiles`. Resume: shards already
+written and verified (size + sha256 record beside each) are skipped, so a re-run of the same
+flow run (rescheduled after its host died) costs only the shard that was in flight.
 
 Scale-out (`workers=N`): the shards are cut into N contiguous ranges. This run keeps the
 first; the others become flow runs of the lane's deployment (`shard_range=[a, b]`), each
-loading the model once. When its own range is done, this run waits for the helpers; a helper
-still not started after a grace period (HARVEST_HELPER_GRACE_S, 30 s; the lane is full, e.g.
-`large` with limit 1) is cancelled and its range done here, and one that failed has its range
-resumed here. So scale-out never deadlocks
-on the lane's limit and never loses a shard. Statistics are merged in shard order from the
-per-shard float64 partials, so they are identical to a single-worker run.
+loading the model once. When its own range is done, this run waits for the helpers, but never
+for ever (`helper_action`): a helper not running yet after `HARVEST_HELPER_GRACE_S` (the lane
+is full, e.g. `large` with limit 1, or it is stuck Pending or Paused) is cancelled and its range
+done here; one that ended without finishing has its range resumed here; one left Crashed,
+Cancelling or unreadable for `HARVEST_HELPER_STALL_S` is taken over too. A Running helper is
+waited for: if its host dies, Prefect's heartbeat automation marks it Crashed, and then the
+rule above applies. Shards already written and verified are skipped, and a shard written twice
+(a helper that started just as it was taken over) is the same bytes written atomically, so
+scale-out never deadlocks on the lane's limit and never loses or doubles a shard. Statistics
+are merged in shard order from the per-shard float64 partials, so they are identical to a
+single-worker run.
 
 Failure: any error ends the run Failed with a short message saying why (e.g. `capture_failed:
 …`), and no manifest is written. Cancellation ends it Cancelled.
@@ -30,8 +35,6 @@ Failure: any error ends the run Failed with a short message saying why (e.g. `ca
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from uuid import UUID
 
@@ -39,6 +42,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.responses import SetStateStatus
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled as CancelledState
@@ -46,27 +50,26 @@ from prefect.states import Failed
 
 from harvest.engines import load_engine
 from harvest.errors import HarvestError
-from harvest.manifest import MANIFEST
+from harvest.jobfiles import JobFiles
 from harvest.pipeline import Cancelled, JobSummary, Timings, tokenize_job
 from harvest.registry import load_registry
 from harvest.request import resolve_job
-from harvest.shards import PARTS, shard_ranges
-from harvest.storage import Storage
-from flows.jobs import job_storage, read_request, write_progress
+from harvest.settings import Settings, get_settings
+from harvest.shards import shard_ranges
 from tasks.shards import ShardWork, finalize_job, harvest_shard
 
-__all__ = ["harvest", "split_ranges", "HELPER_TAG"]
+__all__ = ["harvest", "split_ranges", "helper_action", "HELPER_TAG", "WAIT", "COLLECT", "RECOMPUTE", "TAKE_OVER"]
 
 HELPER_TAG = "scale-out-helper"
-# A test/demo throttle (seconds slept in the main thread after each shard, and before the model
-# loads). It slows real work down so that tests can act "mid-job"; it fakes nothing. Unset = 0.
-PAUSE_ENV = "HARVEST_FLOW_SHARD_PAUSE_S"
-LOAD_PAUSE_ENV = "HARVEST_FLOW_LOAD_PAUSE_S"
 POLL_S = 1.0
-# How long a helper may stay scheduled after this run finished its own range before this run
-# takes its shards over: a worker needs a poll and a process start (10-20 s on a loaded CPU
-# box) to pick it up, and a model load takes far longer than this wait.
-HELPER_GRACE_S = float(os.environ.get("HARVEST_HELPER_GRACE_S", 30))
+
+# What the parent does about one helper on one look (`helper_action`).
+WAIT = "wait"  # leave the range to the helper for now
+COLLECT = "collect"  # it completed: add its timings
+RECOMPUTE = "recompute"  # it ended without finishing: do (the rest of) its range here
+TAKE_OVER = "take_over"  # cancel it (forcing where refused), then do its range here
+
+_NOT_STARTED = (StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED)
 
 
 def split_ranges(n_shards: int, workers: int) -> list[list[int]]:
@@ -81,6 +84,30 @@ def split_ranges(n_shards: int, workers: int) -> list[list[int]]:
     return ranges
 
 
+def helper_action(kind: StateType | None, since_grace_s: float, unchanged_s: float, *, stall_s: float) -> str:
+    """What the parent does about a helper in state `kind` (None: unknown or unreadable).
+
+    since_grace_s: seconds since the grace ended (negative while it lasts); the grace starts
+    when the parent's own range is done. unchanged_s: seconds since the parent last saw this
+    helper's state change. Every state but Running leads to an end within a bounded time.
+    """
+    if kind == StateType.COMPLETED:
+        return COLLECT
+    if kind in (StateType.FAILED, StateType.CANCELLED):
+        return RECOMPUTE
+    if kind == StateType.RUNNING:
+        # Waited for as long as it runs: a helper whose host died stops sending heartbeats and
+        # Prefect's heartbeat automation (`flows.liveness`) marks it Crashed, the branch below.
+        return WAIT
+    if kind in _NOT_STARTED:
+        # Not started (lane full, stuck Pending on a worker that never started it, Paused):
+        # after the grace this run, its model loaded, is faster than any helper still to load.
+        return TAKE_OVER if since_grace_s >= 0 else WAIT
+    # Crashed (a reschedule may still show as Scheduled), Cancelling (whose worker may be
+    # gone), or unknown: take over once nothing has changed for `stall_s`.
+    return TAKE_OVER if unchanged_s >= stall_s else WAIT
+
+
 def _short(exc: BaseException) -> str:
     """A one-line reason for the job's `error` field: the error code and its message."""
     if isinstance(exc, HarvestError):
@@ -91,19 +118,13 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-def _pause(env: str) -> None:
-    seconds = float(os.environ.get(env, "0") or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
 class _Run:
     """This flow run's view of itself: cancellation check and progress reporting."""
 
-    def __init__(self, job_id: str, storage: Storage, n_shards: int, tokens_per_shard: list[int]):
+    def __init__(self, job_id: str, files: JobFiles, n_shards: int, tokens_per_shard: list[int]):
         self.id = current_run.get_id()
         self.job_id = job_id
-        self.storage = storage
+        self.files = files
         self.n_shards = n_shards
         self.tokens_per_shard = tokens_per_shard
         self.client = get_client(sync_client=True)
@@ -128,9 +149,7 @@ class _Run:
         return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
     def stage(self, stage: str) -> None:
-        write_progress(
-            self.storage, stage=stage, shards_done=self.shards_done, n_shards=self.n_shards, shards_skipped=self.skipped
-        )
+        self.files.write_progress(stage=stage, shards_done=self.shards_done, n_shards=self.n_shards, shards_skipped=self.skipped)
 
     def shard_done(self, k: int, skipped: bool) -> None:
         self.shards_done += 1
@@ -141,8 +160,7 @@ class _Run:
         rate = self.tokens_done / max(time.perf_counter() - self.started, 1e-6)
         fraction = 100.0 * self.shards_done / max(self.n_shards, 1)
         text = f"{self.shards_done}/{self.n_shards} shards, {rate:,.0f} tokens/s"
-        write_progress(
-            self.storage,
+        self.files.write_progress(
             stage="forward",
             shards_done=self.shards_done,
             n_shards=self.n_shards,
@@ -171,15 +189,11 @@ def _run_range(work: ShardWork, run: _Run, ids: range, pause_s: float) -> Timing
         timings.add(result["timings"])
         run.shard_done(k, result["skipped"])
         if pause_s:
-            time.sleep(pause_s)
+            time.sleep(pause_s)  # the test/demo throttle (Settings.flow_shard_pause_s)
     return timings
 
 
-def _timings_name(rng: list[int]) -> str:
-    return f"{PARTS}/timings-{rng[0]:05d}-{rng[1]:05d}.json"
-
-
-def _start_helpers(run: "_Run", request_url: str, lane: str, ranges: list[list[int]]) -> list[tuple[list[int], UUID]]:
+def _start_helpers(run: _Run, lane: str, ranges: list[list[int]]) -> list[tuple[list[int], UUID]]:
     """One flow run of the lane's deployment per range; idempotent, so a resumed parent
     re-attaches to the helpers it started before instead of starting new ones."""
     from prefect.deployments import run_deployment
@@ -189,10 +203,10 @@ def _start_helpers(run: "_Run", request_url: str, lane: str, ranges: list[list[i
     # Helpers run with the parent's job variables (e.g. its env), so they behave the same.
     job_variables = run.client.read_flow_run(run.id).job_variables if run.id else None
     helpers = []
-    for i, rng in enumerate(ranges, start=1):
+    for rng in ranges:
         child = run_deployment(
             f"harvest/harvest-{lane}",
-            parameters={"job_id": job_id, "request_url": request_url, "shard_range": rng},
+            parameters={"job_id": job_id, "request_url": run.files.request_url, "shard_range": rng},
             timeout=0,
             as_subflow=True,
             idempotency_key=f"{job_id}:shards-{rng[0]}-{rng[1]}",
@@ -204,35 +218,61 @@ def _start_helpers(run: "_Run", request_url: str, lane: str, ranges: list[list[i
     return helpers
 
 
-def _collect_helpers(work: ShardWork, run: _Run, helpers: list[tuple[list[int], UUID]], pause_s: float) -> Timings:
-    """Wait for the helpers; take over any range that did not start or did not finish."""
+def _helper_kind(client, child_id: UUID) -> StateType | None:
+    """The helper's state type; None when it cannot be read (counts as unknown)."""
+    try:
+        state = client.read_flow_run(child_id).state
+    except Exception:
+        get_run_logger().debug("could not read helper %s", child_id, exc_info=True)
+        return None
+    return state.type if state else StateType.SCHEDULED
+
+
+def _cancel_helper(client, child_id: UUID) -> bool:
+    """Cancel a helper so that it never starts (or restarts) its range; False when it turned
+    out to be running or completed meanwhile (then it keeps its range)."""
+    message = "Taken over by the parent run."
+    try:
+        if client.set_flow_run_state(child_id, CancelledState(message=message)).status == SetStateStatus.ACCEPT:
+            return True
+        if _helper_kind(client, child_id) in (StateType.RUNNING, StateType.COMPLETED):
+            return False
+        client.set_flow_run_state(child_id, CancelledState(message=message), force=True)
+    except Exception:  # unreachable API: its range is done here anyway, the writes are idempotent
+        get_run_logger().warning("could not cancel helper %s; taking its shards over anyway", child_id, exc_info=True)
+    return True
+
+
+def _collect_helpers(
+    work: ShardWork, run: _Run, helpers: list[tuple[list[int], UUID]], pause_s: float, settings: Settings
+) -> Timings:
+    """Wait for the helpers (never for ever: `helper_action`); do here any range they did not."""
     logger = get_run_logger()
     timings = Timings()
     pending = list(helpers)
-    grace_ends = time.monotonic() + HELPER_GRACE_S
+    grace_ends = time.monotonic() + settings.helper_grace_s
+    seen: dict[UUID, tuple[StateType | None, float]] = {}  # last state seen, and since when
     while pending:
         for rng, child_id in list(pending):
             if run.cancelling():
                 raise Cancelled("cancelled while waiting for helper runs")
-            state = run.client.read_flow_run(child_id).state
-            kind = state.type if state else StateType.SCHEDULED
-            if kind == StateType.SCHEDULED:
-                if time.monotonic() < grace_ends:
-                    continue
-                # Still not started: the lane is full. Cancel it (only accepted while it has not
-                # started) and do its shards here rather than wait for a slot we hold.
-                result = run.client.set_flow_run_state(child_id, CancelledState(message="taken over by the parent run"))
-                if result.status.value != "ACCEPT":
-                    continue
-                kind = StateType.CANCELLED
-            if kind == StateType.COMPLETED:
-                if work.storage.exists(_timings_name(rng)):
-                    timings.add(Timings(**json.loads(work.storage.read_bytes(_timings_name(rng)))))
-            elif kind in (StateType.FAILED, StateType.CRASHED, StateType.CANCELLED):
-                logger.info("helper %s ended %s; doing shards %s..%s here", child_id, kind.value, rng[0], rng[1] - 1)
-                timings.add(_run_range(work, run, range(*rng), pause_s))
+            kind = _helper_kind(run.client, child_id)
+            now = time.monotonic()
+            last, since = seen.get(child_id, (kind, now))
+            seen[child_id] = (kind, since if kind == last else now)
+            action = helper_action(kind, now - grace_ends, now - seen[child_id][1], stall_s=settings.helper_stall_s)
+            if action == WAIT:
+                continue
+            if action == TAKE_OVER and not _cancel_helper(run.client, child_id):
+                continue  # it started just now: look again next round
+            if action == COLLECT:
+                helper_timings = work.files.read_helper_timings(rng)
+                if helper_timings is not None:
+                    timings.add(Timings(**helper_timings))
             else:
-                continue  # PENDING, RUNNING, CANCELLING, PAUSED: still theirs
+                what = kind.value if kind else "unknown"
+                logger.info("helper %s %s (%s); doing shards %s..%s here", child_id, action, what, rng[0], rng[1] - 1)
+                timings.add(_run_range(work, run, range(*rng), pause_s))
             pending.remove((rng, child_id))
         if pending:
             time.sleep(POLL_S)
@@ -259,10 +299,11 @@ def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[i
     shard_range: `[start, stop)` for a helper run: write those shards only, no manifest.
     """
     logger = get_run_logger()
-    storage = job_storage(request_url)
+    settings = get_settings()  # in this flow run's process: its own environment
+    files = JobFiles.from_request_url(request_url)
     run: _Run | None = None
     try:
-        job = resolve_job(read_request(storage), load_registry())
+        job = resolve_job(files.read_request(), load_registry())
         tokenized = tokenize_job(job)
         ranges = shard_ranges(len(tokenized), job.request.shard_size)
         n_shards = len(ranges)
@@ -270,26 +311,26 @@ def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[i
         plan = [list(shard_range)] if helper else split_ranges(n_shards, workers)
         own = range(max(0, plan[0][0]), min(n_shards, plan[0][1]))
         tokens_per_shard = [sum(len(tokenized[i].ids) for i in r) for r in ranges]
-        run = _Run(job_id, storage, len(own) if helper else n_shards, tokens_per_shard)
-        helpers = _start_helpers(run, request_url, job.model.lane, plan[1:]) if len(plan) > 1 else []
+        run = _Run(job_id, files, len(own) if helper else n_shards, tokens_per_shard)
+        helpers = _start_helpers(run, job.model.lane, plan[1:]) if len(plan) > 1 else []
 
         run.stage("loading")
-        _pause(LOAD_PAUSE_ENV)
+        if settings.flow_load_pause_s:
+            time.sleep(settings.flow_load_pause_s)  # the test/demo throttle
         started = time.perf_counter()
         engine = load_engine(job.model)
         load_s = time.perf_counter() - started
         logger.info("loaded %s on %s in %.1f s; shards %s..%s of %s", job.model.name, engine.name, load_s, own.start, own.stop - 1, n_shards)
 
-        work = ShardWork(job, storage, engine, tokenized)
-        pause_s = float(os.environ.get(PAUSE_ENV, "0") or 0)
-        timings = _run_range(work, run, own, pause_s)
+        work = ShardWork(job, files, engine, tokenized)
+        timings = _run_range(work, run, own, settings.flow_shard_pause_s)
         timings.load_s = load_s
         if helper:
-            storage.write_bytes(_timings_name(plan[0]), json.dumps(vars(timings)).encode())
+            files.write_helper_timings(plan[0], vars(timings))
             return {"job_id": job_id, "shard_range": plan[0], "timings": timings.as_dict()}
         if helpers:
             run.stage("waiting for helper runs")
-            timings.add(_collect_helpers(work, run, helpers, pause_s))
+            timings.add(_collect_helpers(work, run, helpers, settings.flow_shard_pause_s, settings))
 
         run.stage("finalizing")
         summary: JobSummary = finalize_job(work, engine.versions(), job_id, timings)
@@ -310,8 +351,8 @@ def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[i
         raise
     except Exception as exc:
         logger.exception("job %s failed", job_id)
-        if not shard_range and storage.exists(MANIFEST):
-            storage.delete(MANIFEST)  # a failed job leaves no manifest
+        if not shard_range:
+            files.discard_manifest()  # a failed job leaves no manifest
         return Failed(message=_short(exc))
     finally:
         if run is not None:

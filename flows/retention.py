@@ -15,45 +15,42 @@ reports such jobs as expired.
 from __future__ import annotations
 
 import argparse
-import json
 from datetime import datetime, timedelta, timezone
 
 from prefect import flow, get_run_logger
 
-from harvest.manifest import MANIFEST
+from harvest.jobfiles import JobFiles
 from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
-from flows.jobs import REQUEST
 
 __all__ = ["expired_jobs", "sweep", "retention_sweep", "main"]
 
 
-def _modified(storage: Storage, name: str) -> datetime | None:
+def _modified(files: JobFiles, name: str) -> datetime | None:
     try:
-        stamp = storage.fs.modified(storage.path(name))
+        stamp = files.storage.fs.modified(files.storage.path(name))
     except (FileNotFoundError, NotImplementedError, OSError):
         return None
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
 
 
-def _ended_at(job: Storage) -> datetime | None:
-    if job.exists(MANIFEST):
+def _ended_at(files: JobFiles) -> datetime | None:
+    if files.has_manifest():
         try:
-            created = datetime.fromisoformat(json.loads(job.read_bytes(MANIFEST))["created_at"])
+            created = datetime.fromisoformat(files.read_manifest()["created_at"])
             return created if created.tzinfo else created.replace(tzinfo=timezone.utc)
         except (KeyError, ValueError):
-            return _modified(job, MANIFEST)
-    return _modified(job, REQUEST)
+            return _modified(files, JobFiles.MANIFEST)
+    return _modified(files, JobFiles.REQUEST)
 
 
 def expired_jobs(storage: Storage, days: float, now: datetime | None = None) -> list[str]:
     """Ids of jobs under `storage/jobs/` that ended more than `days` ago."""
     now = now or datetime.now(timezone.utc)
     cutoff = now - timedelta(days=days)
-    jobs = storage.child("jobs")
     expired = []
-    for job_id in jobs.listdir():
-        ended = _ended_at(jobs.child(job_id))
+    for job_id in JobFiles.job_ids(storage):
+        ended = _ended_at(JobFiles.for_job(job_id, storage))
         if ended is not None and ended < cutoff:
             expired.append(job_id)
     return expired
@@ -65,9 +62,8 @@ def sweep(storage: Storage | None = None, days: float | None = None, *, dry_run:
     days = get_settings().retention_days if days is None else days
     expired = expired_jobs(storage, days, now)
     if not dry_run:
-        jobs = storage.child("jobs")
         for job_id in expired:
-            jobs.child(job_id).delete_all()
+            JobFiles.for_job(job_id, storage).delete()
     return expired
 
 

@@ -82,6 +82,7 @@ def _run(argv: list[str]) -> int:
     from harvest.corpus import read_prompts
     from harvest.engines import load_engine
     from harvest.errors import HarvestError
+    from harvest.jobfiles import MANIFEST, STATS, shard_name
     from harvest.pipeline import run_job, tokenize_job
     from harvest.registry import load_registry
     from harvest.request import HarvestRequest, resolve_job
@@ -122,9 +123,9 @@ def _run(argv: list[str]) -> int:
     summary = run_job(job, Storage(out), engine, job_id, load_s=load_s, tokenized=tokenized, on_shard=on_shard)
     bar.close()
     print(f"wrote {summary.n_shards} shard(s), {summary.tokens} tokens, {summary.bytes_written:,} bytes to {out}")
-    print(f"  manifest:  {out}/manifest.json")
-    print(f"  stats:     {out}/stats.safetensors")
-    print("  read with: from safetensors.torch import load_file; load_file('<out>/shard_00000.safetensors')['prompt_0']")
+    print(f"  manifest:  {out}/{MANIFEST}")
+    print(f"  stats:     {out}/{STATS}")
+    print(f"  read with: from safetensors.torch import load_file; load_file('<out>/{shard_name(0)}')['prompt_0']")
     return 0
 
 

@@ -9,12 +9,10 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from harvest.jobfiles import MANIFEST, STATS
 from harvest.shards import ShardRecord
 
 __all__ = ["MANIFEST", "STATS", "PromptEntry", "Manifest", "statistics_sentence"]
-
-MANIFEST = "manifest.json"
-STATS = "stats.safetensors"
 
 
 class PromptEntry(BaseModel):

@@ -100,6 +100,43 @@ class Settings(BaseSettings):
     def resolved_storage_url(self) -> str:
         return self.storage_url or f"file://{self.home / 'storage'}"
 
+    # --- flows: scale-out helpers, throttles, work-pool limits (read by flows/ at call time) ---
+    helper_grace_s: float = Field(default=30.0, ge=0)
+    """Seconds a scale-out parent, its own range done, lets a helper run stay not-yet-running
+    (Scheduled, Pending, Paused) before cancelling it and doing its shards itself. A worker
+    needs a poll and a process start (10-20 s on a loaded CPU box) to pick a helper up."""
+
+    helper_stall_s: float = Field(default=60.0, gt=0)
+    """Seconds a helper may stay Crashed, Cancelling or in an unknown state, unchanged, before
+    the parent takes its shards over (long enough for a reschedule to show)."""
+
+    flow_shard_pause_s: float = Field(default=0.0, ge=0)
+    """Test/demo throttle, not a tuning knob: seconds the harvest flow sleeps after each shard,
+    so that tests can act "mid-job" on real work (it fakes nothing). Set it in the flow run's
+    environment (`HARVEST_FLOW_SHARD_PAUSE_S`); 0 in production."""
+
+    flow_load_pause_s: float = Field(default=0.0, ge=0)
+    """Test/demo throttle: seconds the harvest flow sleeps before loading the model
+    (`HARVEST_FLOW_LOAD_PAUSE_S`, in the flow run's environment); 0 in production."""
+
+    pool_limit_small: int | None = Field(default=None, ge=0)
+    """Concurrency limit of the `small` work pool; unset keeps infra/prefect.yaml's, `none`
+    (or empty) means no limit."""
+
+    pool_limit_large: int | None = Field(default=None, ge=0)
+    """Concurrency limit of the `large` work pool; unset keeps infra/prefect.yaml's, `none`
+    (or empty) means no limit."""
+
+    @field_validator("pool_limit_small", "pool_limit_large", mode="before")
+    @classmethod
+    def _none_means_unlimited(cls, value):
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
+    def pool_limit_override(self, pool: str) -> tuple[bool, int | None]:
+        """`(given, limit)`: whether `HARVEST_POOL_LIMIT_<POOL>` was set, and to what."""
+        name = f"pool_limit_{pool.lower()}"
+        return name in self.model_fields_set, getattr(self, name, None)
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

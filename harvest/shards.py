@@ -1,11 +1,13 @@
 """Shard files and the small record kept beside each one.
 
-`shard_{k:05d}.safetensors` holds prompts `k*shard_size .. (k+1)*shard_size-1`: for the prompt
-at global index i, `prompt_{i}` (`[n_layers_kept, n_tokens, n_features]`) and `tokens_{i}`
-(int32 `[n_tokens]`, the ids that ran). Beside it, `_parts/shard_{k:05d}.safetensors` keeps the
-shard's exact float64 statistics partial and, in its metadata, the shard's size and sha256.
-That record is written after the shard, so a shard whose record exists and matches is
+Shard k (`harvest.jobfiles.shard_name`) holds prompts `k*shard_size .. (k+1)*shard_size-1`: for
+the prompt at global index i, `prompt_{i}` (`[n_layers_kept, n_tokens, n_features]`) and
+`tokens_{i}` (int32 `[n_tokens]`, the ids that ran). Its record (`harvest.jobfiles.part_name`)
+keeps the shard's exact float64 statistics partial and, in its metadata, the shard's size and
+sha256. That record is written after the shard, so a shard whose record exists and matches is
 complete: a retry or resume skips it, and the final merge needs no shard to be read back.
+The file names are the job folder's layout, owned by `harvest.jobfiles` (`shard_name` is
+re-exported here for the pipeline).
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ from pydantic import BaseModel
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from harvest.jobfiles import part_name, shard_name
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 
 __all__ = ["ShardRecord", "shard_name", "shard_ranges", "encode_shard", "write_part", "read_part", "verified_part"]
-
-PARTS = "_parts"
 
 
 class ShardRecord(BaseModel):
@@ -43,10 +44,6 @@ class ShardRecord(BaseModel):
     """Hex digest of the file."""
 
 
-def shard_name(k: int) -> str:
-    return f"shard_{k:05d}.safetensors"
-
-
 def shard_ranges(n_prompts: int, shard_size: int) -> list[range]:
     return [range(start, min(start + shard_size, n_prompts)) for start in range(0, n_prompts, shard_size)]
 
@@ -59,16 +56,12 @@ def encode_shard(indices: range, tokens: list[list[int]], values: list[torch.Ten
     return save_tensors(tensors, metadata={"format": "pt"})
 
 
-def _part_name(k: int) -> str:
-    return f"{PARTS}/{shard_name(k)}"
-
-
 def write_part(storage: Storage, record: ShardRecord, stats: RunningStats) -> None:
-    storage.write_bytes(_part_name(record.index), save_tensors(stats.state_dict(), metadata={"record": record.model_dump_json()}))
+    storage.write_bytes(part_name(record.index), save_tensors(stats.state_dict(), metadata={"record": record.model_dump_json()}))
 
 
 def read_part(storage: Storage, k: int) -> tuple[ShardRecord, RunningStats]:
-    raw = storage.read_bytes(_part_name(k))
+    raw = storage.read_bytes(part_name(k))
     # safetensors keeps string metadata in its JSON header: 8 bytes of length, then the header.
     header_len = int.from_bytes(raw[:8], "little")
     metadata = json.loads(raw[8 : 8 + header_len])["__metadata__"]

@@ -3,6 +3,7 @@
 Every write is all-or-nothing from a reader's point of view: on local disk a file is written
 beside its target and renamed into place, and an object store's PUT is atomic already. So a
 file that exists is complete, which is what lets `manifest.json`, written last, mean "done".
+What goes where inside a job's folder is `harvest.jobfiles`; this module knows no file names.
 """
 
 from __future__ import annotations

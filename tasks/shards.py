@@ -5,8 +5,9 @@ is the point: the forward pass stays in the flow's main thread, where a worker's
 (SIGTERM) lands within a shard instead of after a 30 s grace (DESIGN, Prefect facts).
 
 Arguments travel in `ShardWork`, a plain object that Prefect does not look into: the engine,
-the tokenized prompts and the resolved job are never hashed for cache keys, serialized or sent
-to the Prefect API. Task runs record only the shard number (in their name).
+the tokenized prompts, the resolved job and its folder (`JobFiles`) are never hashed for cache
+keys, serialized or sent to the Prefect API. Task runs record only the shard number (in their
+name).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from harvest.engines.base import Engine
 from harvest.errors import HarvestError
+from harvest.jobfiles import JobFiles
 from harvest.pipeline import JobSummary, Timings, finalize, run_shards
 from harvest.request import ResolvedJob
 from harvest.storage import Storage
@@ -27,11 +29,16 @@ __all__ = ["ShardWork", "harvest_shard", "finalize_job"]
 class ShardWork:
     """What every shard of one job needs; deliberately not a dataclass (Prefect walks those)."""
 
-    def __init__(self, job: ResolvedJob, storage: Storage, engine: Engine | None, tokenized: list[TokenizedPrompt]):
+    def __init__(self, job: ResolvedJob, files: JobFiles, engine: Engine | None, tokenized: list[TokenizedPrompt]):
         self.job = job
-        self.storage = storage
+        self.files = files
         self.engine = engine
         self.tokenized = tokenized
+
+    @property
+    def storage(self) -> Storage:
+        """The job's folder, as the pipeline takes it."""
+        return self.files.storage
 
 
 def _transient(task, task_run, state) -> bool:
@@ -66,5 +73,5 @@ def harvest_shard(work: ShardWork, k: int) -> dict:
 
 @task(name="merge-stats-and-manifest", cache_policy=NO_CACHE, persist_result=False)
 def finalize_job(work: ShardWork, engine_versions: dict[str, str], job_id: str, timings: Timings) -> JobSummary:
-    """Merge every shard's statistics partial, write stats.safetensors, then manifest.json last."""
+    """Merge every shard's statistics partial, write the statistics, then the manifest last."""
     return finalize(work.job, work.storage, engine_versions, job_id, timings=timings, tokenized=work.tokenized)

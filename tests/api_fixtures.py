@@ -244,17 +244,18 @@ def finish_run(server: ApiServer, job_id: str, engine, storage=None) -> None:
 
     `storage`: the server's storage root when the test process cannot open it from the URL
     alone (an S3 endpoint of its own)."""
+    from harvest.jobfiles import JobFiles
     from harvest.pipeline import run_job
     from harvest.registry import load_registry
-    from harvest.request import HarvestRequest, resolve_job
+    from harvest.request import resolve_job
     from harvest.settings import Settings
 
-    files = (storage or server.storage()).child(f"jobs/{job_id}")
-    request = HarvestRequest.model_validate_json(files.read_bytes("request.json"))
+    files = JobFiles.for_job(job_id, storage or server.storage())
+    request = files.read_request()
     settings = Settings(models_file=server.env.get("HARVEST_MODELS_FILE", Settings().models_file))
     job = resolve_job(request, load_registry(settings))
     set_run(server, job_id, "running")
-    run_job(job, files, engine, job_id)
+    run_job(job, files.storage, engine, job_id)
     set_run(server, job_id, "done")
 
 

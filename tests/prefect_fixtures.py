@@ -20,8 +20,8 @@ Fixtures (all session-scoped; the server and workers start only when a test asks
     leaving no process behind.
 
 ``harvest_stack`` → ``HarvestStack``: the three above together, plus helpers
-    ``submit(request, *, workers=1, env=None, key_id="test") -> SubmittedJob``: writes
-        request.json under ``<storage>/jobs/<job_id>/`` and starts the run with
+    ``submit(request, *, workers=1, env=None, key_id="test", job_id=None) -> SubmittedJob``: writes the
+        request into the job's folder (``harvest.jobfiles.JobFiles``) and starts the run with
         ``flows.submit.start_harvest_run`` exactly as the API does.
     ``wait(flow_run_id, timeout=60, statuses=("done","failed","cancelled")) -> RunStatus``
     ``status(flow_run_id) -> RunStatus``
@@ -126,6 +126,8 @@ class SubmittedJob:
     request_url: str
     storage: object
     """`harvest.storage.Storage` of the job's folder."""
+    files: object = None
+    """`harvest.jobfiles.JobFiles` of the job's folder (names of its files, progress)."""
 
 
 @dataclass
@@ -133,18 +135,21 @@ class HarvestStack:
     server: PrefectServer
     workers: LaneWorkers
 
-    def submit(self, request, *, workers: int = 1, env: dict[str, str] | None = None, key_id: str = "test") -> SubmittedJob:
-        from flows.jobs import job_storage, write_request
+    def submit(
+        self, request, *, workers: int = 1, env: dict[str, str] | None = None, key_id: str = "test", job_id: str | None = None
+    ) -> SubmittedJob:
         from flows.submit import start_harvest_run
+        from harvest.jobfiles import JobFiles
         from harvest.registry import load_registry
         from harvest.request import HarvestRequest
 
         request = request if isinstance(request, HarvestRequest) else HarvestRequest.model_validate(request)
-        job_id = str(uuid.uuid4())
-        url = write_request(job_id, request)
+        job_id = job_id or str(uuid.uuid4())
+        files = JobFiles.for_job(job_id)
+        url = files.write_request(request)
         lane = load_registry().get(request.model).lane
         run_id = start_harvest_run(job_id, url, request.model, lane, key_id, workers=workers, env=env)
-        return SubmittedJob(job_id=job_id, flow_run_id=run_id, request_url=url, storage=job_storage(url))
+        return SubmittedJob(job_id=job_id, flow_run_id=run_id, request_url=url, storage=files.storage, files=files)
 
     @staticmethod
     def status(flow_run_id: str):

@@ -5,11 +5,12 @@ starts them (`flows.submit.start_harvest_run`) and read back from storage."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from safetensors.torch import load as load_tensors
 
-from harvest.manifest import MANIFEST, STATS
+from harvest.jobfiles import MANIFEST, PROGRESS, STATS, JobFiles, shard_name
 
 REQUEST = {"model": "llama-tiny", "prompts": [f"Prompt number {i} says hello to the world." for i in range(10)], "shard_size": 4, "layers": [1, 3, 7]}
 
@@ -31,13 +32,14 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
 
     job, status = single_job
     assert status.status == "done", status
-    manifest = json.loads(job.storage.read_bytes(MANIFEST))
+    manifest = job.files.read_manifest()
     assert manifest["job_id"] == job.job_id
-    assert [s["file"] for s in manifest["shards"]] == [f"shard_0000{k}.safetensors" for k in range(3)]
+    assert [s["file"] for s in manifest["shards"]] == [f"shard_0000{k}.safetensors" for k in range(3)]  # SPEC §4
+    assert job.files.read_result()["n_shards"] == 3 and job.files.shards_done() == 3
     assert manifest["layer_indices"] == [1, 3, 7]
     assert set(manifest["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}
     assert manifest["timings"]["load_s"] > 0 and manifest["bytes_written"] > 0
-    shard = load_tensors(job.storage.read_bytes("shard_00002.safetensors"))
+    shard = load_tensors(job.storage.read_bytes(shard_name(2)))
     assert set(shard) == {"prompt_8", "prompt_9", "tokens_8", "tokens_9"}
     assert shard["prompt_8"].shape[0] == 3
 
@@ -55,7 +57,7 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
         artifacts = client.read_artifacts()
         progress = [a for a in artifacts if a.flow_run_id == run.id and a.type == "progress"]
         assert progress and progress[0].data == 100.0
-    assert json.loads(job.storage.read_bytes("_progress.json"))["stage"] == "done"
+    assert json.loads(job.storage.read_bytes(PROGRESS))["stage"] == "done"
 
 
 def test_scale_out_over_two_runs_gives_identical_files_and_stats(single_job, harvest_stack):
@@ -80,6 +82,37 @@ def test_scale_out_over_two_runs_gives_identical_files_and_stats(single_job, har
         assert ours[name].equal(theirs[name]), name
     a, b = json.loads(job.storage.read_bytes(MANIFEST)), json.loads(reference.storage.read_bytes(MANIFEST))
     assert a["shards"] == b["shards"] and a["mean_token_norm"] == b["mean_token_norm"]
+
+
+def test_a_helper_stuck_pending_is_taken_over_after_the_grace(single_job, harvest_stack):
+    # A helper a worker "picked up" whose process never got to Running: created Pending under
+    # the idempotency key the parent uses, so the parent attaches to it instead of starting one.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Pending
+
+    from flows.harvest import HELPER_TAG
+
+    reference, _ = single_job
+    job_id = str(uuid.uuid4())
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("harvest/harvest-small")
+        stuck = client.create_flow_run_from_deployment(
+            deployment.id,
+            parameters={"job_id": job_id, "request_url": JobFiles.for_job(job_id).request_url, "shard_range": [2, 3]},
+            state=Pending(),
+            idempotency_key=f"{job_id}:shards-2-3",
+            tags=[HELPER_TAG, f"job:{job_id}"],
+        )
+    job = harvest_stack.submit(REQUEST, workers=2, env={"HARVEST_HELPER_GRACE_S": "1"}, job_id=job_id)
+    status = harvest_stack.wait(job.flow_run_id, timeout=180)
+    assert status.status == "done", status
+
+    with get_client(sync_client=True) as client:
+        helper = client.read_flow_run(stuck.id)
+    assert helper.state.type == StateType.CANCELLED and helper.run_count == 0  # never ran: taken over
+    assert _files(job.storage) == _files(reference.storage)
+    assert job.files.read_manifest()["shards"] == reference.files.read_manifest()["shards"]
 
 
 def test_a_failing_job_ends_failed_with_a_reason_and_no_manifest(harvest_stack):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load as load_tensors
 
 from harvest.errors import CaptureFailed
-from harvest.manifest import MANIFEST, STATS
+from harvest.jobfiles import MANIFEST, STATS, shard_name
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage
@@ -106,7 +106,7 @@ def test_bos_handling_matches_the_docs(registry, hf_engine, tiny):
         storage = _fresh(f"bos-{add}")
         job = resolve_job(HarvestRequest(model="llama-tiny", prompts=prompts, add_special_tokens=add), registry)
         run_job(job, storage, hf_engine, f"job-bos-{add}")
-        shard = load_tensors(storage.read_bytes("shard_00000.safetensors"))
+        shard = load_tensors(storage.read_bytes(shard_name(0)))
         plain = tokenizer("The sky is", add_special_tokens=False)["input_ids"]
         for i, prefix in enumerate(expected):
             assert shard[f"tokens_{i}"].tolist() == prefix + plain
@@ -121,7 +121,7 @@ def test_long_prompts_keep_their_first_tokens(registry, hf_engine, tiny):
     manifest = json.loads(storage.read_bytes(MANIFEST))
     assert [p["truncated"] for p in manifest["prompts"]] == [False, True]
     assert manifest["prompts"][1]["n_tokens"] == tiny.max_model_len
-    shard = load_tensors(storage.read_bytes("shard_00000.safetensors"))
+    shard = load_tensors(storage.read_bytes(shard_name(0)))
     full = load_tokenizer(tiny.path)(long_prompt)["input_ids"]
     assert shard["tokens_1"].tolist() == full[: tiny.max_model_len]
     assert shard["prompt_1"].shape[1] == tiny.max_model_len
@@ -142,20 +142,20 @@ def test_a_failing_run_leaves_no_manifest(registry, hf_engine, monkeypatch):
     with pytest.raises(CaptureFailed):
         run_job(_job(registry, shard_size=2), storage, hf_engine, "job-fail")
     assert not storage.exists(MANIFEST) and not storage.exists(STATS)
-    assert storage.exists("shard_00000.safetensors")  # the shard before the failure is kept for a retry
+    assert storage.exists(shard_name(0))  # the shard before the failure is kept for a retry
 
 
 def test_rerun_skips_verified_shards_and_redoes_a_corrupt_one(registry, hf_engine):
     storage = _fresh("resume")
     job = _job(registry, shard_size=2)
     run_job(job, storage, hf_engine, "job-resume")
-    first = {name: storage.read_bytes(name) for name in ("shard_00000.safetensors", "shard_00001.safetensors")}
-    storage.write_bytes("shard_00001.safetensors", first["shard_00001.safetensors"][:-10])  # a torn file
+    first = {name: storage.read_bytes(name) for name in (shard_name(0), shard_name(1))}
+    storage.write_bytes(shard_name(1), first[shard_name(1)][:-10])  # a torn file
     storage.delete(MANIFEST)
     storage.writes.clear()
 
     summary = run_job(job, storage, hf_engine, "job-resume")
     assert summary.shards_skipped == 2  # shards 0 and 2 verified; 1 recomputed
-    assert "shard_00000.safetensors" not in storage.writes and "shard_00001.safetensors" in storage.writes
-    assert storage.read_bytes("shard_00001.safetensors") == first["shard_00001.safetensors"]  # same bytes again
+    assert shard_name(0) not in storage.writes and shard_name(1) in storage.writes
+    assert storage.read_bytes(shard_name(1)) == first[shard_name(1)]  # same bytes again
     assert storage.writes[-1] == MANIFEST
