@@ -29,17 +29,20 @@ from api.store import (
 from harvest.errors import NotCancellable, NotFound, RateLimited, Unauthorized
 
 
-def _pg_url(schema: str) -> str | None:
+def _pg_url(schema: str) -> str:
+    """A fresh schema in the `test` database of the PostgreSQL server at 127.0.0.1:5432; a
+    missing server fails the test (it never skips: the production store must be tested)."""
     import psycopg
 
+    errors = []
     for user in ("postgres", "root"):
         try:
             with psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", connect_timeout=3, autocommit=True) as conn:
                 conn.execute(f'CREATE SCHEMA "{schema}"')
             return f"postgresql+psycopg://{user}@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
-        except psycopg.OperationalError:
-            continue
-    return None
+        except psycopg.OperationalError as exc:
+            errors.append(f"{user}: {exc}")
+    raise RuntimeError("these tests need the PostgreSQL server at 127.0.0.1:5432: " + "; ".join(errors))
 
 
 def _drop_pg(url: str, schema: str) -> None:
@@ -60,8 +63,6 @@ def engine(request, tmp_path):
         return
     schema = f"harvest_test_{uuid.uuid4().hex[:10]}"
     url = _pg_url(schema)
-    if url is None:
-        pytest.skip("no PostgreSQL server at 127.0.0.1:5432")
     eng = make_engine(url)
     try:
         upgrade(eng)
@@ -330,3 +331,37 @@ def test_times_are_stored_as_utc(engine):
     row = admit(key, _job(), capacity=10, engine=engine)
     stored = get_job(row["id"], engine=engine)["created_at"]
     assert abs((stored - before).total_seconds()) < 5
+
+
+def test_job_changes_reach_every_replicas_listener_after_commit_only(engine):
+    """What wakes long-polls on every replica: one listener per replica (two here, as two API
+    processes would have), each told of a committed change, never of a rolled-back one."""
+    import queue
+    import time
+
+    from api.db import job_changed, transaction
+    from api.notify import JobChanges
+
+    url = engine.url.render_as_string(hide_password=False)
+    inboxes = [queue.Queue(), queue.Queue()]
+    listeners = [JobChanges(inbox.put, url) for inbox in inboxes]
+    for listener in listeners:
+        listener.start()
+    try:
+        assert all(listener.listening.wait(10) for listener in listeners)
+        _, key = create_key("notify", engine=engine)
+        job = _admitted(engine, key)
+        with pytest.raises(RuntimeError):
+            with transaction(engine) as conn:
+                job_changed(conn, job)
+                raise RuntimeError("rolled back")
+        time.sleep(0.5)
+        assert all(job not in list(inbox.queue) for inbox in inboxes)  # nothing of a rollback
+        apply_state(job, RunState("running"), engine=engine)
+        for inbox in inboxes:
+            deadline = time.monotonic() + 5
+            while inbox.get(timeout=max(deadline - time.monotonic(), 0.01)) != job:
+                pass  # another test's job on the same server
+    finally:
+        for listener in listeners:
+            listener.stop()

@@ -23,6 +23,7 @@ import time
 from datetime import datetime, timezone
 
 import httpx
+import psutil
 import psycopg
 import pytest
 
@@ -95,6 +96,13 @@ class StatusRecorder:
         return self.seen
 
 
+def _alive(proc) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _never_back(statuses: list[str]) -> bool:
     return all(ORDER[a] <= ORDER[b] for a, b in zip(statuses, statuses[1:]))
 
@@ -115,6 +123,7 @@ def _expected_tokens(prompts) -> int:
 
 def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_links(fleet):
     a, b = fleet.replicas
+    assert sorted(r.health()["watcher"] for r in fleet.replicas) == [False, True]  # one follows Prefect
     prompts = [f"The fleet harvests prompt number {i}." for i in range(4)]
     done_job = _submit(fleet, a, prompts)["job_id"]
     cancel_job = _submit(fleet, a, [f"cancel me {i}" for i in range(30)])["job_id"]
@@ -225,3 +234,18 @@ def test_the_lease_holders_death_hands_over_and_waiters_still_wake(fleet):
     assert 0 <= wake_s < 2, wake_s
     print(f"lease taken over {takeover_s:.1f} s after the holder died; the waiter woke {wake_s * 1000:.0f} ms "
           f"after the job was done ({answer['after_s']:.1f} s into its wait)")
+
+
+def test_every_role_stops_on_sigterm_leaving_no_process(fleet):
+    roles = [r for r in fleet.roles if r.proc.poll() is None]  # the ones the tests left alive
+    assert {r.name.split("-")[0] for r in roles} >= {"control", "api", "host"}
+    trees = {r.name: r.tree() for r in roles}
+    for role in sorted(roles, key=lambda r: r.name == "control-plane"):  # the control plane last
+        started = time.monotonic()
+        role.stop(timeout=60)
+        assert role.proc.returncode == 0, (role.name, role.proc.returncode, role.tail())
+        assert time.monotonic() - started < 45, role.name
+        left = [p for p in trees[role.name] if _alive(p)]
+        assert not left, (role.name, [p.cmdline() for p in left])
+    for host in fleet.hosts:
+        assert host.host.pids() == []
