@@ -102,8 +102,20 @@ def build_tiny_model(target: Path, *, config_overrides: dict | None = None, voca
 
 
 def ensure_tiny_model(target: Path) -> Path:
-    """Build the checkpoint the first time it is needed; later calls only check it is there."""
+    """Build the checkpoint the first time it is needed; later calls only check it is there.
+
+    The first requests of a fresh API replica or worker host arrive together, from threads and
+    processes alike: an exclusive lock file beside the checkout makes one of them build it and
+    the others wait and find it, instead of replacing it under a reader's feet.
+    """
+    import fcntl
+
     target = Path(target)
-    if not (target / "model.safetensors").exists():
-        build_tiny_model(target)
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (target / "model.safetensors").exists():
+            build_tiny_model(target)
     return target

@@ -60,3 +60,30 @@ def test_layer_resolution(registry):
     for bad in ("ALL", [], [1.5], [True], -1):
         with pytest.raises(InvalidRequest):
             resolve_layers(big, bad)
+
+
+def test_the_embedded_model_is_built_once_when_first_requests_arrive_together(tmp_path):
+    """A fresh replica's first submits come at once: all of them get a whole checkpoint."""
+    import json
+    import threading
+
+    from harvest.tiny_model import ensure_tiny_model
+
+    target = tmp_path / "models" / "llama-tiny"
+    barrier, errors, configs = threading.Barrier(4), [], []
+
+    def first_request():
+        barrier.wait()
+        try:
+            path = ensure_tiny_model(target)
+            configs.append(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+        except Exception as exc:  # noqa: BLE001 - collected and asserted on
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_request) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and configs == [8] * 4
+    assert sorted(p.name for p in target.parent.iterdir() if not p.name.startswith(".")) == ["llama-tiny"]  # no staging left
