@@ -40,7 +40,9 @@ from tests.topology import Fleet  # noqa: E402
 def _one_job(fleet: Fleet, submit_to, wait_on, n: int) -> dict:
     headers = {"Authorization": f"Bearer {fleet.key}"}
     body = {"model": "llama-tiny", "prompts": [f"bench prompt {n}"], "layers": [2]}
-    job = httpx.post(f"{submit_to.base_url}/harvest", json=body, headers=headers, timeout=120).json()
+    submitted = httpx.post(f"{submit_to.base_url}/harvest", json=body, headers=headers, timeout=120)
+    assert submitted.status_code == 202, (submitted.status_code, submitted.text)
+    job = submitted.json()
     while True:
         answer = httpx.get(f"{wait_on.base_url}/harvest/{job['job_id']}", params={"wait": 60}, headers=headers, timeout=90)
         woke = datetime.now(timezone.utc)
