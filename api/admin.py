@@ -1,8 +1,11 @@
 """Operator commands: `harvest keys create|list|revoke` and `harvest spend-cap on|off|status`.
 
-`harvest keys create --name NAME [--small N] [--large N] [--monthly-jobs N] [--token-budget N]
+`harvest keys create --name NAME [--limit LANE=N …] [--monthly-jobs N] [--token-budget N]
 [--activation-quota N]` prints the new key alone on the last line of stdout (scripts read it
-with `tail -n1`); only its hash is stored, so it is shown this once.
+with `tail -n1`); only its hash is stored, so it is shown this once. A lane without `--limit`
+has its default `key_limit` (infra/lanes.toml).
+`harvest keys list [--json]`: every key with its caps and this month's usage (tokens charged,
+jobs submitted, active jobs per lane); `--json` prints one JSON array for scripts.
 `harvest spend-cap on --retry-after SECONDS` pauses new harvests service-wide (429 spend_cap
 with that Retry-After); `harvest spend-cap off` resumes them.
 """
@@ -10,13 +13,42 @@ with that Retry-After); `harvest spend-cap off` resumes them.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from api.auth import create_key, list_keys, revoke_key
 from api.db import get_engine, transaction
-from api.store import get_spend_cap, set_spend_cap
+from api.store import get_spend_cap, key_usage, set_spend_cap
+from harvest.lanes import load_lanes
 
 __all__ = ["main"]
+
+
+def _key_rows(engine) -> list[dict]:
+    """Each key with its effective caps and this month's usage (`keys list`)."""
+    lanes = load_lanes()
+    rows = []
+    keys = list_keys(engine)
+    with transaction(engine) as conn:
+        for k in keys:
+            used = key_usage(conn, k.id)
+            rows.append({
+                "id": k.id,
+                "name": k.name,
+                "prefix": k.prefix,
+                "created_at": k.created_at.isoformat(),
+                "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None,
+                "tokens_charged": used["tokens_charged"],
+                "jobs_this_month": used["jobs_this_month"],
+                "active": {lane: used["active"].get(lane, 0) for lane in lanes},
+                "caps": {
+                    "lanes": {lane: k.lane_limit(lane) for lane in lanes},
+                    "monthly_jobs": k.monthly_jobs,
+                    "token_budget": k.token_budget,
+                    "activation_quota": k.activation_quota,
+                },
+            })
+    return rows
 
 
 def _keys(argv: list[str]) -> int:
@@ -24,42 +56,58 @@ def _keys(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     create = sub.add_parser("create", help="create a key and print it (last line)")
     create.add_argument("--name", required=True)
-    create.add_argument("--small", type=int, default=3, help="concurrent small-lane jobs (default 3)")
-    create.add_argument("--large", type=int, default=1, help="concurrent large-lane jobs (default 1)")
+    create.add_argument("--limit", action="append", default=[], metavar="LANE=N",
+                        help="concurrent jobs in a lane (repeatable; default: the lane's key_limit)")
     create.add_argument("--monthly-jobs", type=int, help="harvests per month (default unlimited)")
     create.add_argument("--token-budget", type=int, help="harvest tokens per month (default unlimited)")
     create.add_argument("--activation-quota", type=int, help="inline activation requests per month (default unlimited)")
-    sub.add_parser("list", help="list keys (never the keys themselves)")
+    listing = sub.add_parser("list", help="list keys with caps and this month's usage (never the keys themselves)")
+    listing.add_argument("--json", action="store_true", help="one JSON array, for scripts")
     revoke = sub.add_parser("revoke", help="revoke a key by id, name or prefix")
     revoke.add_argument("key")
     args = parser.parse_args(argv)
 
     engine = get_engine()
     if args.action == "create":
-        for name in ("small", "large", "monthly_jobs", "token_budget", "activation_quota"):
+        for name in ("monthly_jobs", "token_budget", "activation_quota"):
             value = getattr(args, name)
             if value is not None and value < 0:
                 parser.error(f"--{name.replace('_', '-')} must be 0 or more")
-        key, record = create_key(
-            args.name,
-            small=args.small,
-            large=args.large,
-            monthly_jobs=args.monthly_jobs,
-            token_budget=args.token_budget,
-            activation_quota=args.activation_quota,
-            engine=engine,
-        )
+        limits = {}
+        for text in args.limit:
+            lane, _, value = text.partition("=")
+            if not value.isdigit():
+                parser.error(f"--limit takes LANE=N with N a whole number 0 or more, not {text!r}")
+            limits[lane] = int(value)
+        try:
+            key, record = create_key(
+                args.name,
+                monthly_jobs=args.monthly_jobs,
+                token_budget=args.token_budget,
+                activation_quota=args.activation_quota,
+                engine=engine,
+                **limits,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
         print(f"created {record.id} ({record.name}); the key is shown once:", file=sys.stderr)
         print(key)
         return 0
     if args.action == "list":
-        print(f"{'id':26} {'name':20} {'prefix':12} {'small':>5} {'large':>5} {'jobs/mo':>8} {'tokens/mo':>12} {'act/mo':>8}  revoked")
-        for k in list_keys(engine):
+        rows = _key_rows(engine)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        lanes = list(load_lanes())
+        print(f"{'id':26} {'name':20} {'prefix':12} {'caps ' + '/'.join(lanes):>16} {'active':>8} {'jobs/mo':>8} "
+              f"{'tokens/mo':>12} {'act/mo':>8}  revoked")
+        for r in rows:
             none = lambda v: "-" if v is None else str(v)  # noqa: E731
+            caps = "/".join(str(r["caps"]["lanes"][lane]) for lane in lanes)
+            active = "/".join(str(r["active"].get(lane, 0)) for lane in lanes)
             print(
-                f"{k.id:26} {k.name[:20]:20} {k.prefix:12} {k.limit_small:>5} {k.limit_large:>5} "
-                f"{none(k.monthly_jobs):>8} {none(k.token_budget):>12} {none(k.activation_quota):>8}  "
-                f"{k.revoked_at.isoformat() if k.revoked_at else '-'}"
+                f"{r['id']:26} {r['name'][:20]:20} {r['prefix']:12} {caps:>16} {active:>8} {r['jobs_this_month']:>8} "
+                f"{r['tokens_charged']:>12} {none(r['caps']['activation_quota']):>8}  {r['revoked_at'] or '-'}"
             )
         return 0
     count = revoke_key(args.key, engine)

@@ -21,8 +21,9 @@ from sqlalchemy import insert, select, update
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from api.db import api_keys, aware, locked, transaction, usage, utcnow
+from api.db import api_keys, aware, key_lane_limits, locked, transaction, usage, utcnow
 from harvest.errors import RateLimited, Unauthorized
+from harvest.lanes import load_lanes
 
 __all__ = [
     "ApiKey",
@@ -35,9 +36,6 @@ __all__ = [
     "month_of",
 ]
 
-DEFAULT_LIMITS = {"small": 3, "large": 1}
-
-
 @dataclass(frozen=True)
 class ApiKey:
     """A key's record (never the key itself)."""
@@ -47,10 +45,9 @@ class ApiKey:
     prefix: str
     created_at: datetime
     revoked_at: datetime | None
-    limit_small: int
-    """Jobs on the small lane queued or running at once."""
-    limit_large: int
-    """Jobs on the large lane queued or running at once."""
+    limits: dict[str, int]
+    """This key's own caps of jobs queued or running at once, by lane; a lane not named here
+    has its `key_limit` from infra/lanes.toml."""
     monthly_jobs: int | None
     """Harvests per calendar month (UTC); None is unlimited."""
     token_budget: int | None
@@ -59,18 +56,19 @@ class ApiKey:
     """Inline activation requests per calendar month (UTC); None is unlimited."""
 
     def lane_limit(self, lane: str) -> int:
-        return self.limit_large if lane == "large" else self.limit_small
+        if lane in self.limits:
+            return self.limits[lane]
+        return load_lanes()[lane].key_limit
 
     @classmethod
-    def from_row(cls, row) -> "ApiKey":
+    def from_row(cls, row, limits: dict[str, int]) -> "ApiKey":
         return cls(
             id=row["id"],
             name=row["name"],
             prefix=row["prefix"],
             created_at=aware(row["created_at"]),
             revoked_at=aware(row["revoked_at"]),
-            limit_small=row["limit_small"],
-            limit_large=row["limit_large"],
+            limits=dict(limits),
             monthly_jobs=row["monthly_jobs"],
             token_budget=row["token_budget"],
             activation_quota=row["activation_quota"],
@@ -85,17 +83,34 @@ def month_of(moment: datetime) -> str:
     return moment.strftime("%Y-%m")
 
 
+def _limits(conn, key_ids: list[str]) -> dict[str, dict[str, int]]:
+    rows = conn.execute(select(key_lane_limits).where(key_lane_limits.c.key_id.in_(key_ids))).mappings().all()
+    out: dict[str, dict[str, int]] = {key_id: {} for key_id in key_ids}
+    for row in rows:
+        out[row["key_id"]][row["lane"]] = row["max_jobs"]
+    return out
+
+
 def create_key(
     name: str,
     *,
-    small: int = DEFAULT_LIMITS["small"],
-    large: int = DEFAULT_LIMITS["large"],
     monthly_jobs: int | None = None,
     token_budget: int | None = None,
     activation_quota: int | None = None,
     engine=None,
+    **lane_limits: int,
 ) -> tuple[str, ApiKey]:
-    """A new key with its limits; returns the key (shown once) and its record."""
+    """A new key with its limits; returns the key (shown once) and its record.
+
+    lane_limits: concurrent jobs per lane by lane name (`small=3`, `xl=2`); a lane not given
+    keeps its default `key_limit`, also when it changes in infra/lanes.toml later.
+    """
+    lanes = load_lanes()
+    for lane, value in lane_limits.items():
+        if lane not in lanes:
+            raise ValueError(f"there is no lane {lane!r}; the lanes are {', '.join(lanes)}")
+        if value < 0:
+            raise ValueError(f"the {lane} limit must be 0 or more, not {value}")
     key = "acs_" + secrets.token_urlsafe(32)
     row = {
         "id": "key_" + uuid.uuid4().hex[:20],
@@ -104,21 +119,22 @@ def create_key(
         "prefix": key[:10],
         "created_at": utcnow(),
         "revoked_at": None,
-        "limit_small": small,
-        "limit_large": large,
         "monthly_jobs": monthly_jobs,
         "token_budget": token_budget,
         "activation_quota": activation_quota,
     }
     with transaction(engine) as conn:
         conn.execute(insert(api_keys).values(**row))
-    return key, ApiKey.from_row(row)
+        for lane, value in lane_limits.items():
+            conn.execute(insert(key_lane_limits).values(key_id=row["id"], lane=lane, max_jobs=value))
+    return key, ApiKey.from_row(row, lane_limits)
 
 
 def list_keys(engine=None) -> list[ApiKey]:
     with transaction(engine) as conn:
         rows = conn.execute(select(api_keys).order_by(api_keys.c.created_at)).mappings().all()
-    return [ApiKey.from_row(r) for r in rows]
+        limits = _limits(conn, [r["id"] for r in rows])
+    return [ApiKey.from_row(r, limits[r["id"]]) for r in rows]
 
 
 def revoke_key(key_id_or_name: str, engine=None) -> int:
@@ -146,9 +162,10 @@ def authenticate(authorization: str | None, engine=None) -> ApiKey:
         )
     with transaction(engine) as conn:
         row = conn.execute(select(api_keys).where(api_keys.c.key_hash == _hash(key.strip()))).mappings().first()
-    if row is None or row["revoked_at"] is not None:
-        raise Unauthorized("Incorrect API key provided.")
-    return ApiKey.from_row(row)
+        if row is None or row["revoked_at"] is not None:
+            raise Unauthorized("Incorrect API key provided.")
+        limits = _limits(conn, [row["id"]])[row["id"]]
+    return ApiKey.from_row(row, limits)
 
 
 async def current_key(request: Request) -> ApiKey:

@@ -40,6 +40,7 @@ __all__ = [
     "metadata",
     "api_keys",
     "jobs",
+    "key_lane_limits",
     "usage",
     "service_flags",
     "lane_locks",
@@ -51,6 +52,7 @@ __all__ = [
     "upgrade",
     "transaction",
     "locked",
+    "ensure_row",
     "JOB_CHANNEL",
     "job_changed",
     "local_listeners",
@@ -69,8 +71,6 @@ api_keys = Table(
     Column("prefix", String(16), nullable=False),
     Column("created_at", DateTime, nullable=False),
     Column("revoked_at", DateTime, nullable=True),
-    Column("limit_small", Integer, nullable=False),
-    Column("limit_large", Integer, nullable=False),
     Column("monthly_jobs", Integer, nullable=True),
     Column("token_budget", Integer, nullable=True),
     Column("activation_quota", Integer, nullable=True),
@@ -82,7 +82,7 @@ jobs = Table(
     Column("id", String(36), primary_key=True),
     Column("key_id", String(40), ForeignKey("api_keys.id"), nullable=False),
     Column("model", String(200), nullable=False),
-    Column("lane", String(16), nullable=False),
+    Column("lane", String(32), nullable=False),
     Column("status", String(16), nullable=False),
     Column("n_prompts", Integer, nullable=False),
     Column("layers", JSON, nullable=False),
@@ -103,6 +103,16 @@ jobs = Table(
     Column("result", JSON, nullable=True),
     Index("ix_jobs_key_created", "key_id", "created_at"),
     Index("ix_jobs_status", "status"),
+)
+
+# A key's own cap of concurrent jobs in a lane; without a row the lane's `key_limit` applies
+# (infra/lanes.toml), so a new lane needs no migration and existing keys get its default.
+key_lane_limits = Table(
+    "key_lane_limits",
+    metadata,
+    Column("key_id", String(40), ForeignKey("api_keys.id"), primary_key=True),
+    Column("lane", String(32), primary_key=True),
+    Column("max_jobs", Integer, nullable=False),
 )
 
 usage = Table(
@@ -133,7 +143,7 @@ leases = Table(
 
 # One row per lane, locked (FOR UPDATE) by every admission on that lane, so the service-wide
 # queue capacity holds under concurrent submits from different keys.
-lane_locks = Table("lane_locks", metadata, Column("lane", String(16), primary_key=True))
+lane_locks = Table("lane_locks", metadata, Column("lane", String(32), primary_key=True))
 
 
 def utcnow() -> datetime:
@@ -252,6 +262,15 @@ def transaction(engine: Engine | None = None):
     for job_id in changed:  # committed: tell this process's listeners
         for listener in list(local_listeners):
             listener(job_id)
+
+
+def ensure_row(conn: Connection, table: Table, **values) -> None:
+    """Insert the row unless one with its key exists (no error, no aborted transaction)."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    conn.execute(insert(table).values(**values).on_conflict_do_nothing())
 
 
 def locked(conn: Connection, table: Table, *where):

@@ -21,9 +21,9 @@ from api.schemas import ErrorBody, Harvest, HarvestList, render
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles, n_shards
+from harvest.lanes import load_lanes
 from harvest.pipeline import tokenize_job
 from harvest.request import HarvestRequest, resolve_job
-from harvest.settings import get_settings
 
 __all__ = ["router"]
 
@@ -59,14 +59,9 @@ def _prepare(request: HarvestRequest) -> dict:
     }
 
 
-def _capacity(lane: str) -> int:
-    settings = get_settings()
-    return settings.lane_capacity_large if lane == "large" else settings.lane_capacity_small
-
-
 def _submit(key: ApiKey, request: HarvestRequest) -> dict:
     job = _prepare(request)
-    admit(key, job, capacity=_capacity(job["lane"]))
+    admit(key, job, capacity=load_lanes()[job["lane"]].capacity)
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts.
         JobFiles.for_job(job["id"], deps.storage()).write_request(request)

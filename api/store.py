@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, func, insert, or_, select, update
 
 from api.auth import ApiKey, month_of
-from api.db import api_keys, job_changed, jobs, lane_locks, locked, service_flags, transaction, utcnow
+from api.db import api_keys, ensure_row, job_changed, jobs, lane_locks, locked, service_flags, transaction, utcnow
 from api.runs import RunState
 from harvest.errors import NotCancellable, NotFound, RateLimited
 
@@ -43,6 +43,7 @@ __all__ = [
     "set_spend_cap",
     "get_spend_cap",
     "tokens_used",
+    "key_usage",
 ]
 
 ACTIVE = ("pending", "running")
@@ -69,6 +70,23 @@ def tokens_used(conn, key_id: str, now: datetime | None = None) -> int:
     return int(charged) + int(held)
 
 
+def key_usage(conn, key_id: str, now: datetime | None = None) -> dict:
+    """This month's usage of a key: tokens charged (ended jobs), jobs submitted, active jobs by lane."""
+    start = _month_start(now or utcnow())
+    charged = conn.execute(
+        select(func.coalesce(func.sum(jobs.c.tokens), 0)).where(
+            jobs.c.key_id == key_id, jobs.c.completed_at >= start, jobs.c.status.notin_(ACTIVE)
+        )
+    ).scalar_one()
+    submitted = conn.execute(
+        select(func.count()).where(jobs.c.key_id == key_id, jobs.c.created_at >= start)
+    ).scalar_one()
+    active = conn.execute(
+        select(jobs.c.lane, func.count()).where(jobs.c.key_id == key_id, jobs.c.status.in_(ACTIVE)).group_by(jobs.c.lane)
+    ).all()
+    return {"tokens_charged": int(charged), "jobs_this_month": int(submitted), "active": {lane: int(n) for lane, n in active}}
+
+
 def get_spend_cap(conn) -> int | None:
     """Retry-After seconds while new harvests are paused, else None."""
     value = conn.execute(select(service_flags.c.value).where(service_flags.c.name == SPEND_CAP)).scalar()
@@ -92,7 +110,9 @@ def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
     lane = job["lane"]
     now = utcnow()
     with transaction(engine) as conn:
-        # Lock order is always lane, then key, so two admissions never deadlock.
+        # Lock order is always lane, then key, so two admissions never deadlock. A lane added
+        # to infra/lanes.toml gets its lock row on its first admission.
+        ensure_row(conn, lane_locks, lane=lane)
         locked(conn, lane_locks, lane_locks.c.lane == lane)
         locked(conn, api_keys, api_keys.c.id == key.id)
 

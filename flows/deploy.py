@@ -1,13 +1,14 @@
-"""Apply infra/prefect.yaml to a Prefect server: work pools with their limits, then deployments.
+"""Apply the lanes and infra/prefect.yaml to a Prefect server: work pools, then deployments.
 
-Idempotent, so `harvest up` runs it on every start: a pool that exists is updated and its
+Each lane of `infra/lanes.toml` (`harvest.lanes`) becomes a process work pool of its name with
+its concurrency limit, and a deployment `harvest-<lane>` of the harvest flow on it; the
+maintenance deployments (corpus refresh, retention sweep) come from infra/prefect.yaml.
+
+Idempotent, so `harvest server` runs it on every start: a pool that exists is updated and its
 concurrency limit re-applied (DESIGN: `--overwrite` resets limits, so we never rely on it);
 deployments are upserted by (flow, name), schedules replaced. Deployments are created through
 the client rather than `prefect deploy` so that no prompt, build step or git state is involved
-and a start takes ~1 s; `prefect deploy --all` with the same file still works for operators.
-
-Limits: `HARVEST_POOL_LIMIT_<LANE>` (an integer, or "none"), read through `Settings`
-(`pool_limit_small`, `pool_limit_large`), overrides the file.
+and a start takes ~1 s.
 """
 
 from __future__ import annotations
@@ -23,22 +24,39 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from harvest.settings import Settings, get_settings
+from harvest.lanes import Lane, load_lanes
+from harvest.settings import get_settings
 
-__all__ = ["REPO", "PREFECT_YAML", "load_spec", "pool_limit", "apply", "apply_sync", "pull_steps"]
+__all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "load_spec", "lane_spec", "apply", "apply_sync", "pull_steps"]
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = REPO / "infra" / "prefect.yaml"
+# A module path with no pull steps: worker hosts import the flow from the installed package
+# (see infra/prefect.yaml).
+HARVEST_ENTRYPOINT = "flows.harvest.harvest"
 
 
 def load_spec(path: Path = PREFECT_YAML) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def pool_limit(pool: dict, settings: Settings | None = None) -> int | None:
-    """The pool's concurrency limit: HARVEST_POOL_LIMIT_<NAME> if set (Settings), else the file's."""
-    given, limit = (settings or get_settings()).pool_limit_override(pool["name"])
-    return limit if given else pool.get("concurrency_limit")
+def lane_spec(lanes: dict[str, Lane]) -> dict[str, list[dict]]:
+    """Pools and harvest deployments of the lanes, in infra/prefect.yaml's shape."""
+    pools = [
+        {"name": lane.name, "type": "process", "concurrency_limit": lane.pool_limit, "description": lane.description}
+        for lane in lanes.values()
+    ]
+    deployments = [
+        {
+            "name": lane.deployment.split("/", 1)[1],
+            "entrypoint": HARVEST_ENTRYPOINT,
+            "description": f"bulk harvest jobs of the {lane.name} lane ({lane.description}); one flow run per job",
+            "work_pool": {"name": lane.name},
+            "tags": ["harvest", f"lane:{lane.name}"],
+        }
+        for lane in lanes.values()
+    ]
+    return {"pools": pools, "deployments": deployments}
 
 
 def pull_steps(repo: Path = REPO) -> list[dict]:
@@ -48,7 +66,7 @@ def pull_steps(repo: Path = REPO) -> list[dict]:
 
 
 async def _apply_pool(client, pool: dict) -> None:
-    limit = pool_limit(pool)
+    limit = pool.get("concurrency_limit")
     try:
         await client.create_work_pool(
             WorkPoolCreate(name=pool["name"], type=pool.get("type", "process"), description=pool.get("description"), concurrency_limit=limit)
@@ -86,17 +104,24 @@ async def _apply_deployment(client, spec: dict, repo: Path) -> str:
     return f"{flow.name}/{spec['name']}"
 
 
-async def apply(path: Path = PREFECT_YAML, repo: Path = REPO) -> list[str]:
-    """Create or update every pool and deployment of the file; returns the deployment names."""
-    spec = load_spec(path)
+async def apply(path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None) -> list[str]:
+    """Create or update every lane's pool and deployment, then the file's deployments; returns
+    the deployment names. `lanes`: default those of HARVEST_LANES_FILE."""
+    lanes = lanes if lanes is not None else load_lanes()
+    spec = lane_spec(lanes)
+    maintenance = load_spec(path).get("deployments", [])
+    for deployment in maintenance:
+        if deployment["work_pool"]["name"] not in lanes:
+            raise ValueError(f"{path}: {deployment['name']} runs on work pool {deployment['work_pool']['name']!r}, "
+                             f"which is not a lane of {get_settings().lanes_file}")
     names = []
     async with get_client() as client:
-        for pool in spec.get("pools", []):
+        for pool in spec["pools"]:
             await _apply_pool(client, pool)
-        for deployment in spec.get("deployments", []):
+        for deployment in spec["deployments"] + maintenance:
             names.append(await _apply_deployment(client, deployment, repo))
     return names
 
 
-def apply_sync(path: Path = PREFECT_YAML, repo: Path = REPO) -> list[str]:
-    return run_coro_as_sync(apply(path, repo))
+def apply_sync(path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None) -> list[str]:
+    return run_coro_as_sync(apply(path, repo, lanes))

@@ -7,7 +7,7 @@ each waited for:
    SQLite under `$HARVEST_HOME/prefect` (PREFECT_HOME) — meanwhile the embedded model is built
    if needed and the dev API key created (first start only; kept in `$HARVEST_HOME/dev-key`);
    then pools, deployments and liveness automations (idempotent, limits re-applied);
-2. one worker host per lane (`small`, `large`);
+2. one worker host per lane of infra/lanes.toml (`small`, `large`);
 3. one API replica on 127.0.0.1:$HARVEST_PORT (default 8000).
 
 Then prints, on stdout:
@@ -35,10 +35,9 @@ from pathlib import Path
 
 from flows.roles import Supervisor, apply_control_plane, serve, start_api_replica, start_worker_host
 from flows.processes import start_server
+from harvest.lanes import load_lanes
 
-__all__ = ["main", "dev_key", "LANES"]
-
-LANES = ("small", "large")
+__all__ = ["main", "dev_key"]
 
 
 def _say(text: str) -> None:
@@ -99,7 +98,7 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
         models_f.result()
         # Workers and the API boot (seconds each) while the deployments are applied; a worker
         # that comes first creates its pool, and the deploy then sets its limit.
-        workers = [pool.submit(start_worker_host, home, lane, api_url, name=f"{lane}-{os.getpid()}") for lane in LANES]
+        workers = [pool.submit(start_worker_host, home, lane, api_url, name=f"{lane}-{os.getpid()}") for lane in load_lanes()]
         key = key_f.result()
         api_f = pool.submit(start_api_replica, home, "127.0.0.1", port)
         imports_f.result()

@@ -41,6 +41,8 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.states import AwaitingRetry, Cancelled, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
+from harvest.lanes import deployment_name
+
 __all__ = [
     "RunStatus",
     "deployment_name",
@@ -58,10 +60,6 @@ __all__ = [
 
 FINAL = (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED)
 NOT_STARTED = (StateType.SCHEDULED, StateType.PAUSED)
-
-
-def deployment_name(lane: str) -> str:
-    return f"harvest/harvest-{lane}"
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable
+from harvest.lanes import load_lanes
 from harvest.settings import Settings, get_settings
 
 __all__ = ["ModelInfo", "Registry", "load_registry"]
-
-LANES = ("small", "large")
 
 
 @dataclass(frozen=True)
@@ -131,8 +130,9 @@ class Registry:
 
     def _resolve(self, name: str, entry: dict) -> ModelInfo:
         lane = entry.get("lane", "small")
-        if lane not in LANES:
-            raise ValueError(f"models.toml: {name} has lane {lane!r}; lanes are {LANES}")
+        lanes = load_lanes(self._settings)
+        if lane not in lanes:
+            raise ValueError(f"models.toml: {name} has lane {lane!r}; the lanes are {', '.join(lanes)} ({self._settings.lanes_file})")
         weights = entry["weights"]
         if entry.get("builtin"):
             from harvest.tiny_model import ensure_tiny_model

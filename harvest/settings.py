@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     models_file: Path = Field(default=REPO_ROOT / "infra" / "models.toml")
     """The model registry (served name → weights, lane, operational caps)."""
 
+    lanes_file: Path = Field(default=REPO_ROOT / "infra" / "lanes.toml")
+    """The GPU lanes (work pool, caps, GPUs per run), one table each (`harvest.lanes`)."""
+
     use_vllm: bool | None = None
     """Engine choice: None picks vLLM where it is installed, False forces the HF reference."""
 
@@ -64,12 +67,6 @@ class Settings(BaseSettings):
     longpoll_max_waiters: int = Field(default=100, ge=0)
     """Concurrent `?wait=` reads held open; more are answered at once with X-Acs-Longpoll: declined."""
 
-    lane_capacity_small: int = Field(default=64, ge=0)
-    """Service-wide queued-or-running jobs on the small lane (harvest_capacity_exceeded above)."""
-
-    lane_capacity_large: int = Field(default=8, ge=0)
-    """Service-wide queued-or-running jobs on the large lane."""
-
     watch_interval_s: float = Field(default=1.0, gt=0)
     """How often the API's one watcher reads the states of all active flow runs."""
 
@@ -100,7 +97,7 @@ class Settings(BaseSettings):
     def resolved_storage_url(self) -> str:
         return self.storage_url or f"file://{self.home / 'storage'}"
 
-    # --- flows: scale-out helpers, throttles, work-pool limits (read by flows/ at call time) ---
+    # --- flows: scale-out helpers, throttles (read by flows/ at call time) ---
     helper_grace_s: float = Field(default=30.0, ge=0)
     """Seconds a scale-out parent, its own range done, lets a helper run stay not-yet-running
     (Scheduled, Pending, Paused) before cancelling it and doing its shards itself. A worker
@@ -118,24 +115,6 @@ class Settings(BaseSettings):
     flow_load_pause_s: float = Field(default=0.0, ge=0)
     """Test/demo throttle: seconds the harvest flow sleeps before loading the model
     (`HARVEST_FLOW_LOAD_PAUSE_S`, in the flow run's environment); 0 in production."""
-
-    pool_limit_small: int | None = Field(default=None, ge=0)
-    """Concurrency limit of the `small` work pool; unset keeps infra/prefect.yaml's, `none`
-    (or empty) means no limit."""
-
-    pool_limit_large: int | None = Field(default=None, ge=0)
-    """Concurrency limit of the `large` work pool; unset keeps infra/prefect.yaml's, `none`
-    (or empty) means no limit."""
-
-    @field_validator("pool_limit_small", "pool_limit_large", mode="before")
-    @classmethod
-    def _none_means_unlimited(cls, value):
-        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
-
-    def pool_limit_override(self, pool: str) -> tuple[bool, int | None]:
-        """`(given, limit)`: whether `HARVEST_POOL_LIMIT_<POOL>` was set, and to what."""
-        name = f"pool_limit_{pool.lower()}"
-        return name in self.model_fields_set, getattr(self, name, None)
 
 
 @lru_cache(maxsize=1)

@@ -48,11 +48,29 @@ __all__ = ["ApiServer", "FileRuns", "set_run", "finish_run", "free_port"]
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The service's lanes with a smaller service-wide capacity on `large` (so a test can fill it)
+# and one lane more, `xl`, declared in config only (as an operator adds one).
+TEST_LANES = """
+[lanes.xl]
+pool_limit = 1
+key_limit = 2
+capacity = 10
+gpus_per_run = 8
+description = "an added lane (tests)"
+"""
+
 TEST_MODELS = """
 [models.llama-tiny-large]
 weights = "models/llama-tiny"
 builtin = true
 lane = "large"
+max_model_len = 2048
+max_activation_prompt_tokens = 512
+
+[models.llama-tiny-xl]
+weights = "models/llama-tiny"
+builtin = true
+lane = "xl"
 max_model_len = 2048
 max_activation_prompt_tokens = 512
 
@@ -252,7 +270,8 @@ def finish_run(server: ApiServer, job_id: str, engine, storage=None) -> None:
 
     files = JobFiles.for_job(job_id, storage or server.storage())
     request = files.read_request()
-    settings = Settings(models_file=server.env.get("HARVEST_MODELS_FILE", Settings().models_file))
+    settings = Settings(models_file=server.env.get("HARVEST_MODELS_FILE", Settings().models_file),
+                        lanes_file=server.env.get("HARVEST_LANES_FILE", Settings().lanes_file))
     job = resolve_job(request, load_registry(settings))
     set_run(server, job_id, "running")
     run_job(job, files.storage, engine, job_id)
@@ -286,12 +305,14 @@ def harvest_api_env(home: Path) -> dict[str, str]:
     models = home / "api" / "test-models.toml"
     models.parent.mkdir(parents=True, exist_ok=True)
     models.write_text((REPO / "infra" / "models.toml").read_text() + TEST_MODELS)
+    lanes = home / "api" / "test-lanes.toml"
+    lanes.write_text((REPO / "infra" / "lanes.toml").read_text().replace("capacity = 8", "capacity = 2") + TEST_LANES)
     return {
         "HARVEST_MODELS_FILE": str(models),
+        "HARVEST_LANES_FILE": str(lanes),
         "HARVEST_WATCH_INTERVAL_S": "0.2",
         "HARVEST_ORPHAN_AFTER_S": "1",
         "HARVEST_LONGPOLL_MAX_WAITERS": "2",
-        "HARVEST_LANE_CAPACITY_LARGE": "2",
     }
 
 

@@ -108,7 +108,7 @@ def done_job_hidden(server) -> int:
     from harvest.registry import load_registry
     from harvest.settings import Settings
 
-    return load_registry(Settings(models_file=server.env["HARVEST_MODELS_FILE"])).get("llama-tiny").hidden_size
+    return load_registry(Settings(models_file=server.env["HARVEST_MODELS_FILE"], lanes_file=server.env["HARVEST_LANES_FILE"])).get("llama-tiny").hidden_size
 
 
 def test_each_read_makes_fresh_links(harvest_api, key, done_job):
@@ -364,7 +364,7 @@ def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
 
     env = {**os.environ, "HARVEST_DATABASE_URL": harvest_api.env["HARVEST_DATABASE_URL"]}
     out = subprocess.run(
-        [sys.executable, "-m", "harvest.cli", "keys", "create", "--name", "cli", "--small", "1", "--large", "0",
+        [sys.executable, "-m", "harvest.cli", "keys", "create", "--name", "cli", "--limit", "small=1", "--limit", "large=0",
          "--monthly-jobs", "9", "--token-budget", "1000", "--activation-quota", "5"],
         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
     )

@@ -192,20 +192,11 @@ def test_retention_sweep_deletes_only_expired_job_folders(tmp_path):
     assert root.child("jobs").listdir() == ["fresh", "running"]
 
 
-def test_prefect_yaml_declares_the_pools_and_deployments(monkeypatch):
-    from flows.deploy import load_spec, pool_limit
+def test_the_lanes_file_declares_the_pools_and_deployments():
+    from flows.deploy import lane_spec, load_spec
+    from harvest.lanes import load_lanes
 
-    spec = load_spec()
-    pools = {p["name"]: p for p in spec["pools"]}
-    for name in ("HARVEST_POOL_LIMIT_SMALL", "HARVEST_POOL_LIMIT_LARGE"):
-        monkeypatch.delenv(name, raising=False)
-    unset = Settings()
-    assert {n: (p["type"], pool_limit(p, unset)) for n, p in pools.items()} == {"small": ("process", 3), "large": ("process", 1)}
-    assert {d["name"] for d in spec["deployments"]} == {"harvest-small", "harvest-large", "corpus-refresh", "retention-sweep"}
-    monkeypatch.setenv("HARVEST_POOL_LIMIT_LARGE", "2")
-    monkeypatch.setenv("HARVEST_POOL_LIMIT_SMALL", "none")
-    settings = Settings()  # read at call time (get_settings() is cached per process)
-    assert (settings.pool_limit_large, settings.pool_limit_small) == (2, None)
-    assert pool_limit(pools["large"], settings) == 2 and pool_limit(pools["small"], settings) is None
-    monkeypatch.setenv("HARVEST_POOL_LIMIT_SMALL", "")
-    assert pool_limit(pools["small"], Settings()) is None and pool_limit({"name": "other", "concurrency_limit": 5}, Settings()) == 5
+    spec = lane_spec(load_lanes())
+    assert {p["name"]: (p["type"], p["concurrency_limit"]) for p in spec["pools"]} == {"small": ("process", 3), "large": ("process", 1)}
+    assert {d["name"]: d["work_pool"]["name"] for d in spec["deployments"]} == {"harvest-small": "small", "harvest-large": "large"}
+    assert {d["name"] for d in load_spec()["deployments"]} == {"corpus-refresh", "retention-sweep"}

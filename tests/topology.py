@@ -288,7 +288,7 @@ class Fleet:
     def create_key(self, name: str, small: int = 10) -> str:
         """A new API key (`harvest keys create`, as an operator would), `small` jobs at once."""
         out = subprocess.run(
-            [*HARVEST, "keys", "create", "--name", name, "--small", str(small)],
+            [*HARVEST, "keys", "create", "--name", name, "--limit", f"small={small}"],
             env=clean_env(HARVEST_DATABASE_URL=self.jobs_url, HARVEST_HOME=str(self.root / "admin")),
             cwd=self.root, capture_output=True, text=True, check=True, timeout=120,
         )
