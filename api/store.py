@@ -54,37 +54,37 @@ def _month_start(now: datetime) -> datetime:
     return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
-def tokens_used(conn, key_id: str, now: datetime | None = None) -> int:
-    """Tokens charged this month plus tokens held by active jobs."""
-    start = _month_start(now or utcnow())
-    charged = conn.execute(
+def _charged(conn, key_id: str, start: datetime) -> int:
+    """Tokens charged to the key for jobs that ended since `start`."""
+    return int(conn.execute(
         select(func.coalesce(func.sum(jobs.c.tokens), 0)).where(
             jobs.c.key_id == key_id, jobs.c.completed_at >= start, jobs.c.status.notin_(ACTIVE)
         )
-    ).scalar_one()
+    ).scalar_one())
+
+
+def tokens_used(conn, key_id: str, now: datetime | None = None) -> int:
+    """Tokens charged this month plus tokens held by active jobs."""
+    charged = _charged(conn, key_id, _month_start(now or utcnow()))
     held = conn.execute(
         select(func.coalesce(func.sum(jobs.c.reserved_tokens), 0)).where(
             jobs.c.key_id == key_id, jobs.c.status.in_(ACTIVE)
         )
     ).scalar_one()
-    return int(charged) + int(held)
+    return charged + int(held)
 
 
 def key_usage(conn, key_id: str, now: datetime | None = None) -> dict:
     """This month's usage of a key: tokens charged (ended jobs), jobs submitted, active jobs by lane."""
     start = _month_start(now or utcnow())
-    charged = conn.execute(
-        select(func.coalesce(func.sum(jobs.c.tokens), 0)).where(
-            jobs.c.key_id == key_id, jobs.c.completed_at >= start, jobs.c.status.notin_(ACTIVE)
-        )
-    ).scalar_one()
+    charged = _charged(conn, key_id, start)
     submitted = conn.execute(
         select(func.count()).where(jobs.c.key_id == key_id, jobs.c.created_at >= start)
     ).scalar_one()
     active = conn.execute(
         select(jobs.c.lane, func.count()).where(jobs.c.key_id == key_id, jobs.c.status.in_(ACTIVE)).group_by(jobs.c.lane)
     ).all()
-    return {"tokens_charged": int(charged), "jobs_this_month": int(submitted), "active": {lane: int(n) for lane, n in active}}
+    return {"tokens_charged": charged, "jobs_this_month": int(submitted), "active": {lane: int(n) for lane, n in active}}
 
 
 def get_spend_cap(conn) -> int | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from flows.processes import free_port
+from flows.processes import Managed, free_port
 from tests.netns import Host, Network
 
 __all__ = ["Fleet", "Role", "MotoS3", "PG_ADMIN", "CREDENTIALS"]
@@ -99,13 +99,7 @@ class Role:
 
     def kill(self) -> None:
         """SIGKILL the role and everything it started, at once (no chance to clean up)."""
-        tree = self.tree()
-        for proc in tree:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(tree, timeout=10)
+        Managed.kill_tree(self.tree())
         self.proc.wait(timeout=10)
 
 
