@@ -15,7 +15,23 @@ The job's files and their names are `harvest.jobfiles.JobFiles`. Resume: shards 
 written and verified (size + sha256 record beside each) are skipped, so a re-run of the same
 flow run (rescheduled after its host died) costs only the shard that was in flight.
 
-Scale-out (`workers=N`): the shards are cut into N contiguous ranges. This run keeps the
+Placement (`flows.placement`, `harvest.placement`): on a worker host (`harvest worker`), the
+run first claims one of the host's slots (its GPUs, or a CPU place), waiting while all are
+held, and sets CUDA_VISIBLE_DEVICES to that slot's GPUs before anything touches CUDA; a model
+whose `tensor_parallel_size` needs more GPUs than a slot has fails here, saying so. What the
+run got (slot, devices, the GPUs torch sees) goes into its labels (`harvest.slot`,
+`harvest.devices`, beside Prefect's `prefect.worker.name`), its progress file and its summary.
+
+How many runs share a job (`workers`): given, it is that many. Left out (None, what the API
+sends), it is chosen here, once, when the parent starts: this run plus one per *free slot* of
+the lane, but never so many that a run gets fewer than `HARVEST_SCALE_OUT_MIN_SHARDS` shards
+(8): N = max(1, min(1 + free, n_shards // 8)). Free slots = min(the pool's concurrency limit,
+the slots of its online hosts) minus the lane's runs that hold or wait for one (this run
+included). So a job of 16 shards on a lane with two idle one-slot hosts runs on both, a small
+job or a busy lane runs alone, and nobody's queued job waits for a helper. A rescheduled run
+keeps the count it chose (its `harvest.workers` label), so it re-attaches to its helpers.
+
+Scale-out (N runs): the shards are cut into N contiguous ranges. This run keeps the
 first; the others become flow runs of the lane's deployment (`shard_range=[a, b]`), each
 loading the model once. When its own range is done, this run waits for the helpers, but never
 for ever (`helper_action`): a helper not running yet after `HARVEST_HELPER_GRACE_S` (the lane
@@ -48,9 +64,11 @@ from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled as CancelledState
 from prefect.states import Failed
 
+from flows.placement import WORKERS_LABEL, choose_workers, place_run
 from harvest.engines import load_engine
 from harvest.errors import HarvestError
 from harvest.jobfiles import JobFiles
+from harvest.lanes import deployment_name
 from harvest.pipeline import Cancelled, JobSummary, Timings, tokenize_job
 from harvest.registry import load_registry
 from harvest.request import resolve_job
@@ -58,7 +76,18 @@ from harvest.settings import Settings, get_settings
 from harvest.shards import shard_ranges
 from tasks.shards import ShardWork, finalize_job, harvest_shard
 
-__all__ = ["harvest", "split_ranges", "helper_action", "HELPER_TAG", "WAIT", "COLLECT", "RECOMPUTE", "TAKE_OVER"]
+__all__ = [
+    "harvest",
+    "split_ranges",
+    "helper_action",
+    "HelperWatch",
+    "HELPER_TAG",
+    "POLL_S",
+    "WAIT",
+    "COLLECT",
+    "RECOMPUTE",
+    "TAKE_OVER",
+]
 
 HELPER_TAG = "scale-out-helper"
 POLL_S = 1.0
@@ -121,8 +150,9 @@ def _short(exc: BaseException) -> str:
 class _Run:
     """This flow run's view of itself: cancellation check and progress reporting."""
 
-    def __init__(self, job_id: str, files: JobFiles, n_shards: int, tokens_per_shard: list[int]):
+    def __init__(self, job_id: str, files: JobFiles, n_shards: int, tokens_per_shard: list[int], placement: dict | None):
         self.id = current_run.get_id()
+        self.placement = placement
         self.job_id = job_id
         self.files = files
         self.n_shards = n_shards
@@ -149,7 +179,22 @@ class _Run:
         return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
     def stage(self, stage: str) -> None:
-        self.files.write_progress(stage=stage, shards_done=self.shards_done, n_shards=self.n_shards, shards_skipped=self.skipped)
+        self.files.write_progress(
+            stage=stage, shards_done=self.shards_done, n_shards=self.n_shards, shards_skipped=self.skipped, placement=self.placement
+        )
+
+    def label(self, workers: int) -> None:
+        """Where this run landed and how many runs share the job, as labels of the flow run
+        (the UI shows them; `choose_workers` reads `harvest.workers` back on a reschedule)."""
+        if self.id is None:
+            return
+        labels = {WORKERS_LABEL: str(workers)}
+        for key, value in (self.placement or {}).items():
+            labels[f"harvest.{key}"] = "" if value is None else str(value)
+        try:
+            self.client.update_flow_run_labels(self.id, labels)
+        except Exception:  # display and resume aid; the job goes on without it
+            get_run_logger().warning("could not label flow run %s", self.id, exc_info=True)
 
     def shard_done(self, k: int, skipped: bool) -> None:
         self.shards_done += 1
@@ -166,6 +211,7 @@ class _Run:
             n_shards=self.n_shards,
             shards_skipped=self.skipped,
             tokens_per_s=round(rate, 1),
+            placement=self.placement,
         )
         if self.id is None:
             return
@@ -205,7 +251,7 @@ def _start_helpers(run: _Run, lane: str, ranges: list[list[int]]) -> list[tuple[
     helpers = []
     for rng in ranges:
         child = run_deployment(
-            f"harvest/harvest-{lane}",
+            deployment_name(lane),
             parameters={"job_id": job_id, "request_url": run.files.request_url, "shard_range": rng},
             timeout=0,
             as_subflow=True,
@@ -243,6 +289,39 @@ def _cancel_helper(client, child_id: UUID) -> bool:
     return True
 
 
+class HelperWatch:
+    """A parent's looks at the runs it handed work to (shard ranges here, a corpus refresh's
+    parts in `flows.corpus_refresh`): on each look, what to do about one (`helper_action`).
+
+    It remembers each run's last state and since when, and when the grace began: call
+    `start_grace()` once the parent has no work of its own left.
+    """
+
+    def __init__(self, client, settings: Settings):
+        self.client = client
+        self.grace_s = settings.helper_grace_s
+        self.stall_s = settings.helper_stall_s
+        self.grace_ends: float | None = None
+        self.seen: dict[UUID, tuple[StateType | None, float]] = {}  # last state seen, and since when
+
+    def start_grace(self) -> None:
+        if self.grace_ends is None:
+            self.grace_ends = time.monotonic() + self.grace_s
+
+    def look(self, child_id: UUID) -> tuple[str, StateType | None]:
+        """`(action, state)`; a TAKE_OVER is already settled: the run is cancelled, so its
+        work is the parent's (a run that started meanwhile answers WAIT instead)."""
+        kind = _helper_kind(self.client, child_id)
+        now = time.monotonic()
+        last, since = self.seen.get(child_id, (kind, now))
+        self.seen[child_id] = (kind, since if kind == last else now)
+        since_grace = now - self.grace_ends if self.grace_ends is not None else float("-inf")
+        action = helper_action(kind, since_grace, now - self.seen[child_id][1], stall_s=self.stall_s)
+        if action == TAKE_OVER and not _cancel_helper(self.client, child_id):
+            return WAIT, kind  # it started just now: look again next round
+        return action, kind
+
+
 def _collect_helpers(
     work: ShardWork, run: _Run, helpers: list[tuple[list[int], UUID]], pause_s: float, settings: Settings
 ) -> Timings:
@@ -250,21 +329,15 @@ def _collect_helpers(
     logger = get_run_logger()
     timings = Timings()
     pending = list(helpers)
-    grace_ends = time.monotonic() + settings.helper_grace_s
-    seen: dict[UUID, tuple[StateType | None, float]] = {}  # last state seen, and since when
+    watch = HelperWatch(run.client, settings)
+    watch.start_grace()  # this run's own range is done
     while pending:
         for rng, child_id in list(pending):
             if run.cancelling():
                 raise Cancelled("cancelled while waiting for helper runs")
-            kind = _helper_kind(run.client, child_id)
-            now = time.monotonic()
-            last, since = seen.get(child_id, (kind, now))
-            seen[child_id] = (kind, since if kind == last else now)
-            action = helper_action(kind, now - grace_ends, now - seen[child_id][1], stall_s=settings.helper_stall_s)
+            action, kind = watch.look(child_id)
             if action == WAIT:
                 continue
-            if action == TAKE_OVER and not _cancel_helper(run.client, child_id):
-                continue  # it started just now: look again next round
             if action == COLLECT:
                 helper_timings = work.files.read_helper_timings(rng)
                 if helper_timings is not None:
@@ -290,12 +363,13 @@ def _summary_artifact(job_id: str, result: dict) -> None:
 
 
 @flow(name="harvest", persist_result=False, log_prints=False)
-def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[int] | None = None) -> dict:
+def harvest(job_id: str, request_url: str, workers: int | None = None, shard_range: list[int] | None = None) -> dict:
     """Harvest one job: shards (skipping verified ones), statistics, manifest last.
 
     job_id: the job's uuid; the manifest records it.
     request_url: storage URL of the job's request.json; the job's files go in its folder.
-    workers: split the shards over this many flow runs of the lane (1: this run does all).
+    workers: split the shards over this many flow runs of the lane (1: this run does all);
+        None: as many as the lane's free slots allow (the module docstring's policy).
     shard_range: `[start, stop)` for a helper run: write those shards only, no manifest.
     """
     logger = get_run_logger()
@@ -308,10 +382,19 @@ def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[i
         ranges = shard_ranges(len(tokenized), job.request.shard_size)
         n_shards = len(ranges)
         helper = shard_range is not None
-        plan = [list(shard_range)] if helper else split_ranges(n_shards, workers)
+        # Before anything touches CUDA: this host's slot, and CUDA_VISIBLE_DEVICES with it.
+        placement = place_run(job.model, settings, on_wait=lambda: files.write_progress(stage="waiting for a slot"))
+        if helper:
+            plan = [list(shard_range)]
+        else:
+            lane = job.model.lane
+            plan = split_ranges(n_shards, choose_workers(workers, lane, n_shards, settings, current_run.get_id(), logger.info))
         own = range(max(0, plan[0][0]), min(n_shards, plan[0][1]))
         tokens_per_shard = [sum(len(tokenized[i].ids) for i in r) for r in ranges]
-        run = _Run(job_id, files, len(own) if helper else n_shards, tokens_per_shard)
+        run = _Run(job_id, files, len(own) if helper else n_shards, tokens_per_shard, placement)
+        run.label(len(plan) if not helper else 1)
+        if placement:
+            logger.info("placed on %s slot %s (devices %s)", placement["host"], placement["slot"], placement["devices"] or "none")
         helpers = _start_helpers(run, job.model.lane, plan[1:]) if len(plan) > 1 else []
 
         run.stage("loading")
@@ -327,7 +410,7 @@ def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[i
         timings.load_s = load_s
         if helper:
             files.write_helper_timings(plan[0], vars(timings))
-            return {"job_id": job_id, "shard_range": plan[0], "timings": timings.as_dict()}
+            return {"job_id": job_id, "shard_range": plan[0], "timings": timings.as_dict(), "placement": placement}
         if helpers:
             run.stage("waiting for helper runs")
             timings.add(_collect_helpers(work, run, helpers, settings.flow_shard_pause_s, settings))
@@ -335,7 +418,9 @@ def harvest(job_id: str, request_url: str, workers: int = 1, shard_range: list[i
         run.stage("finalizing")
         summary: JobSummary = finalize_job(work, engine.versions(), job_id, timings)
         run.stage("done")
-        result = {**summary.as_dict(), "job_id": job_id, "shards_skipped": run.skipped, "workers": len(plan)}
+        result = {
+            **summary.as_dict(), "job_id": job_id, "shards_skipped": run.skipped, "workers": len(plan), "placement": placement,
+        }
         _summary_artifact(job_id, result)
         return result
     except Cancelled as exc:

@@ -20,6 +20,7 @@ answers, and stops cleanly on SIGTERM or Ctrl-C, leaving no child process.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -165,24 +166,55 @@ def start_api_replica(home: Path, host: str, port: int, env: dict[str, str] | No
 
 def start_worker_host(
     home: Path, lane: str, api_url: str, *, env: dict[str, str] | None = None, health_port: int | None = None,
-    name: str | None = None, timeout: float = 90,
+    name: str | None = None, timeout: float = 90, gpus: list[str] | None = None, gpus_per_run: int | None = None,
+    slots: int | None = None,
 ) -> Managed:
     """This host's Prefect worker on the lane's pool, with heartbeats on (`flows.liveness`);
-    returns once its health check says it polls."""
-    from flows.liveness import HEARTBEAT_ENV
+    returns once its health check says it polls.
 
+    The host's slots (`harvest.placement.host_slots`): `gpus` (default: every visible GPU) in
+    groups of `gpus_per_run` (default: the lane's, `harvest.lanes`), or `slots` places without
+    devices (a CPU host; default one). The worker runs with `--limit <slots>`, so it never runs
+    more flow runs at once than the host has slots; its flow runs get the table in
+    HARVEST_SLOTS and each claims one; the count is published for the lane's automatic
+    scale-out (`flows.placement.publish_host`).
+    """
+    from flows.liveness import HEARTBEAT_ENV
+    from flows.placement import publish_host
+    from harvest.placement import describe_slots, host_slots
+
+    table = host_slots(gpus, gpus_per_run or _lane_gpus_per_run(lane), slots)
     health_port = health_port or free_port()
     worker_env = {
         **(env or {}),
         **HEARTBEAT_ENV,
         "HARVEST_HOME": str(home),
+        "HARVEST_SLOTS": json.dumps(table),
         "PREFECT_WORKER_WEBSERVER_HOST": "127.0.0.1",
         "PREFECT_WORKER_WEBSERVER_PORT": str(health_port),
     }
     name = name or f"{socket.gethostname()}-{lane}-{os.getpid()}"
-    worker = start_worker(lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name=name, healthcheck=True, cwd=str(home))
+    worker = _start_limited_worker(lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name, len(table), str(home))
     wait_http(f"http://127.0.0.1:{health_port}/health", timeout, worker, ok_only=True)
+    publish_host(lane, name, table, api_url)
+    say("harvest worker", f"{name} on lane {lane}: {describe_slots(table)}")
     return worker
+
+
+def _lane_gpus_per_run(lane: str) -> int:
+    """GPUs per run of a lane declared in the lanes file (1 for a lane it does not declare)."""
+    from harvest.lanes import load_lanes
+
+    declared = load_lanes().get(lane)
+    return declared.gpus_per_run if declared is not None else 1
+
+
+def _start_limited_worker(pool: str, api_url: str, log: Path, env: dict[str, str], name: str, limit: int, cwd: str) -> Managed:
+    """`flows.processes.start_worker` with `--limit`: a host's worker never runs more flow runs
+    at once than the host has slots (Prefect holds the limit for the run process's life)."""
+    argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process", "--name", name,
+            "--limit", str(limit), "--with-healthcheck"]
+    return Managed(f"worker-{pool}", argv, {**os.environ, **env, "PREFECT_API_URL": api_url}, log, signals=2, cwd=cwd)
 
 
 def _home() -> Path:
@@ -237,18 +269,35 @@ def api_main(argv: list[str]) -> int:
 
 
 def worker_main(argv: list[str]) -> int:
+    from harvest.placement import parse_gpus
+
     parser = argparse.ArgumentParser(prog="harvest worker", description="One worker host of a lane.")
     parser.add_argument("--lane", required=True, help="the lane (work pool) this host serves, e.g. small")
     parser.add_argument("--name", help="worker name in the Prefect UI (default <hostname>-<lane>-<pid>)")
     parser.add_argument("--health-port", type=int, help="port of the worker's /health on 127.0.0.1 (default a free one)")
+    devices = parser.add_mutually_exclusive_group()
+    devices.add_argument("--gpus", help="GPUs this host gives the lane, e.g. 0,1,2,3 (default: all visible: "
+                         "CUDA_VISIBLE_DEVICES, else nvidia-smi -L)")
+    devices.add_argument("--slots", type=int, help="runs at once on a host without GPUs (default 1)")
+    parser.add_argument("--gpus-per-run", type=int, help="GPUs in one run's slot (default: the lane's gpus_per_run)")
     args = parser.parse_args(argv[1:])
     api_url = _prefect_api_url("harvest worker")
+    name = args.name or f"{socket.gethostname()}-{args.lane}-{os.getpid()}"
 
     def start(supervisor: Supervisor) -> list[str]:
-        start_worker_host(_home(), args.lane, api_url, health_port=args.health_port, name=args.name)
+        start_worker_host(_home(), args.lane, api_url, health_port=args.health_port, name=name,
+                          gpus=parse_gpus(args.gpus), gpus_per_run=args.gpus_per_run, slots=args.slots)
         return [f"WORKER_READY lane={args.lane}"]
 
-    return serve("harvest worker", start)
+    def forget() -> None:
+        from flows.placement import forget_host
+
+        try:
+            forget_host(args.lane, name, api_url)
+        except Exception:  # the control plane may be gone first; an OFFLINE worker is not counted
+            pass
+
+    return serve("harvest worker", start, on_stop=forget)
 
 
 def main(argv: list[str]) -> int:

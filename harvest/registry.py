@@ -37,6 +37,9 @@ class ModelInfo:
     max_model_len: int
     max_activation_prompt_tokens: int
     builtin: bool = False
+    tensor_parallel_size: int = 1
+    """GPUs one run of the model spreads it over; a worker host's slots must have this many
+    (`harvest.placement.check_fits`)."""
 
     @property
     def display_name(self) -> str:
@@ -151,6 +154,9 @@ class Registry:
         else:
             raise ValueError(f"models.toml: {name} has no weights here and declares no shapes")
         max_model_len = min(entry.get("max_model_len", shapes["max_position_embeddings"]), shapes["max_position_embeddings"])
+        tensor_parallel_size = entry.get("tensor_parallel_size", 1)
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"models.toml: {name} has tensor_parallel_size {tensor_parallel_size!r}; it must be a positive integer")
         return ModelInfo(
             name=name,
             weights=weights,
@@ -163,6 +169,7 @@ class Registry:
             max_model_len=max_model_len,
             max_activation_prompt_tokens=int(entry.get("max_activation_prompt_tokens", max_model_len)),
             builtin=bool(entry.get("builtin", False)),
+            tensor_parallel_size=tensor_parallel_size,
         )
 
 

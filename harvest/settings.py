@@ -116,6 +116,16 @@ class Settings(BaseSettings):
     """Test/demo throttle: seconds the harvest flow sleeps before loading the model
     (`HARVEST_FLOW_LOAD_PAUSE_S`, in the flow run's environment); 0 in production."""
 
+    # --- placement: a worker host's slots, automatic scale-out (harvest/placement.py) ---
+    slots: list[list[str]] | None = None
+    """This worker host's slot table, one list of GPU ids per slot (`[["0","1"],["2","3"]]`;
+    `[[], []]`: two slots without devices), as JSON. Set by `harvest worker` for its flow runs,
+    each of which claims one slot; None (not on a worker host) claims nothing."""
+
+    scale_out_min_shards: int = Field(default=8, ge=1)
+    """Automatic scale-out gives every run at least this many shards: a job is spread over more
+    runs only when each would still do this much (every run loads the model once)."""
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
