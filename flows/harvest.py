@@ -24,26 +24,27 @@ run got (slot, devices, the GPUs torch sees) goes into its labels (`harvest.slot
 
 How many runs share a job (`workers`): given, it is that many. Left out (None, what the API
 sends), it is chosen here, once, when the parent starts: this run plus one per *free slot* of
-the lane, but never so many that a run gets fewer than `HARVEST_SCALE_OUT_MIN_SHARDS` shards
-(8): N = max(1, min(1 + free, n_shards // 8)). Free slots = min(the pool's concurrency limit,
-the slots of its online hosts) minus the lane's runs that hold or wait for one (this run
-included). So a job of 16 shards on a lane with two idle one-slot hosts runs on both, a small
-job or a busy lane runs alone, and nobody's queued job waits for a helper. A rescheduled run
-keeps the count it chose (its `harvest.workers` label), so it re-attaches to its helpers.
+its work pool (the lane's), but never so many that a run gets fewer than
+`HARVEST_SCALE_OUT_MIN_SHARDS` shards (8): N = max(1, min(1 + free, n_shards // 8)). Free
+slots = min(the pool's concurrency limit, the slots of its online hosts) minus the pool's runs
+that hold or wait for one (this run included). So a job of 16 shards on a lane with two idle
+one-slot hosts runs on both, a small job or a busy lane runs alone, and nobody's queued job
+waits behind a helper. A rescheduled run keeps the count it chose (its `harvest.workers`
+label), so it re-attaches to the same helpers.
 
-Scale-out (N runs): the shards are cut into N contiguous ranges. This run keeps the
-first; the others become flow runs of the lane's deployment (`shard_range=[a, b]`), each
-loading the model once. When its own range is done, this run waits for the helpers, but never
-for ever (`helper_action`): a helper not running yet after `HARVEST_HELPER_GRACE_S` (the lane
-is full, e.g. `large` with limit 1, or it is stuck Pending or Paused) is cancelled and its range
-done here; one that ended without finishing has its range resumed here; one left Crashed,
-Cancelling or unreadable for `HARVEST_HELPER_STALL_S` is taken over too. A Running helper is
-waited for: if its host dies, Prefect's heartbeat automation marks it Crashed, and then the
-rule above applies. Shards already written and verified are skipped, and a shard written twice
-(a helper that started just as it was taken over) is the same bytes written atomically, so
-scale-out never deadlocks on the lane's limit and never loses or doubles a shard. Statistics
-are merged in shard order from the per-shard float64 partials, so they are identical to a
-single-worker run.
+Scale-out (N runs): the shards are cut into N contiguous ranges. This run keeps the first; the
+others become flow runs of its own deployment, the lane's (`shard_range=[a, b]`), each loading
+the model once. When its own range is done, this run waits for the helpers, but never for ever
+(`helper_action`, `HelperWatch`): a helper not running yet after `HARVEST_HELPER_GRACE_S` (the
+lane is full, e.g. `large` with limit 1, or it is stuck Pending or Paused) is cancelled and its
+range done here; one that ended without finishing has its range resumed here; one left
+Crashed, Cancelling or unreadable for `HARVEST_HELPER_STALL_S` is taken over too. A Running
+helper is waited for: if its host dies, Prefect's heartbeat automation marks it Crashed, and
+then the rule above applies. Shards already written and verified are skipped, and a shard
+written twice (a helper that started just as it was taken over) is the same bytes written
+atomically, so scale-out never deadlocks on the lane's limit and never loses or doubles a
+shard. Statistics are merged in shard order from the per-shard float64 partials, so they are
+identical to a single-worker run.
 
 Failure: any error ends the run Failed with a short message saying why (e.g. `capture_failed:
 …`), and no manifest is written. Cancellation ends it Cancelled.
@@ -148,17 +149,25 @@ def _short(exc: BaseException) -> str:
 
 
 class _Run:
-    """This flow run's view of itself: cancellation check and progress reporting."""
+    """This flow run's view of itself: where it runs, cancellation check, progress reporting."""
 
-    def __init__(self, job_id: str, files: JobFiles, n_shards: int, tokens_per_shard: list[int], placement: dict | None):
+    def __init__(self, job_id: str, files: JobFiles, lane: str, tokens_per_shard: list[int], placement: dict | None):
         self.id = current_run.get_id()
         self.placement = placement
         self.job_id = job_id
         self.files = files
-        self.n_shards = n_shards
+        self.n_shards = len(tokens_per_shard)  # this run's own share, once the plan is made
         self.tokens_per_shard = tokens_per_shard
         self.client = get_client(sync_client=True)
         self.client.__enter__()
+        me = self.client.read_flow_run(self.id) if self.id is not None else None
+        # Helpers are runs of this run's own deployment, so they land on the pool whose free
+        # slots were counted; a run without one (a subflow: a corpus refresh's part done in
+        # the refresh's process) uses its lane's.
+        self.pool: str = (me.work_pool_name if me else None) or lane
+        self.deployment: UUID | str = (me.deployment_id if me else None) or deployment_name(lane)
+        self.job_variables = me.job_variables if me else None
+        self.labels = dict(me.labels or {}) if me else {}
         self.started = time.perf_counter()
         self.tokens_done = 0
         self.shards_done = 0
@@ -239,19 +248,19 @@ def _run_range(work: ShardWork, run: _Run, ids: range, pause_s: float) -> Timing
     return timings
 
 
-def _start_helpers(run: _Run, lane: str, ranges: list[list[int]]) -> list[tuple[list[int], UUID]]:
-    """One flow run of the lane's deployment per range; idempotent, so a resumed parent
+def _start_helpers(run: _Run, ranges: list[list[int]]) -> list[tuple[list[int], UUID]]:
+    """One flow run of this run's deployment per range; idempotent, so a resumed parent
     re-attaches to the helpers it started before instead of starting new ones."""
     from prefect.deployments import run_deployment
 
     job_id = run.job_id
     tags = [t for t in (current_run.tags or []) if not t.startswith("key:")] + [HELPER_TAG, f"job:{job_id}"]
     # Helpers run with the parent's job variables (e.g. its env), so they behave the same.
-    job_variables = run.client.read_flow_run(run.id).job_variables if run.id else None
+    job_variables = run.job_variables
     helpers = []
     for rng in ranges:
         child = run_deployment(
-            deployment_name(lane),
+            run.deployment,
             parameters={"job_id": job_id, "request_url": run.files.request_url, "shard_range": rng},
             timeout=0,
             as_subflow=True,
@@ -384,18 +393,20 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
         helper = shard_range is not None
         # Before anything touches CUDA: this host's slot, and CUDA_VISIBLE_DEVICES with it.
         placement = place_run(job.model, settings, on_wait=lambda: files.write_progress(stage="waiting for a slot"))
+        tokens_per_shard = [sum(len(tokenized[i].ids) for i in r) for r in ranges]
+        run = _Run(job_id, files, job.model.lane, tokens_per_shard, placement)
         if helper:
             plan = [list(shard_range)]
         else:
-            lane = job.model.lane
-            plan = split_ranges(n_shards, choose_workers(workers, lane, n_shards, settings, current_run.get_id(), logger.info))
+            previous = run.labels.get(WORKERS_LABEL)
+            plan = split_ranges(n_shards, choose_workers(workers, run.pool, n_shards, settings, run.client, previous, logger.info))
         own = range(max(0, plan[0][0]), min(n_shards, plan[0][1]))
-        tokens_per_shard = [sum(len(tokenized[i].ids) for i in r) for r in ranges]
-        run = _Run(job_id, files, len(own) if helper else n_shards, tokens_per_shard, placement)
-        run.label(len(plan) if not helper else 1)
+        if helper:
+            run.n_shards = len(own)
+        run.label(1 if helper else len(plan))
         if placement:
             logger.info("placed on %s slot %s (devices %s)", placement["host"], placement["slot"], placement["devices"] or "none")
-        helpers = _start_helpers(run, job.model.lane, plan[1:]) if len(plan) > 1 else []
+        helpers = _start_helpers(run, plan[1:]) if len(plan) > 1 else []
 
         run.stage("loading")
         if settings.flow_load_pause_s:

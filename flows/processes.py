@@ -172,12 +172,14 @@ def start_server(
 
 def start_worker(
     pool: str, api_url: str, log: Path, env: dict[str, str] | None = None, name: str | None = None, *,
-    healthcheck: bool = False, cwd: str | None = None,
+    healthcheck: bool = False, cwd: str | None = None, limit: int | None = None,
 ) -> Managed:
     """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_USE_VLLM=0).
 
     healthcheck: serve `/health` on PREFECT_WORKER_WEBSERVER_HOST/PORT (a load balancer's or a
     supervisor's view of whether the worker still polls).
+    limit: flow runs at once on this worker (`--limit`; Prefect holds a slot for the run
+    process's whole life), e.g. the host's slots.
     """
     env = {**os.environ, **(env or {}), "PREFECT_API_URL": api_url}
     argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
@@ -185,4 +187,6 @@ def start_worker(
         argv += ["--name", name]
     if healthcheck:
         argv.append("--with-healthcheck")
+    if limit is not None:
+        argv += ["--limit", str(limit)]
     return Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)

@@ -194,7 +194,9 @@ def start_worker_host(
         "PREFECT_WORKER_WEBSERVER_PORT": str(health_port),
     }
     name = name or f"{socket.gethostname()}-{lane}-{os.getpid()}"
-    worker = _start_limited_worker(lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name, len(table), str(home))
+    worker = start_worker(
+        lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name=name, healthcheck=True, cwd=str(home), limit=len(table)
+    )
     wait_http(f"http://127.0.0.1:{health_port}/health", timeout, worker, ok_only=True)
     publish_host(lane, name, table, api_url)
     say("harvest worker", f"{name} on lane {lane}: {describe_slots(table)}")
@@ -207,14 +209,6 @@ def _lane_gpus_per_run(lane: str) -> int:
 
     declared = load_lanes().get(lane)
     return declared.gpus_per_run if declared is not None else 1
-
-
-def _start_limited_worker(pool: str, api_url: str, log: Path, env: dict[str, str], name: str, limit: int, cwd: str) -> Managed:
-    """`flows.processes.start_worker` with `--limit`: a host's worker never runs more flow runs
-    at once than the host has slots (Prefect holds the limit for the run process's life)."""
-    argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process", "--name", name,
-            "--limit", str(limit), "--with-healthcheck"]
-    return Managed(f"worker-{pool}", argv, {**os.environ, **env, "PREFECT_API_URL": api_url}, log, signals=2, cwd=cwd)
 
 
 def _home() -> Path:

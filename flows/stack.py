@@ -36,6 +36,7 @@ from pathlib import Path
 from flows.roles import Supervisor, apply_control_plane, serve, start_api_replica, start_worker_host
 from flows.processes import start_server
 from harvest.lanes import load_lanes
+from harvest.placement import visible_gpus
 
 __all__ = ["main", "dev_key"]
 
@@ -98,7 +99,14 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
         models_f.result()
         # Workers and the API boot (seconds each) while the deployments are applied; a worker
         # that comes first creates its pool, and the deploy then sets its limit.
-        workers = [pool.submit(start_worker_host, home, lane, api_url, name=f"{lane}-{os.getpid()}") for lane in load_lanes()]
+        # On a box without GPUs each lane's worker gets as many slots as its pool allows, so
+        # `make run` runs jobs side by side as before; with GPUs, the GPUs decide (`placement`).
+        cpu_only = not visible_gpus()
+        workers = [
+            pool.submit(start_worker_host, home, lane.name, api_url, name=f"{lane.name}-{os.getpid()}",
+                        slots=(lane.pool_limit or 1) if cpu_only else None)
+            for lane in load_lanes().values()
+        ]
         key = key_f.result()
         api_f = pool.submit(start_api_replica, home, "127.0.0.1", port)
         imports_f.result()

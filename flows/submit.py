@@ -117,15 +117,17 @@ def _status(run: FlowRun) -> RunStatus:
 
 
 async def astart_harvest_run(
-    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int = 1, env: dict[str, str] | None = None
+    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> str:
     """Create the job's flow run on its lane (returns at once, ~0.1 s); returns the flow run id.
 
-    workers: split the job over this many flow runs of the lane (scale-out), default 1.
+    workers: split the job over this many flow runs of the lane (scale-out); None lets the run
+    decide from the lane's free slots (`flows.placement`), as for every job the API submits.
     env: extra environment of the flow-run process (tests and operators; the API passes none).
     """
     parameters: dict = {"job_id": job_id, "request_url": request_url}
-    if workers != 1:
+    if workers is not None:
         parameters["workers"] = workers
     async with get_client() as client:
         deployment = await client.read_deployment_by_name(deployment_name(lane))
@@ -190,7 +192,8 @@ async def areschedule_harvest_run(flow_run_id: str | UUID) -> None:
 
 
 def start_harvest_run(
-    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int = 1, env: dict[str, str] | None = None
+    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> str:
     return run_coro_as_sync(astart_harvest_run(job_id, request_url, model, lane, key_id, workers=workers, env=env))
 

@@ -121,6 +121,10 @@ class VLLMEngine(Engine):
         )
         if on_cpu:
             args.update(dtype="float32", kv_cache_memory_bytes=_kv_cache_bytes(model))
+        if model.tensor_parallel_size > 1:
+            # The run's slot holds exactly this many GPUs (`harvest.placement`). Not yet
+            # measured: no multi-GPU machine has run the capture across tensor-parallel ranks.
+            args["tensor_parallel_size"] = model.tensor_parallel_size
         args.update(engine_args)
         self.engine_args = args
         # One call at a time: the worker holds one capture session, and `vllm.LLM` is not

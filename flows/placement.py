@@ -1,0 +1,164 @@
+"""Placement, the Prefect side: what a lane's hosts can take, and where a run landed.
+
+The pure parts (slot tables, claims, the policy's arithmetic) are `harvest.placement`; here:
+
+- `publish_host` / `forget_host`: `harvest worker` records its slot count in a Prefect Variable
+  (`host_variable`), because Prefect's server keeps no per-worker metadata and a parent run must
+  add up the slots of its lane's online hosts. A worker without one (a bare `prefect worker`)
+  counts as one slot; a worker whose heartbeats stopped (OFFLINE) counts as none.
+- `lane_free_slots`: free = min(pool limit, Σ slots of ONLINE workers) − runs of the pool that
+  hold or wait for a slot (Pending, Running, Cancelling, and Scheduled runs already due).
+- `choose_workers`: the automatic scale-out policy of the `harvest` flow (its docstring says
+  it); an explicit `workers` wins, and a rescheduled run keeps the count it chose the first
+  time (its `harvest.workers` label), so it re-attaches to the same helpers.
+- `place_run`: the run's claim on a slot of its host (`harvest.placement.claim`), returned as
+  what the run saw, which the flow writes to its labels (`harvest.*`, beside Prefect's own
+  `prefect.worker.name`), progress and summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import socket
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import VariableCreate, VariableUpdate
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterNextScheduledStartTime,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    WorkerFilter,
+    WorkerFilterStatus,
+    WorkPoolFilter,
+    WorkPoolFilterName,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+from harvest.placement import auto_workers, check_fits, claim, free_slots, what_the_run_sees
+from harvest.registry import ModelInfo
+from harvest.settings import Settings
+
+__all__ = [
+    "WORKERS_LABEL",
+    "LaneCapacity",
+    "host_variable",
+    "publish_host",
+    "forget_host",
+    "lane_free_slots",
+    "choose_workers",
+    "place_run",
+]
+
+WORKERS_LABEL = "harvest.workers"
+_HOLDING = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
+
+
+def host_variable(pool: str, worker: str) -> str:
+    """The Prefect Variable holding this worker's slots (names allow only [a-z0-9_-])."""
+    slug = re.sub(r"[^a-z0-9_-]+", "-", f"{pool}-{worker}".lower()).strip("-")[:200]
+    return f"harvest-host-{slug}-{hashlib.sha1(f'{pool}/{worker}'.encode()).hexdigest()[:8]}"
+
+
+def _client_for(api_url: str | None):
+    """Prefect settings pointing at `api_url` (None: the ambient PREFECT_API_URL)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    return temporary_settings({PREFECT_API_URL: api_url}) if api_url else nullcontext()
+
+
+def publish_host(pool: str, worker: str, table: list[list[str]], api_url: str | None = None) -> None:
+    """Record (create or replace) how many slots `worker` gives `pool`."""
+    value = {"pool": pool, "worker": worker, "slots": len(table), "gpus": [",".join(d) for d in table]}
+    name = host_variable(pool, worker)
+    with _client_for(api_url), get_client(sync_client=True) as client:
+        try:
+            client.create_variable(VariableCreate(name=name, value=value, tags=["harvest-host", f"lane:{pool}"]))
+        except ObjectAlreadyExists:
+            client.update_variable(VariableUpdate(name=name, value=value))
+
+
+def forget_host(pool: str, worker: str, api_url: str | None = None) -> None:
+    """Remove the record (a host leaving; an OFFLINE worker is not counted anyway)."""
+    with _client_for(api_url), get_client(sync_client=True) as client:
+        try:
+            client.delete_variable_by_name(host_variable(pool, worker))
+        except ObjectNotFound:
+            pass
+
+
+@dataclass(frozen=True)
+class LaneCapacity:
+    pool_limit: int | None
+    slots_per_host: list[int]
+    """One entry per ONLINE worker of the pool."""
+    busy: int
+    """Runs holding a slot or waiting for one, the caller's own included."""
+    free: int
+
+    def describe(self) -> str:
+        limit = "no limit" if self.pool_limit is None else f"limit {self.pool_limit}"
+        return f"{self.free} free of {sum(self.slots_per_host)} slots on {len(self.slots_per_host)} online hosts ({limit}), {self.busy} busy"
+
+
+def _count(client, pool: str, state: FlowRunFilterState, **flow_run_filter) -> int:
+    return client.count_flow_runs(
+        flow_run_filter=FlowRunFilter(state=state, **flow_run_filter),
+        work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
+    )
+
+
+def lane_free_slots(client, pool: str) -> LaneCapacity:
+    """What the lane (work pool `pool`) could start now without anyone waiting: one look."""
+    limit = client.read_work_pool(pool).concurrency_limit
+    online = client.read_workers_for_work_pool(pool, worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
+    per_host = []
+    for worker in online:
+        variable = client.read_variable_by_name(host_variable(pool, worker.name))
+        slots = variable.value.get("slots") if variable is not None and isinstance(variable.value, dict) else None
+        per_host.append(slots if isinstance(slots, int) and slots > 0 else 1)
+    busy = _count(client, pool, FlowRunFilterState(type=FlowRunFilterStateType(any_=_HOLDING)))
+    busy += _count(
+        client, pool, FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+        next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=datetime.now(timezone.utc)),
+    )
+    return LaneCapacity(limit, per_host, busy, free_slots(limit, per_host, busy))
+
+
+def choose_workers(
+    explicit: int | None, pool: str, n_shards: int, settings: Settings, client, previous: str | None = None, log=None
+) -> int:
+    """How many flow runs share a job of `n_shards` on `pool` (the harvest flow's docstring
+    gives the policy). previous: the count this run chose before it was rescheduled, if any."""
+    say = log or (lambda *a: None)
+    if explicit is not None:
+        return max(1, explicit)
+    if previous is not None:
+        say("keeping the %s runs chosen before this run was rescheduled", previous)
+        return max(1, int(previous))
+    if n_shards // settings.scale_out_min_shards < 2:
+        return 1  # too small to share, whatever is free: no need to ask Prefect
+    try:
+        capacity = lane_free_slots(client, pool)
+    except Exception as exc:  # an unreadable lane must not fail a job: run it alone
+        say("could not read work pool %s (%s: %s); running alone", pool, type(exc).__name__, exc)
+        return 1
+    n = auto_workers(n_shards, capacity.free, settings.scale_out_min_shards)
+    say("automatic scale-out over %d runs: %d shards; pool %s: %s", n, n_shards, pool, capacity.describe())
+    return n
+
+
+def place_run(model: ModelInfo, settings: Settings, on_wait: Callable[[], None] | None = None) -> dict | None:
+    """Claim a slot of this host for the job's model (None off a slot-aware worker host, e.g. a
+    run in a test process); returns what the run got and sees."""
+    if settings.slots is None:
+        return None
+    check_fits(model.name, model.tensor_parallel_size, settings.slots)
+    held = claim(settings.slots, settings.home / "slots", model.lane, on_wait=on_wait)
+    return {"host": socket.gethostname(), **what_the_run_sees(held)}
