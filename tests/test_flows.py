@@ -49,7 +49,8 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
         assert {"model:llama-tiny", "lane:small", "key:key-1"} <= set(run.tags)
         assert run.work_pool_name == "small"
         # Prefect's database holds the job id and a URL, never the prompts.
-        assert run.parameters == {"job_id": job.job_id, "request_url": job.request_url}
+        # (and how many runs to use: this test asks for one; the API leaves it to the run)
+        assert run.parameters == {"job_id": job.job_id, "request_url": job.request_url, "workers": 1}
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         names = sorted(t.name for t in tasks)
         assert [n for n in names if n.startswith("shard-")] == ["shard-0", "shard-1", "shard-2"]
