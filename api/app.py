@@ -33,6 +33,21 @@ __all__ = ["app", "create_app"]
 
 log = logging.getLogger("harvest.api")
 
+class RedactLinkQueries(logging.Filter):
+    """Drop the query string of file routes from access-log lines: it holds the link's
+    signature, and whoever reads the logs must not be able to fetch any job's files."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and args[2].startswith(FILE_ROUTE):
+            record.args = (*args[:2], args[2].split("?", 1)[0] + ("?<redacted>" if "?" in args[2] else ""), *args[3:])
+        return True
+
+
+FILE_ROUTE = "/v1/files/"
+# uvicorn configures its loggers before it imports this module; the filter joins them.
+logging.getLogger("uvicorn.access").addFilter(RedactLinkQueries())
+
 REPLICA = replica_id()
 """This API process's name in the watcher lease (`/health` says whether it holds it)."""
 

@@ -29,6 +29,7 @@ Where the user docs are silent, this is what the endpoint does:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from contextlib import asynccontextmanager
 from functools import lru_cache
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import ApiKey, consume_activation, current_key
+from api.deps import INLINE_MAX_BODY_BYTES, read_body
 from harvest.batcher import EnginePool
 from harvest.errors import InvalidRequest
 from harvest.inline import completion_response, parse_completion_request, prepare_completion
@@ -103,8 +105,9 @@ router = APIRouter(lifespan=_lifespan)
 @router.post("/v1/completions")
 async def create_completion(request: Request, key: ApiKey = Depends(current_key)) -> JSONResponse:
     """A completion; with `output_residual_stream`, the residual stream at every position that ran."""
+    raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except ValueError:
         raise InvalidRequest("The request body is not valid JSON.") from None
     parsed = parse_completion_request(body)

@@ -17,6 +17,7 @@ from harvest.storage import Storage, open_storage
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "INLINE_MAX_BODY_BYTES",
     "registry",
     "storage",
     "runs",
@@ -27,6 +28,8 @@ __all__ = [
 ]
 
 MAX_BODY_BYTES = 50 * 1024 * 1024
+INLINE_MAX_BODY_BYTES = 8 * 1024 * 1024
+"""A completion's body: a prompt of 128k token ids is ~1 MB of JSON; 8 MB leaves room."""
 
 
 @lru_cache(maxsize=1)
@@ -52,12 +55,11 @@ def base_url(request: Request) -> str:
     return get_settings().public_base_url or str(request.base_url).rstrip("/")
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with 413 as soon as it is known to pass `limit` bytes."""
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, advice: str = "Split the prompts into several jobs.") -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass `limit` bytes (never
+    read whole first: a huge body would hold the process's memory and time)."""
     declared = request.headers.get("content-length")
-    too_large = PayloadTooLarge(
-        f"The request body is over the harvest's limit of {limit // (1024 * 1024)} MB. Split the prompts into several jobs."
-    )
+    too_large = PayloadTooLarge(f"The request body is over this route's limit of {limit // (1024 * 1024)} MB. {advice}")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0

@@ -18,6 +18,7 @@ from urllib.parse import urlencode
 
 from harvest.errors import LinkRefused
 from harvest.jobfiles import RESULT_FILE, JobFiles
+from harvest.private_files import write_private
 from harvest.settings import get_settings
 from harvest.storage import Storage
 
@@ -33,13 +34,9 @@ def signing_key() -> bytes:
         return settings.signing_secret.encode()
     path = settings.home / "signing.key"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{secrets.token_hex(4)}")
-        staging.write_text(secrets.token_hex(32))
-        try:
-            staging.rename(path) if not path.exists() else staging.unlink()
-        except OSError:
-            staging.unlink(missing_ok=True)
+        # Whoever reads this key can forge links to every job's files: owner-only from birth.
+        # Two processes starting together both try; the first file stays, and both read it.
+        write_private(path, secrets.token_hex(32), replace=False)
     return path.read_text().strip().encode()
 
 

@@ -37,6 +37,7 @@ from flows.roles import Supervisor, apply_control_plane, serve, start_api_replic
 from flows.processes import start_server
 from harvest.lanes import load_lanes
 from harvest.placement import visible_gpus
+from harvest.private_files import write_private
 
 __all__ = ["main", "dev_key"]
 
@@ -59,8 +60,7 @@ def dev_key(home: Path, env: dict[str, str]) -> str | None:
         _say(f"could not create the dev key (exit {result.returncode}): {result.stderr.strip()[-500:]}")
         return None
     key = lines[-1].strip()
-    path.write_text(key + "\n")
-    path.chmod(0o600)
+    write_private(path, key + "\n")
     return key
 
 
@@ -117,7 +117,8 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
         _, api_base = api_f.result()
     _say(f"api ready ({time.monotonic() - started:.1f} s)")
     info = {"ACS_API_BASE": api_base, "ACS_API_KEY": key or "", "PREFECT_UI": api_url.removesuffix("/api")}
-    (home / "stack.json").write_text(json.dumps({**info, "prefect_api_url": api_url, "pid": os.getpid()}, indent=2))
+    # It holds the dev key: owner-only, like the key's own file.
+    write_private(home / "stack.json", json.dumps({**info, "prefect_api_url": api_url, "pid": os.getpid()}, indent=2))
     return info
 
 

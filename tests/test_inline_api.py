@@ -242,3 +242,35 @@ async def _batcher(app):
     from harvest.registry import load_registry
 
     return await app.state.inline_engines.get(load_registry().get("llama-tiny"))
+
+
+def test_a_body_over_the_inline_cap_is_413_before_it_is_read_whole(client):
+    """Before the cap, one 62 MB request kept the API busy for minutes at 4.4 GB of memory."""
+    huge = b'{"model": "llama-tiny", "prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    started = time.monotonic()
+    error = _error(client.post("/completions", content=huge, headers={"Content-Type": "application/json"}), 413, "request_too_large")
+    assert "8 MB" in error["message"] and time.monotonic() - started < 10
+
+    def chunks():  # no Content-Length: the cap holds on the stream too
+        yield b'{"model": "llama-tiny", "prompt": "'
+        for _ in range(9):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    _error(client.post("/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413, "request_too_large")
+    assert _complete(client, max_tokens=1).status_code == 200  # and the next request is served
+
+
+def test_access_log_lines_of_file_links_carry_no_signature():
+    import logging
+
+    from api.app import RedactLinkQueries
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", "/v1/files/job/shard_00000.safetensors?expires=9&signature=abc", "1.1", 200), None)
+    assert RedactLinkQueries().filter(record)
+    assert "abc" not in record.getMessage() and "/v1/files/job/shard_00000.safetensors?<redacted>" in record.getMessage()
+    other = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                              ("127.0.0.1:5", "GET", "/v1/harvest?limit=5", "1.1", 200), None)
+    RedactLinkQueries().filter(other)
+    assert "/v1/harvest?limit=5" in other.getMessage()

@@ -87,3 +87,22 @@ def test_the_embedded_model_is_built_once_when_first_requests_arrive_together(tm
         t.join()
     assert errors == [] and configs == [8] * 4
     assert sorted(p.name for p in target.parent.iterdir() if not p.name.startswith(".")) == ["llama-tiny"]  # no staging left
+
+
+def test_secret_files_are_owner_only_from_creation_and_the_first_writer_wins(tmp_path):
+    import os
+    import stat
+
+    from harvest.private_files import write_private
+
+    old = os.umask(0)  # even with a permissive umask
+    try:
+        path = tmp_path / "secrets" / "signing.key"
+        assert write_private(path, "first", replace=False)
+        assert not write_private(path, "second", replace=False)
+        assert path.read_text() == "first" and stat.S_IMODE(path.stat().st_mode) == 0o600
+        write_private(path, "third")
+        assert path.read_text() == "third" and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert sorted(p.name for p in path.parent.iterdir()) == ["signing.key"]  # no staging left
+    finally:
+        os.umask(old)

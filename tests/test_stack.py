@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 import psutil
@@ -88,8 +89,15 @@ def test_make_run_starts_serves_a_harvest_and_stops_clean(tmp_path):
                 break
         assert body["status"] == "done", body
         assert body["result"]["n_shards"] == 1 and body["result"]["tokens"] > 0
-        shard = httpx.get(body["result"]["shard_urls"][0], timeout=30)  # presigned: no key needed
+        link = body["result"]["shard_urls"][0]
+        shard = httpx.get(link, timeout=30)  # presigned: no key needed
         assert shard.status_code == 200 and len(shard.content) > 0
+        # Secrets are owner-only, and no log line holds what forges or replays a link.
+        for secret in ("dev-key", "stack.json", "signing.key"):
+            assert (home / secret).stat().st_mode & 0o777 == 0o600, secret
+        signature = parse_qs(urlparse(link).query)["signature"][0]
+        logs = "".join(p.read_text(errors="replace") for p in (home / "logs").glob("*.log"))
+        assert f"/v1/files/{job_id}/" in logs and signature not in logs
         print(f"ready in {ready_s:.1f} s")
         assert len(_ours(home)) >= 4  # server, two workers, API (and the supervisor)
     finally:
