@@ -121,10 +121,9 @@ class Watcher:
                 if state.crashed:
                     moved = self._restart_crashed(row, state)
                 else:
-                    files = JobFiles.for_job(row["id"], self.storage)
-                    result = files.read_result() if state.status == "done" else None
-                    moved = apply_state(row["id"], state, result=result)
-                    if state.status == "running" and set_progress(row["id"], files.shards_done()):
+                    moved = self._apply(row, state)
+                    shards_done = JobFiles.for_job(row["id"], self.storage).shards_done
+                    if state.status == "running" and set_progress(row["id"], shards_done()):
                         moved = True
             except Exception:  # storage briefly away: this job waits for the next tick, the others go on
                 log.exception("could not follow job %s", row["id"])
@@ -161,6 +160,10 @@ class Watcher:
         state: RunState | None = self.runs.read([row["flow_run_id"]]).get(row["flow_run_id"])
         if state is None or state.crashed:
             return False
+        return self._apply(row, state)
+
+    def _apply(self, row: dict, state: RunState) -> bool:
+        """Record the run's state; a done run's result numbers come from its manifest."""
         result = JobFiles.for_job(row["id"], self.storage).read_result() if state.status == "done" else None
         return apply_state(row["id"], state, result=result)
 

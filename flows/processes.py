@@ -22,7 +22,16 @@ from pathlib import Path
 import httpx
 import psutil
 
-__all__ = ["Managed", "free_port", "start_server", "start_worker", "wait_http", "descendants"]
+__all__ = ["Managed", "WILDCARDS", "local_address", "free_port", "start_server", "start_worker", "wait_http", "descendants"]
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+"""Bind addresses that mean "every interface of this host"."""
+
+
+def local_address(host: str) -> str:
+    """Where this host reaches a server it bound to `host` (a wildcard: loopback)."""
+    return "127.0.0.1" if host in WILDCARDS else host
 
 
 def free_port() -> int:
@@ -161,9 +170,8 @@ def start_server(
         home / "server.log",
         cwd=str(home),
     )
-    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     try:
-        wait_http(f"http://{local}:{port}/api/health", timeout, server)
+        wait_http(f"http://{local_address(host)}:{port}/api/health", timeout, server)
     except Exception:
         server.stop()
         raise

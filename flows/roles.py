@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from flows.processes import Managed, free_port, start_server, start_worker, wait_http
+from flows.processes import WILDCARDS, Managed, free_port, local_address, start_server, start_worker, wait_http
 
 __all__ = [
     "Supervisor",
@@ -51,7 +51,7 @@ def say(prog: str, text: str) -> None:
 
 def advertised(host: str) -> str:
     """The address others use to reach a server bound to `host` (a wildcard means this host)."""
-    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+    return socket.getfqdn() if host in WILDCARDS else host
 
 
 class Supervisor:
@@ -81,7 +81,7 @@ class Supervisor:
                 child.stop()
 
 
-def serve(prog: str, start: Callable[[Supervisor], dict[str, str] | list[str]], on_stop: Callable[[], None] | None = None) -> int:
+def serve(prog: str, start: Callable[[], dict[str, str] | list[str]], on_stop: Callable[[], None] | None = None) -> int:
     """Run a role in the foreground: start it, print its ready lines, watch it, stop it.
 
     `start` returns the lines to print (a dict prints as NAME=value) once everything answers.
@@ -101,7 +101,7 @@ def serve(prog: str, start: Callable[[Supervisor], dict[str, str] | list[str]], 
     signal.signal(signal.SIGINT, on_signal)
     code = 0
     try:
-        ready = start(supervisor)
+        ready = start()
         lines = [f"{k}={v}" for k, v in ready.items()] if isinstance(ready, dict) else ready
         for line in lines:
             print(line, flush=True)
@@ -159,8 +159,7 @@ def start_api_replica(home: Path, host: str, port: int, env: dict[str, str] | No
         home / "logs" / f"api-{port}.log",
         cwd=str(home),
     )
-    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    wait_http(f"http://{local}:{port}/health", timeout, api)
+    wait_http(f"http://{local_address(host)}:{port}/health", timeout, api)
     return api, f"http://{advertised(host)}:{port}/v1"
 
 
@@ -236,7 +235,7 @@ def server_main(argv: list[str]) -> int:
     settings = get_settings()
     host, port = args.host or settings.prefect_host, args.port or settings.prefect_port
 
-    def start(supervisor: Supervisor) -> dict[str, str]:
+    def start() -> dict[str, str]:
         started = time.monotonic()
         _, api_url = start_control_plane(_home(), host, port)
         say("harvest server", f"ready in {time.monotonic() - started:.1f} s")
@@ -255,7 +254,7 @@ def api_main(argv: list[str]) -> int:
     settings = get_settings()
     _prefect_api_url("harvest api")
 
-    def start(supervisor: Supervisor) -> dict[str, str]:
+    def start() -> dict[str, str]:
         _, base = start_api_replica(_home(), args.host or settings.host, args.port or settings.port)
         return {"ACS_API_BASE": base}
 
@@ -278,7 +277,7 @@ def worker_main(argv: list[str]) -> int:
     api_url = _prefect_api_url("harvest worker")
     name = args.name or f"{socket.gethostname()}-{args.lane}-{os.getpid()}"
 
-    def start(supervisor: Supervisor) -> list[str]:
+    def start() -> list[str]:
         start_worker_host(_home(), args.lane, api_url, health_port=args.health_port, name=name,
                           gpus=parse_gpus(args.gpus), gpus_per_run=args.gpus_per_run, slots=args.slots)
         return [f"WORKER_READY lane={args.lane}"]

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flows.roles import Supervisor, apply_control_plane, serve, start_api_replica, start_worker_host
+from flows.roles import apply_control_plane, serve, start_api_replica, start_worker_host
 from flows.processes import start_server
 from harvest.lanes import load_lanes
 from harvest.placement import visible_gpus
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
     (home / "logs").mkdir(parents=True, exist_ok=True)
     stack_file = home / "stack.json"
 
-    def start(supervisor: Supervisor) -> dict[str, str]:
+    def start() -> dict[str, str]:
         return up(home, args.port or settings.port, args.prefect_port or settings.prefect_port)
 
     return serve("harvest up", start, on_stop=lambda: stack_file.unlink(missing_ok=True))
