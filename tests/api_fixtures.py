@@ -164,6 +164,10 @@ class FileRuns:
         self._write(run_id, data)
 
 
+class PortInUse(RuntimeError):
+    """uvicorn could not bind its port."""
+
+
 class ApiServer:
     """One uvicorn process running api.app (see the module docstring)."""
 
@@ -195,8 +199,25 @@ class ApiServer:
     def runs(self) -> FileRuns:
         return FileRuns(self.env["HARVEST_TEST_RUNS_DIR"])
 
-    def start(self, timeout: float = 180) -> "ApiServer":  # a loaded 2-core CI box is slow to import torch
+    def start(self, timeout: float = 180, attempts: int = 5) -> "ApiServer":  # a loaded CI box is slow to import torch
+        """Start uvicorn on `self.port` and wait for /health.
+
+        A restart on the same port (tests that kill the API) can find the port briefly held by
+        another process's outgoing connection (ephemeral ports come from the same range as
+        `free_port`'s): a bind refused that way is tried again, a few times, a second apart.
+        """
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except PortInUse:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "ApiServer":
         env = {**os.environ, **self.env, "PYTHONPATH": str(REPO)}
+        logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1", "--port", str(self.port),
@@ -206,6 +227,9 @@ class ApiServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                output = self.log.read_bytes()[logged:].decode(errors="replace")
+                if "address already in use" in output:
+                    raise PortInUse(output)
                 raise RuntimeError(f"the API exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
                 if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
