@@ -2,7 +2,11 @@
 
 Every refusal is a `HarvestError` raised anywhere below and turned into
 `{"error": {message, type, param, code}}` (plus its headers, e.g. Retry-After) by the one
-handler here; pydantic's validation errors become the same 400 naming the field in `param`.
+handler here; pydantic's validation errors become the same 400 naming the field in `param`
+(`harvest.errors.invalid_from_pydantic`); an unknown path is 404 `route_not_found`, a method
+the path lacks 405 `method_not_allowed` with `Allow`. Anything else is a bug or an outage:
+`api.guard` logs it under a request id and answers 500 naming that id (every response
+carries `X-Request-ID`). The published OpenAPI document is `api.openapi`'s.
 The lifespan migrates the job store and runs the single watcher (`api.watcher`).
 
 Run it: `uvicorn api.app:app --host 127.0.0.1 --port $HARVEST_PORT` (what `harvest up` does).
@@ -11,22 +15,26 @@ Run it: `uvicorn api.app:app --host 127.0.0.1 --port $HARVEST_PORT` (what `harve
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import deps
 from api.db import get_engine
 from api.completions import router as completions_router
 from api.files import router as files_router
+from api.guard import RequestGuard
+from api.openapi import install as install_openapi
 from api.lease import Lease, replica_id
 from api.harvest import router as harvest_router
 from api.models import router as models_router
 from api.watcher import Watcher
-from harvest.errors import HarvestError
+from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, RouteNotFound, invalid_from_pydantic
 from harvest.settings import get_settings
 
 __all__ = ["app", "create_app"]
@@ -78,7 +86,36 @@ async def harvest_error(request: Request, exc: HarvestError) -> JSONResponse:
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return await harvest_error(request, deps.invalid_from_errors(list(exc.errors())))
+    return await harvest_error(request, invalid_from_pydantic(list(exc.errors())))
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods the published document gives this path (HEAD with GET, as Starlette serves
+    it); Starlette's own 405 names one route's methods only, and the wrong ones when several
+    routes share a path. Paths outside the document (/health, /openapi.json) are GET only."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi()["paths"].items():
+        if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), request.url.path):
+            methods |= {method.upper() for method in operations}
+    methods = methods or {"GET"}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """The router's own refusals, in the error body like every other."""
+    if exc.status_code == 405:
+        error: HarvestError = MethodNotAllowed(
+            f"{request.method} is not allowed on {request.url.path}.", allow=_allowed_methods(request)
+        )
+    elif exc.status_code == 404:
+        error = RouteNotFound(f"There is no route {request.url.path}. The API's routes are under /v1 (see /openapi.json).")
+    elif exc.status_code < 500:
+        error = InvalidRequest(str(exc.detail))
+    else:
+        error = HarvestError(str(exc.detail))
+    return await harvest_error(request, error)
 
 
 def create_app() -> FastAPI:
@@ -90,6 +127,8 @@ def create_app() -> FastAPI:
     )
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(RequestGuard)
     app.include_router(harvest_router)
     app.include_router(files_router)
     # The inline-completions routes (issue 6) live in this app too.
@@ -102,6 +141,7 @@ def create_app() -> FastAPI:
         watcher = getattr(request.app.state, "watcher", None)
         return {"status": "ok", "replica": REPLICA, "watcher": bool(watcher and watcher.lease.held)}
 
+    install_openapi(app)
     return app
 
 

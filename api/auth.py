@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from api.db import api_keys, aware, key_lane_limits, locked, transaction, usage, utcnow
-from harvest.errors import RateLimited, Unauthorized
+from harvest.errors import ActivationQuotaExceeded, Unauthorized
 from harvest.lanes import load_lanes
 
 __all__ = [
@@ -185,10 +185,9 @@ def consume_activation(key: ApiKey, engine=None) -> None:
         row = locked(conn, usage, usage.c.key_id == key.id, usage.c.month == month)
         used = 0 if row is None else row["activations"]
         if key.activation_quota is not None and used >= key.activation_quota:
-            raise RateLimited(
+            raise ActivationQuotaExceeded(
                 f"You have used your {key.activation_quota:,} activation requests for {month}. "
                 "The quota resets on the first day of next month (UTC).",
-                code="activation_quota_exceeded",
             )
         if row is None:
             conn.execute(insert(usage).values(key_id=key.id, month=month, activations=1))

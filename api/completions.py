@@ -38,11 +38,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey, consume_activation, current_key
+from api.auth import ApiKey, consume_activation
 from api.deps import INLINE_MAX_BODY_BYTES, read_body
+from api.openapi import errors, request_body
+from api.ratelimit import submit_key
 from harvest.batcher import EnginePool
 from harvest.errors import InvalidRequest
-from harvest.inline import completion_response, parse_completion_request, prepare_completion
+from harvest.inline import NULL_IS_DEFAULT, CompletionRequest, completion_response, parse_completion_request, prepare_completion
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
 
@@ -102,8 +104,23 @@ async def _warm(pool: EnginePool, app: FastAPI, name: str) -> None:
 router = APIRouter(lifespan=_lifespan)
 
 
-@router.post("/v1/completions")
-async def create_completion(request: Request, key: ApiKey = Depends(current_key)) -> JSONResponse:
+def _as_accepted(schema: dict) -> dict:
+    """The body the route accepts, which pydantic's schema of the model does not quite say:
+    OpenAI clients send null for "the default", and a batch of exactly one prompt."""
+    props = schema["properties"]
+    for name in NULL_IS_DEFAULT:
+        field = props[name]
+        if not any(branch.get("type") == "null" for branch in field.get("anyOf", [])):
+            props[name] = {"anyOf": [{k: v for k, v in field.items() if k not in ("default", "title")}, {"type": "null"}],
+                           **{k: field[k] for k in ("default", "title") if k in field}}
+    prompt = props["prompt"]
+    one = {"anyOf": [b for b in prompt["anyOf"]]}
+    prompt["anyOf"] = [*prompt["anyOf"], {"type": "array", "items": one, "minItems": 1, "maxItems": 1}]
+    return schema
+
+
+@router.post("/v1/completions", responses=errors(400, 401, 429, 503), openapi_extra=request_body(CompletionRequest, patch=_as_accepted))
+async def create_completion(request: Request, key: ApiKey = Depends(submit_key)) -> JSONResponse:
     """A completion; with `output_residual_stream`, the residual stream at every position that ran."""
     raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
     try:

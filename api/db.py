@@ -21,6 +21,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -45,6 +46,8 @@ __all__ = [
     "service_flags",
     "lane_locks",
     "leases",
+    "charge_ledger",
+    "rate_buckets",
     "database_url",
     "make_engine",
     "get_engine",
@@ -101,6 +104,9 @@ jobs = Table(
     Column("flow_run_id", String(64), nullable=True),
     Column("restarts", Integer, nullable=False, default=0, server_default="0"),
     Column("result", JSON, nullable=True),
+    # Set when a start failed after its run may have been created: the watcher cancels the
+    # job's runs by their `job:<id>` tag until that succeeds (`api.watcher`).
+    Column("stop_run", Boolean, nullable=False, default=False, server_default="0"),
     Index("ix_jobs_key_created", "key_id", "created_at"),
     Index("ix_jobs_status", "status"),
 )
@@ -139,6 +145,32 @@ leases = Table(
     Column("name", String(64), primary_key=True),
     Column("holder", String(200), nullable=False),
     Column("expires_at", DateTime, nullable=False),
+)
+
+# The record of what each ended job was charged: one row per job (UNIQUE job_id), appended in
+# the transaction that ends the job and never changed (triggers refuse UPDATE and DELETE,
+# migration 0004). Usage and budgets are sums over it (`api.store`).
+charge_ledger = Table(
+    "charge_ledger",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(36), nullable=False, unique=True),
+    Column("key_id", String(40), nullable=False),
+    Column("lane", String(32), nullable=False),
+    Column("tokens_charged", Integer, nullable=False),
+    Column("outcome", String(16), nullable=False),
+    Column("created_at", DateTime, nullable=False),
+    Index("ix_charge_ledger_key_created", "key_id", "created_at"),
+)
+
+# A token bucket per key and request kind (`api.ratelimit`), shared by every API replica.
+rate_buckets = Table(
+    "rate_buckets",
+    metadata,
+    Column("key_id", String(40), primary_key=True),
+    Column("kind", String(16), primary_key=True),
+    Column("tokens", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
 )
 
 # One row per lane, locked (FOR UPDATE) by every admission on that lane, so the service-wide

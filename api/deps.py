@@ -1,5 +1,6 @@
-"""What the routes share: the registry, the storage, the run backend, the watcher, the body
-reader with its 50 MB cap, and the translation of pydantic's errors into the 400 body."""
+"""What the routes share: the registry, the storage, the run backend, the watcher, where links
+point, and the body reader with its cap (`api.guard`) and parser (pydantic's errors become the
+400 of `harvest.errors.invalid_from_pydantic`, the one translation the CLI and inline route use)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from functools import lru_cache
 from fastapi import Request
 from pydantic import ValidationError
 
+from api.guard import INLINE_MAX_BODY_BYTES, MAX_HARVEST_BODY_BYTES, too_large
 from api.runs import Runs, load_runs
 from api.watcher import Watcher
-from harvest.errors import InvalidRequest, PayloadTooLarge
+from harvest.errors import invalid_from_pydantic
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
@@ -24,12 +26,10 @@ __all__ = [
     "watcher",
     "base_url",
     "read_body",
-    "invalid_from_errors",
+    "parse",
 ]
 
-MAX_BODY_BYTES = 50 * 1024 * 1024
-INLINE_MAX_BODY_BYTES = 8 * 1024 * 1024
-"""A completion's body: a prompt of 128k token ids is ~1 MB of JSON; 8 MB leaves room."""
+MAX_BODY_BYTES = MAX_HARVEST_BODY_BYTES
 
 
 @lru_cache(maxsize=1)
@@ -51,59 +51,42 @@ def watcher(request: Request) -> Watcher:
 
 
 def base_url(request: Request) -> str:
-    """Where links to the API's own file route point (HARVEST_PUBLIC_BASE_URL behind a proxy)."""
-    return get_settings().public_base_url or str(request.base_url).rstrip("/")
+    """Where links to the API's own file route point.
+
+    HARVEST_PUBLIC_BASE_URL when set (behind a proxy or load balancer); else the request's Host
+    header only if HARVEST_TRUST_HOST_HEADER says a proxy in front sets it; else this replica's
+    own address. Never the client's Host by default: a client could otherwise make the API hand
+    out links (with valid signatures) that point at a host of its choosing.
+    """
+    settings = get_settings()
+    if settings.public_base_url:
+        return settings.public_base_url.rstrip("/")
+    if settings.trust_host_header:
+        return str(request.base_url).rstrip("/")
+    from flows.processes import local_address
+
+    host = local_address(settings.host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{settings.port}"
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES, advice: str = "Split the prompts into several jobs.") -> bytes:
     """The request body, refused with 413 as soon as it is known to pass `limit` bytes (never
     read whole first: a huge body would hold the process's memory and time)."""
     declared = request.headers.get("content-length")
-    too_large = PayloadTooLarge(f"The request body is over this route's limit of {limit // (1024 * 1024)} MB. {advice}")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise too_large(limit, advice)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise too_large(limit, advice)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _param(loc: tuple, kind: str) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    if not parts:
-        return None
-    if kind == "extra_forbidden":
-        return ".".join(p for p in parts if not p.isdigit())
-    return parts[0]
-
-
-def invalid_from_errors(errors: list[dict]) -> InvalidRequest:
-    """A 400 naming the first offending field (`param`) and saying what is wrong with it."""
-    first = errors[0]
-    kind = first.get("type", "")
-    param = _param(tuple(first.get("loc", ())), kind)
-    if param is None and kind == "model_type":
-        return InvalidRequest("The request body must be a JSON object.", param=None)
-    if kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-    elif kind == "json_invalid":
-        return InvalidRequest(
-            "We could not parse the JSON body of your request. Send a JSON object.", param=None
-        )
-    elif kind == "missing":
-        message = f"Missing required parameter: {param!r}."
-    else:
-        where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
-        message = f"Invalid value for {where!r}: {first.get('msg', 'invalid')}."
-    return InvalidRequest(message, param=param)
-
-
-def parse(model, body: bytes):
+def parse(model, body: bytes, *, strict: bool | None = None):
     """Validate a JSON body into `model`, or raise the 400."""
     try:
-        return model.model_validate_json(body or b"null")
+        return model.model_validate_json(body or b"null", strict=strict)
     except ValidationError as exc:
-        raise invalid_from_errors(exc.errors()) from None
+        raise invalid_from_pydantic(exc.errors()) from None

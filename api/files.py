@@ -12,7 +12,8 @@ from fastapi.responses import FileResponse
 
 from api import deps
 from api.links import verify
-from harvest.errors import NotFound
+from api.openapi import errors
+from harvest.errors import FileGone
 from harvest.jobfiles import JobFiles
 
 __all__ = ["router"]
@@ -20,14 +21,25 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", tags=["files"])
 
 
-@router.get("/files/{job_id}/{name}", response_class=FileResponse)
+_FILE = {
+    200: {
+        "description": "The file: safetensors (`application/octet-stream`) or the manifest (`application/json`).",
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "application/json": {"schema": {"type": "object"}},
+        },
+    },
+}
+
+
+@router.get("/files/{job_id}/{name}", response_class=FileResponse, responses={**_FILE, **errors(403, 404)})
 def download(job_id: str, name: str, expires: str | None = Query(None), signature: str | None = Query(None)):
     """A job's result file, for a signed unexpired link."""
     verify(job_id, name, expires, signature)
     files = JobFiles.for_job(job_id, deps.storage()).storage
     if not files.is_local:
-        raise NotFound("This store serves its own presigned links.", code="file_not_found")
+        raise FileGone("This store serves its own presigned links.")
     if not files.exists(name):
-        raise NotFound(f"The file {name} of harvest {job_id} no longer exists.", code="file_not_found")
+        raise FileGone(f"The file {name} of harvest {job_id} no longer exists.")
     media = "application/json" if name.endswith(".json") else "application/octet-stream"
     return FileResponse(files.path(name), media_type=media, filename=name)

@@ -16,9 +16,11 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import deps
-from api.auth import ApiKey, current_key
-from api.schemas import ErrorBody, Harvest, HarvestList, render
-from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs
+from api.auth import ApiKey
+from api.openapi import KEYED, errors, request_body
+from api.ratelimit import read_key, submit_key
+from api.schemas import Harvest, HarvestList, render
+from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, run_stopped
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles, n_shards
 from harvest.lanes import load_lanes
@@ -31,11 +33,10 @@ TERMINAL = ("done", "failed", "cancelled")
 # A waiter re-reads its job at least this often, so a change announced while this replica's
 # LISTEN connection was being re-opened still answers (`api.notify`).
 REREAD_S = 5.0
-_errors = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503)}
 
 log = logging.getLogger("harvest.api")
 
-router = APIRouter(prefix="/v1", tags=["harvest"], responses=_errors)
+router = APIRouter(prefix="/v1", tags=["harvest"])
 
 
 def _prepare(request: HarvestRequest) -> dict:
@@ -67,7 +68,12 @@ def _submit(key: ApiKey, request: HarvestRequest) -> dict:
         JobFiles.for_job(job["id"], deps.storage()).write_request(request)
         run_id = deps.runs().start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
     except Exception as exc:
-        fail_job(job["id"], f"The harvest could not be started: {exc}")
+        # The backend may have created the run before failing (an answer lost on the way
+        # back): the job is failed and charged nothing, and its runs are cancelled by the job's
+        # tag, here or, if the backend is away, by the watcher (`stop_run`).
+        log.error("job %s: its run could not be started", job["id"], exc_info=exc)
+        fail_job(job["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True)
+        _stop_runs(job["id"])
         raise ModelUnavailable(
             f"The harvest app for {job['model']} is not reachable right now. Job {job['id']} was recorded as failed "
             "and charged nothing; show us this id if it persists."
@@ -79,32 +85,38 @@ def _submit(key: ApiKey, request: HarvestRequest) -> dict:
     return row
 
 
+def _stop_runs(job_id: str) -> None:
+    try:
+        deps.runs().cancel_job(job_id)
+    except Exception:  # the watcher tries again (`stop_run` stays set)
+        log.warning("job %s: could not cancel its runs yet; the watcher will", job_id, exc_info=True)
+    else:
+        run_stopped(job_id)
+
+
 @router.post(
     "/harvest",
     status_code=202,
     response_model=Harvest,
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": HarvestRequest.model_json_schema()}},
-        }
-    },
+    responses=errors(400, 401, 429, 503),
+    openapi_extra=request_body(HarvestRequest),
 )
-async def submit_harvest(request: Request, key: ApiKey = Depends(current_key)):
+async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
     """Submit a harvest: 202 with the harvest object, status pending."""
     body = await deps.read_body(request)
-    harvest_request = deps.parse(HarvestRequest, body)
+    # Strict: a JSON string is not a number nor a bool here, as the published schema says.
+    harvest_request = deps.parse(HarvestRequest, body, strict=True)
     row = await run_in_threadpool(_submit, key, harvest_request)
     request.app.state.watcher.kick()
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)
 
 
-@router.get("/harvest/{job_id}", response_model=Harvest)
+@router.get("/harvest/{job_id}", response_model=Harvest, responses=errors(400, 401, 404, 429), openapi_extra=KEYED)
 async def read_harvest(
     job_id: str,
     request: Request,
     wait: float = Query(0, ge=0, le=60, description="Seconds to hold the request until the status changes."),
-    key: ApiKey = Depends(current_key),
+    key: ApiKey = Depends(read_key),
 ):
     """Read a harvest; with `wait`, answer when its status changes or after `wait` seconds."""
     row = await run_in_threadpool(get_job, job_id, key.id)
@@ -149,19 +161,19 @@ def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
     return row
 
 
-@router.delete("/harvest/{job_id}", response_model=Harvest)
-async def cancel_harvest(job_id: str, request: Request, key: ApiKey = Depends(current_key)):
+@router.delete("/harvest/{job_id}", response_model=Harvest, responses=errors(401, 404, 409, 429), openapi_extra=KEYED)
+async def cancel_harvest(job_id: str, request: Request, key: ApiKey = Depends(read_key)):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
     row = await run_in_threadpool(_cancel, job_id, key, deps.watcher(request))
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)))
 
 
-@router.get("/harvest", response_model=HarvestList)
+@router.get("/harvest", response_model=HarvestList, responses=errors(400, 401, 404, 429), openapi_extra=KEYED)
 async def list_harvests(
     request: Request,
     limit: int = Query(20, ge=1, le=100, description="Jobs per page."),
     after: str | None = Query(None, description="The last job_id of the previous page."),
-    key: ApiKey = Depends(current_key),
+    key: ApiKey = Depends(read_key),
 ):
     """The caller's harvests, newest first, `limit` per page (page on with `after`)."""
     rows, has_more = await run_in_threadpool(list_jobs, key.id, limit=limit, after=after)

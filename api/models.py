@@ -10,8 +10,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey, current_key
+from api.auth import ApiKey
 from api.completions import registry_of
+from api.openapi import KEYED, errors
+from api.ratelimit import read_key
 
 __all__ = ["router", "models_body"]
 
@@ -32,8 +34,8 @@ def models_body(registry) -> dict:
 router = APIRouter()
 
 
-@router.get("/v1/models")
-async def list_models(request: Request, key: ApiKey = Depends(current_key)) -> dict:
+@router.get("/v1/models", responses=errors(401, 429), openapi_extra=KEYED)
+async def list_models(request: Request, key: ApiKey = Depends(read_key)) -> dict:
     """Every served model and what it can do."""
     # The first read resolves each entry (and builds the embedded model): blocking work.
     return await run_in_threadpool(models_body, registry_of(request.app))

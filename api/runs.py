@@ -43,6 +43,10 @@ class Runs(Protocol):
     def cancel(self, run_id: str) -> None:
         """Stop the run, also while it is still loading."""
 
+    def cancel_job(self, job_id: str) -> None:
+        """Stop every run of the job, found by the job (not a run id): what a start that failed
+        after the backend created the run leaves behind. No run: nothing to do."""
+
     def read(self, run_ids: list[str]) -> dict[str, RunState]:
         """States of these runs (runs unknown to the backend are left out)."""
 
@@ -62,6 +66,11 @@ class PrefectRuns:
         from flows.submit import cancel_harvest_run
 
         cancel_harvest_run(run_id)
+
+    def cancel_job(self, job_id: str) -> None:
+        from flows.submit import cancel_job_runs
+
+        cancel_job_runs(job_id)
 
     def reschedule(self, run_id: str) -> None:
         from flows.submit import reschedule_harvest_run

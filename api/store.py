@@ -5,10 +5,12 @@ counts, checks every cap, and inserts the job, so 20 simultaneous submits agains
 3 admit exactly 3, on SQLite and on PostgreSQL alike.
 
 Charging is a compare-and-set: a job leaves `pending`/`running` in one UPDATE guarded by its
-current status, and that same UPDATE writes `tokens`. Whoever wins that UPDATE charges; nobody
-else can, so a job is charged exactly once however many watchers, cancels or API restarts
-race for it. Monthly token use is the sum of `tokens` of jobs ended that month plus the
-`reserved_tokens` of jobs still active.
+current status, and the transaction that wins that UPDATE appends the job's row to
+`charge_ledger` (UNIQUE job_id, append-only). Whoever wins charges; nobody else can, and a
+second row for the job is refused by the database itself, so a job is charged exactly once
+however many watchers, cancels or API restarts race for it. Monthly token use is the sum of
+the ledger's `tokens_charged` this month plus the `reserved_tokens` of jobs still active;
+`jobs.tokens` repeats the charge for the harvest object.
 
 Status lives in the database alone, so every API replica answers the same for a job, and it
 only moves forward: pending → running → done | failed | cancelled. Every change is announced
@@ -23,9 +25,28 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, func, insert, or_, select, update
 
 from api.auth import ApiKey, month_of
-from api.db import api_keys, ensure_row, job_changed, jobs, lane_locks, locked, service_flags, transaction, utcnow
+from api.db import (
+    api_keys,
+    charge_ledger,
+    ensure_row,
+    job_changed,
+    jobs,
+    lane_locks,
+    locked,
+    service_flags,
+    transaction,
+    utcnow,
+)
 from api.runs import RunState
-from harvest.errors import NotCancellable, NotFound, RateLimited
+from harvest.errors import (
+    BudgetExceeded,
+    CapacityExceeded,
+    ConcurrencyExceeded,
+    NotCancellable,
+    NotFound,
+    QuotaExceeded,
+    SpendCapped,
+)
 
 __all__ = [
     "ACTIVE",
@@ -39,6 +60,8 @@ __all__ = [
     "record_restart",
     "cancel_job",
     "fail_job",
+    "runs_to_stop",
+    "run_stopped",
     "set_progress",
     "set_spend_cap",
     "get_spend_cap",
@@ -55,10 +78,10 @@ def _month_start(now: datetime) -> datetime:
 
 
 def _charged(conn, key_id: str, start: datetime) -> int:
-    """Tokens charged to the key for jobs that ended since `start`."""
+    """Tokens charged to the key for jobs that ended since `start` (the ledger's sum)."""
     return int(conn.execute(
-        select(func.coalesce(func.sum(jobs.c.tokens), 0)).where(
-            jobs.c.key_id == key_id, jobs.c.completed_at >= start, jobs.c.status.notin_(ACTIVE)
+        select(func.coalesce(func.sum(charge_ledger.c.tokens_charged), 0)).where(
+            charge_ledger.c.key_id == key_id, charge_ledger.c.created_at >= start
         )
     ).scalar_one())
 
@@ -118,9 +141,8 @@ def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
 
         retry_after = get_spend_cap(conn)
         if retry_after is not None:
-            raise RateLimited(
+            raise SpendCapped(
                 f"New harvests are paused to limit GPU spending. Try again in {retry_after} seconds.",
-                code="spend_cap",
                 retry_after=retry_after,
             )
 
@@ -129,15 +151,13 @@ def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
         ).scalar_one()
         limit = key.lane_limit(lane)
         if limit == 0:
-            raise RateLimited(
+            raise ConcurrencyExceeded(
                 f"Your key may not run harvests on {lane} models. Ask for a key with {lane}-lane harvests.",
-                code="harvest_concurrency_exceeded",
             )
         if mine >= limit:
-            raise RateLimited(
+            raise ConcurrencyExceeded(
                 f"You have {mine} harvest{'s' if mine != 1 else ''} on {lane} models queued or running, your most. "
                 "Submit another when one ends, or cancel one.",
-                code="harvest_concurrency_exceeded",
             )
 
         if key.monthly_jobs is not None:
@@ -145,30 +165,27 @@ def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
                 select(func.count()).where(jobs.c.key_id == key.id, jobs.c.created_at >= _month_start(now))
             ).scalar_one()
             if this_month >= key.monthly_jobs:
-                raise RateLimited(
+                raise QuotaExceeded(
                     f"You have submitted {this_month} harvests in {month_of(now)}, your monthly quota of "
                     f"{key.monthly_jobs}. The quota resets on the first day of next month (UTC).",
-                    code="harvest_quota_exceeded",
                 )
 
         if key.token_budget is not None:
             used = tokens_used(conn, key.id, now)
             left = max(key.token_budget - used, 0)
             if job["reserved_tokens"] > left:
-                raise RateLimited(
+                raise BudgetExceeded(
                     f"These prompts come to {job['reserved_tokens']:,} tokens, and your key has {left:,} of its "
                     f"{key.token_budget:,} monthly harvest tokens left ({used:,} charged or held).",
-                    code="budget_exceeded",
                 )
 
         queued = conn.execute(
             select(func.count()).where(jobs.c.lane == lane, jobs.c.status.in_(ACTIVE))
         ).scalar_one()
         if queued >= capacity:
-            raise RateLimited(
+            raise CapacityExceeded(
                 f"The {lane} lane is at its capacity of {capacity} harvests queued or running across the "
                 "service. Submit again when one ends.",
-                code="harvest_capacity_exceeded",
             )
 
         row = {
@@ -242,12 +259,20 @@ def attach_run(job_id: str, run_id: str, engine=None) -> None:
 
 def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = None, result: dict | None = None, **extra) -> bool:
     """The one place a job ends and is charged: a compare-and-set from an active status."""
-    values = {"status": status, "tokens": tokens, "completed_at": utcnow(), "error": error, **extra}
+    now = utcnow()
+    values = {"status": status, "tokens": tokens, "completed_at": now, "error": error, **extra}
     if result is not None:
         values["result"] = result
-    outcome = conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE)).values(**values))
-    if outcome.rowcount != 1:
+    ended = conn.execute(
+        update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE)).values(**values).returning(jobs.c.key_id, jobs.c.lane)
+    ).first()
+    if ended is None:
         return False
+    # The charge, in the same transaction: both commit or neither does. UNIQUE(job_id) makes a
+    # second charge of the job an error in the database, whatever the code above let through.
+    conn.execute(insert(charge_ledger).values(
+        job_id=job_id, key_id=ended.key_id, lane=ended.lane, tokens_charged=tokens, outcome=status, created_at=now,
+    ))
     job_changed(conn, job_id)
     return True
 
@@ -324,9 +349,22 @@ def cancel_job(job_id: str, key_id: str, engine=None) -> tuple[dict, bool]:
         return dict(_row(conn, job_id)), ended
 
 
-def fail_job(job_id: str, message: str, engine=None) -> bool:
+def fail_job(job_id: str, message: str, *, stop_run: bool = False, engine=None) -> bool:
+    """End the job failed, charged 0. `stop_run`: its start failed after the run may have been
+    created, so the watcher cancels the job's runs (by their job tag) until that succeeds."""
     with transaction(engine) as conn:
-        return _end(conn, job_id, status="failed", tokens=0, error=message)
+        return _end(conn, job_id, status="failed", tokens=0, error=message, stop_run=stop_run)
+
+
+def runs_to_stop(engine=None) -> list[str]:
+    """Ids of jobs whose runs may still be going after a failed start."""
+    with transaction(engine) as conn:
+        return list(conn.execute(select(jobs.c.id).where(jobs.c.stop_run.is_(True))).scalars())
+
+
+def run_stopped(job_id: str, engine=None) -> None:
+    with transaction(engine) as conn:
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(stop_run=False))
 
 
 def set_progress(job_id: str, shards_done: int, engine=None) -> bool:

@@ -10,7 +10,10 @@ exactly once) and counts written shards for progress. It also finishes what othe
   (`flows.liveness`); the watcher reschedules it onto another host of its lane, where it
   resumes from the verified shards, at most `max_restarts` times a job;
 - a job whose admitting replica died before starting its run gets its run started here
-  (idempotent per job id, so a run that did start is found, not doubled).
+  (idempotent per job id, so a run that did start is found, not doubled);
+- a job whose start failed (`stop_run`) may still have a run its backend created before the
+  failure: the watcher cancels the job's runs by their `job:<id>` tag until that succeeds,
+  so no run goes on unfollowed and uncharged.
 
 A `?wait=` reader never talks to Prefect: it sleeps on an asyncio event that is set when its
 job changes, announced by whichever replica changed it (`api.notify`).
@@ -28,7 +31,17 @@ from contextlib import contextmanager
 from api.lease import Lease
 from api.notify import JobChanges
 from api.runs import Runs, RunState
-from api.store import active_jobs, apply_state, attach_run, fail_job, record_restart, set_progress, unstarted_jobs
+from api.store import (
+    active_jobs,
+    apply_state,
+    attach_run,
+    fail_job,
+    record_restart,
+    run_stopped,
+    runs_to_stop,
+    set_progress,
+    unstarted_jobs,
+)
 from harvest.jobfiles import JobFiles
 from harvest.storage import Storage
 
@@ -108,6 +121,8 @@ class Watcher:
         changed: list[str] = []
         for row in unstarted_jobs(self.orphan_after_s):
             changed += self._start_orphan(row)
+        for job_id in runs_to_stop():
+            self._stop_runs(job_id)
         with_runs = [r for r in active_jobs() if r["flow_run_id"]]
         if not with_runs:
             return changed
@@ -146,12 +161,22 @@ class Watcher:
         """A job admitted by an API replica that died before starting its run."""
         try:
             run_id = self.runs.start(row["id"], row["request_url"], row["model"], row["lane"], row["key_id"])
-        except Exception as exc:
+        except Exception:
             log.exception("could not start the run of job %s", row["id"])
-            fail_job(row["id"], f"The harvest could not be started: {exc}")
+            fail_job(row["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True)
+            self._stop_runs(row["id"])
             return [row["id"]]
         attach_run(row["id"], run_id)
         return []
+
+    def _stop_runs(self, job_id: str) -> None:
+        """Cancel every run of a job whose start failed (found by the job's tag), once."""
+        try:
+            self.runs.cancel_job(job_id)
+        except Exception:  # the backend is away: next tick
+            log.warning("could not cancel the runs of job %s yet", job_id, exc_info=True)
+            return
+        run_stopped(job_id)
 
     def refresh(self, row: dict) -> bool:
         """Read one job's run now (before a cancel decides what to charge); any replica may."""

@@ -4,9 +4,10 @@ The API calls these by name and never sees deployments, pools or Prefect state t
 
     await astart_harvest_run(job_id, request_url, model, lane, key_id)  -> flow_run_id (str)
     await acancel_harvest_run(flow_run_id)                              -> job status after it
+    await acancel_job_runs(job_id)                                      every run tagged job-id:<id> stopped
     await areschedule_harvest_run(flow_run_id)                          crashed → scheduled again
     await aread_harvest_run(flow_run_id)                                -> RunStatus
-    start_harvest_run / cancel_harvest_run / read_harvest_run / reschedule_harvest_run
+    start_harvest_run / cancel_harvest_run / read_harvest_run / reschedule_harvest_run / cancel_job_runs
                                                                         the same, synchronous
 
 Each sync function is the async one run to completion (safe to call from inside an event loop
@@ -14,8 +15,11 @@ too: Prefect's helper then runs it on another thread).
 
 `start` creates the flow run of deployment `harvest/harvest-<lane>` with parameters
 `{"job_id", "request_url"}` only (prompts never go into Prefect's database), named after the
-job, tagged `model:<m>`, `lane:<lane>`, `key:<key_id>`, with idempotency key = job id: a
-second call for the same job (e.g. an API restarted mid-submit) returns the same run.
+job, tagged `job-id:<job_id>`, `model:<m>`, `lane:<lane>`, `key:<key_id>`, with idempotency
+key = job id: a second call for the same job (e.g. an API restarted mid-submit) returns the
+same run. The `job-id:` tag (scale-out helpers inherit it; their own `job:` tag marks helpers
+only) finds a job's runs when the start failed after Prefect created the run and its id
+never came back: `cancel_job_runs`.
 
 Job status from the flow-run state (`job_status`):
 
@@ -55,9 +59,13 @@ __all__ = [
     "reschedule_harvest_run",
     "start_harvest_run",
     "cancel_harvest_run",
+    "acancel_job_runs",
+    "cancel_job_runs",
     "read_harvest_run",
 ]
 
+JOB_TAG = "job-id:"
+"""Tag prefix of every run of a job (the job's own and, inherited, its helpers')."""
 FINAL = (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED)
 NOT_STARTED = (StateType.SCHEDULED, StateType.PAUSED)
 
@@ -135,7 +143,7 @@ async def astart_harvest_run(
             deployment.id,
             parameters=parameters,
             name=job_id,
-            tags=[f"model:{model}", f"lane:{lane}", f"key:{key_id}"],
+            tags=[f"{JOB_TAG}{job_id}", f"model:{model}", f"lane:{lane}", f"key:{key_id}"],
             idempotency_key=job_id,
             job_variables={"env": env} if env else None,
         )
@@ -175,6 +183,16 @@ async def acancel_harvest_run(flow_run_id: str | UUID) -> str:
     return job_status(run)
 
 
+async def acancel_job_runs(job_id: str) -> int:
+    """Stop every run tagged `job-id:<job_id>` (the job's run and its scale-out helpers);
+    returns how many were found. Runs already ended are left alone."""
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"{JOB_TAG}{job_id}"])))
+        for run in runs:
+            await _cancel_one(client, run)
+    return len(runs)
+
+
 async def aread_harvest_run(flow_run_id: str | UUID) -> RunStatus:
     async with get_client() as client:
         return _status(await client.read_flow_run(UUID(str(flow_run_id))))
@@ -200,6 +218,10 @@ def start_harvest_run(
 
 def cancel_harvest_run(flow_run_id: str | UUID) -> str:
     return run_coro_as_sync(acancel_harvest_run(flow_run_id))
+
+
+def cancel_job_runs(job_id: str) -> int:
+    return run_coro_as_sync(acancel_job_runs(job_id))
 
 
 def read_harvest_run(flow_run_id: str | UUID) -> RunStatus:

@@ -81,7 +81,7 @@ def _run(argv: list[str]) -> int:
 
     from harvest.corpus import read_prompts
     from harvest.engines import load_engine
-    from harvest.errors import HarvestError
+    from harvest.errors import HarvestError, invalid_from_pydantic
     from harvest.jobfiles import MANIFEST, STATS, shard_name
     from harvest.pipeline import run_job, tokenize_job
     from harvest.registry import load_registry
@@ -104,10 +104,8 @@ def _run(argv: list[str]) -> int:
         started = time.perf_counter()
         engine = load_engine(job.model)
         load_s = time.perf_counter() - started
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        print(f"harvest run: {where}: {first['msg']}", file=sys.stderr)
+    except ValidationError as exc:  # the same 400 the API answers, as a message
+        print(f"harvest run: {invalid_from_pydantic(exc.errors()).message}", file=sys.stderr)
         return 2
     except HarvestError as exc:
         print(f"harvest run: {exc.message}", file=sys.stderr)

@@ -1,55 +1,82 @@
-"""Every refusal the service makes, as one exception tree.
+"""Every refusal the service makes, as one exception tree; every error `code` is one class.
 
-    HarvestError                       500 internal_error
-    ├── InvalidRequest                 400 invalid_request_error (param names the field)
-    │   ├── ModelNotFound              400 model_not_found
-    │   ├── HarvestUnsupported         400 harvest_unsupported
-    │   ├── ActivationPromptTooLong    400 activation_prompt_too_long
-    │   └── ContextLengthExceeded      400 context_length_exceeded
-    ├── Unauthorized                   401 invalid_api_key
-    ├── LinkRefused                    403 link_invalid (expired, altered or foreign link)
-    ├── NotFound                       404 harvest_job_not_found
-    ├── NotCancellable                 409 harvest_not_cancellable
-    ├── PayloadTooLarge                413 request_too_large
-    ├── RateLimited                    429 (code set per cap; may carry Retry-After)
-    ├── ModelUnavailable               503 harvest_unavailable (weights not present)
-    └── CaptureFailed                  500 capture_failed (a hook missed a layer)
+    HarvestError                          500 internal_error (unexpected; the message names a request id)
+    ├── InvalidRequest                    400 invalid_request (param names the field)
+    │   ├── ModelNotFound                 400 model_not_found
+    │   ├── HarvestUnsupported            400 harvest_unsupported
+    │   ├── ActivationsUnsupported        400 activations_unsupported
+    │   ├── ActivationPromptTooLong       400 activation_prompt_too_long
+    │   └── ContextLengthExceeded         400 context_length_exceeded
+    ├── Unauthorized                      401 invalid_api_key
+    ├── LinkRefused                       403 link_invalid (expired, altered or foreign link)
+    ├── NotFound                          404 harvest_job_not_found
+    │   └── FileGone                      404 file_not_found (a valid link to a swept file)
+    ├── RouteNotFound                     404 route_not_found (no such path)
+    ├── MethodNotAllowed                  405 method_not_allowed (with Allow)
+    ├── NotCancellable                    409 harvest_not_cancellable
+    ├── PayloadTooLarge                   413 request_too_large
+    ├── RateLimited                       429 rate_limit_exceeded (per-key request rate; Retry-After)
+    │   ├── SpendCapped                   429 spend_cap (Retry-After)
+    │   ├── ConcurrencyExceeded           429 harvest_concurrency_exceeded
+    │   ├── QuotaExceeded                 429 harvest_quota_exceeded
+    │   ├── BudgetExceeded                429 budget_exceeded
+    │   ├── CapacityExceeded              429 harvest_capacity_exceeded
+    │   └── ActivationQuotaExceeded       429 activation_quota_exceeded
+    ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs not startable)
+    └── CaptureFailed                     500 capture_failed (a hook missed a layer)
 
-Each error carries its HTTP status, `type`, `code` and `param`, so the API maps any of them
-to the error body `{"error": {message, type, param, code}}` in one handler.
+Each class fixes its HTTP status, `type` and `code` (a raise site cannot invent a code), so
+the API maps any of them to the error body `{"error": {message, type, param, code}}` in one
+handler, and `tests/test_api_errors.py` checks that this tree names every class.
+
+`invalid_from_pydantic` is the one translation of pydantic's validation errors into the 400
+that names the offending field: the API's routes, the inline route and the CLI all use it.
 """
 
 from __future__ import annotations
+
+from typing import Iterable, Mapping
 
 __all__ = [
     "HarvestError",
     "InvalidRequest",
     "ModelNotFound",
     "HarvestUnsupported",
+    "ActivationsUnsupported",
     "ActivationPromptTooLong",
     "ContextLengthExceeded",
     "Unauthorized",
     "LinkRefused",
     "NotFound",
+    "FileGone",
+    "RouteNotFound",
+    "MethodNotAllowed",
     "NotCancellable",
     "PayloadTooLarge",
     "RateLimited",
+    "SpendCapped",
+    "ConcurrencyExceeded",
+    "QuotaExceeded",
+    "BudgetExceeded",
+    "CapacityExceeded",
+    "ActivationQuotaExceeded",
     "ModelUnavailable",
     "CaptureFailed",
+    "invalid_from_pydantic",
 ]
 
 
 class HarvestError(Exception):
+    """Something went wrong on our side; the message says what to show us (a request id)."""
+
     status = 500
     type = "server_error"
     code = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
-        if code is not None:
-            self.code = code
         self.headers: dict[str, str] = {}
 
     def body(self) -> dict:
@@ -57,28 +84,46 @@ class HarvestError(Exception):
 
 
 class InvalidRequest(HarvestError):
+    """The request is malformed or asks for something that cannot be; `param` names the field."""
+
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
 
 
 class ModelNotFound(InvalidRequest):
+    """No served model has this name."""
+
     code = "model_not_found"
 
 
 class HarvestUnsupported(InvalidRequest):
+    """The model is served, but not for bulk harvests."""
+
     code = "harvest_unsupported"
 
 
+class ActivationsUnsupported(InvalidRequest):
+    """The model does not serve inline activations (`output_residual_stream`)."""
+
+    code = "activations_unsupported"
+
+
 class ActivationPromptTooLong(InvalidRequest):
+    """An inline capture's prompt is over the model's effective activation cap."""
+
     code = "activation_prompt_too_long"
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """prompt + max_tokens is over the model's context."""
+
     code = "context_length_exceeded"
 
 
 class Unauthorized(HarvestError):
+    """No key, an unknown key, or a revoked key."""
+
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
@@ -93,40 +138,147 @@ class LinkRefused(HarvestError):
 
 
 class NotFound(HarvestError):
+    """No such job for this key (another key's job reads the same: never reveal it exists)."""
+
     status = 404
     type = "invalid_request_error"
     code = "harvest_job_not_found"
 
 
+class FileGone(NotFound):
+    """A validly signed link to a file that is not (or no longer) there."""
+
+    code = "file_not_found"
+
+
+class RouteNotFound(HarvestError):
+    """No route has this path."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "route_not_found"
+
+
+class MethodNotAllowed(HarvestError):
+    """The path exists, the method does not; `Allow` lists the methods it has."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: Iterable[str]):
+        super().__init__(message)
+        self.headers["Allow"] = ", ".join(allow)
+
+
 class NotCancellable(HarvestError):
+    """Done or failed jobs cannot be cancelled."""
+
     status = 409
     type = "invalid_request_error"
     code = "harvest_not_cancellable"
 
 
 class PayloadTooLarge(HarvestError):
+    """The request body is over its route's cap."""
+
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
 
 
 class RateLimited(HarvestError):
+    """Too many requests from this key in a short time (the per-key rate limit); the base of
+    every 429. `retry_after` (seconds) becomes the Retry-After header."""
+
     status = 429
     type = "rate_limit_error"
+    code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, code: str, retry_after: int | None = None, param: str | None = None):
-        super().__init__(message, param=param, code=code)
+    def __init__(self, message: str, *, retry_after: int | None = None, param: str | None = None):
+        super().__init__(message, param=param)
         if retry_after is not None:
             self.headers["Retry-After"] = str(retry_after)
 
 
+class SpendCapped(RateLimited):
+    """New harvests are paused service-wide (`harvest spend-cap on`)."""
+
+    code = "spend_cap"
+
+
+class ConcurrencyExceeded(RateLimited):
+    """The key has its most jobs queued or running in this lane."""
+
+    code = "harvest_concurrency_exceeded"
+
+
+class QuotaExceeded(RateLimited):
+    """The key used its monthly job quota."""
+
+    code = "harvest_quota_exceeded"
+
+
+class BudgetExceeded(RateLimited):
+    """The job's tokens are over what is left of the key's monthly token budget."""
+
+    code = "budget_exceeded"
+
+
+class CapacityExceeded(RateLimited):
+    """The lane has its most jobs queued or running across the service."""
+
+    code = "harvest_capacity_exceeded"
+
+
+class ActivationQuotaExceeded(RateLimited):
+    """The key used its monthly inline-activation quota."""
+
+    code = "activation_quota_exceeded"
+
+
 class ModelUnavailable(HarvestError):
+    """The model's weights are not here, or its runs cannot be started right now."""
+
     status = 503
     type = "server_error"
     code = "harvest_unavailable"
 
 
 class CaptureFailed(HarvestError):
+    """A capture missed a layer: the request fails rather than return a short tensor."""
+
     status = 500
     type = "server_error"
     code = "capture_failed"
+
+
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
+def invalid_from_pydantic(errors: list[dict], *, hints: Mapping[str, str] | None = None) -> InvalidRequest:
+    """The 400 for pydantic's validation errors: the first offending field in `param`, and a
+    message saying what is wrong with it.
+
+    `hints`: a better sentence per field where pydantic's own would mislead (a union reports
+    only its first branch's complaint).
+    """
+    if not errors:
+        return InvalidRequest("The request is not valid.")
+    first = errors[0]
+    kind = first.get("type", "")
+    loc = [str(p) for p in first.get("loc", ()) if p not in _LOCATIONS]
+    if kind == "json_invalid":
+        return InvalidRequest("We could not parse the JSON body of your request. Send a JSON object.")
+    if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return InvalidRequest("The request body must be a JSON object.")
+    if kind == "extra_forbidden":
+        param = ".".join(p for p in loc if not p.isdigit())
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)
+    param = loc[0] if loc else None
+    if kind == "missing":
+        return InvalidRequest(f"Missing required parameter: {param!r}.", param=param)
+    if hints and param in hints:
+        return InvalidRequest(f"Invalid value for {param!r}: {hints[param]}.", param=param)
+    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return InvalidRequest(f"Invalid value for {'.'.join(loc)!r}: {message}.", param=param)

@@ -28,7 +28,14 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from harvest.engines.base import Generation, SamplingSpec
-from harvest.errors import ActivationPromptTooLong, CaptureFailed, ContextLengthExceeded, InvalidRequest
+from harvest.errors import (
+    ActivationPromptTooLong,
+    ActivationsUnsupported,
+    CaptureFailed,
+    ContextLengthExceeded,
+    InvalidRequest,
+    invalid_from_pydantic,
+)
 from harvest.layers import resolve_layers
 from harvest.registry import ModelInfo, Registry
 from harvest.residual_codec import encode_residual
@@ -38,6 +45,7 @@ __all__ = [
     "CompletionRequest",
     "PreparedCompletion",
     "parse_completion_request",
+    "NULL_IS_DEFAULT",
     "activation_prompt_cap",
     "prepare_completion",
     "completion_response",
@@ -49,7 +57,7 @@ _UNION_HELP = {
     "output_residual_stream": "send true, false, or a list of layer indices (integers)",
     "stop": f"send a string or a list of at most {MAX_STOP} strings",
 }
-_NULL_IS_DEFAULT = ("max_tokens", "temperature", "top_p", "n", "stream", "echo", "presence_penalty", "frequency_penalty", "output_residual_stream")
+NULL_IS_DEFAULT = ("max_tokens", "temperature", "top_p", "n", "stream", "echo", "presence_penalty", "frequency_penalty", "output_residual_stream")
 MAX_LOGPROBS = 5
 
 
@@ -91,7 +99,7 @@ class CompletionRequest(BaseModel):
         """What OpenAI clients also send: null for "the default", and a batch of one prompt."""
         if not isinstance(body, dict):
             return body
-        body = {k: v for k, v in body.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        body = {k: v for k, v in body.items() if not (v is None and k in NULL_IS_DEFAULT)}
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             body["prompt"] = prompt[0]
@@ -147,18 +155,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             param="prompt",
         )
     try:
-        return CompletionRequest.model_validate(body)
+        return CompletionRequest.model_validate(body, strict=True)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        param = str(error["loc"][0]) if error["loc"] else None
-        if error["type"] == "extra_forbidden":
-            raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
-        if error["type"] == "missing":
-            raise InvalidRequest(f"You must provide a {param} parameter.", param=param) from None
-        if param in _UNION_HELP:  # pydantic reports a union's first branch, which misleads
-            raise InvalidRequest(f"Invalid value for {param}: {_UNION_HELP[param]}.", param=param) from None
-        message = error["msg"].removeprefix("Value error, ")
-        raise InvalidRequest(f"Invalid value for {param}: {message}.", param=param) from None
+        raise invalid_from_pydantic(exc.errors(), hints=_UNION_HELP) from None
 
 
 def activation_prompt_cap(model: ModelInfo, n_layers_asked: int) -> int:
@@ -215,10 +214,9 @@ def prepare_completion(request: CompletionRequest, registry: Registry) -> Prepar
     asked = request.output_residual_stream
     if asked is not False:
         if not model.inline:
-            raise InvalidRequest(
+            raise ActivationsUnsupported(
                 f"{model.name} does not serve inline activations; use a bulk harvest.",
                 param="output_residual_stream",
-                code="activations_unsupported",
             )
         if isinstance(asked, list) and not asked:
             raise InvalidRequest(

@@ -52,10 +52,12 @@ class ModelInfo:
 
     def require_path(self) -> Path:
         if self.path is None:
+            # The message goes to users: it names the model, never where the server looked
+            # (its directories are nobody's business outside it; operators have the log line).
+            source = f" ({self.weights})" if _is_repo_id(self.weights) else ""
             raise ModelUnavailable(
-                f"The weights of {self.name} ({self.weights}) are not on this machine: looked in "
-                + ", ".join(str(p) for p in _candidate_dirs(self.weights, get_settings()))
-                + ". Download them there, or set HARVEST_MODELS_FILE to a registry that points at them."
+                f"The weights of {self.name}{source} are not available on this service right now. "
+                "Ask its operators to install them, or use another model from GET /v1/models."
             )
         return self.path
 
@@ -90,6 +92,12 @@ def _find_checkpoint(weights: str, settings: Settings) -> Path | None:
         if (candidate / "config.json").exists():
             return candidate
     return None
+
+
+def _is_repo_id(weights: str) -> bool:
+    """A Hugging Face repo id (`org/name`), not a server path or URL."""
+    parts = weights.split("/")
+    return len(parts) == 2 and all(parts) and "://" not in weights and not weights.startswith((".", "~"))
 
 
 def _shapes_from_config(path: Path) -> dict:

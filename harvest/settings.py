@@ -127,6 +127,26 @@ class Settings(BaseSettings):
     runs only when each would still do this much (every run loads the model once)."""
 
 
+    # --- API hardening (issue 12): links, request rates, request ids ---
+    trust_host_header: bool = False
+    """Build download links from the request's Host header (only behind a proxy that sets it
+    itself). Off: links use `public_base_url`, else `http://<host>:<port>` of this replica, so
+    a client cannot make the API hand out links to a host of its choosing."""
+
+    rate_submit_per_s: float = Field(default=2.0, gt=0)
+    """Per key: sustained submits (POST /v1/harvest, POST /v1/completions) per second, summed
+    over every API replica (a token bucket in the job store, `api.ratelimit`)."""
+
+    rate_submit_burst: int = Field(default=60, ge=1)
+    """Per key: submits allowed at once before the sustained rate applies."""
+
+    rate_read_per_s: float = Field(default=50.0, gt=0)
+    """Per key: sustained reads (GET/DELETE /v1/harvest…, GET /v1/models) per second, all replicas."""
+
+    rate_read_burst: int = Field(default=500, ge=1)
+    """Per key: reads allowed at once before the sustained rate applies."""
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()

@@ -23,7 +23,9 @@ For real Prefect runs, give an ``ApiServer`` ``HARVEST_RUN_BACKEND=api.runs:Pref
 
 ``FileRuns`` is the run backend of the Prefect-free servers: the one seam the API tests fake.
 Each ``read`` appends a line to ``<runs_dir>/reads.log``; a file ``<runs_dir>/unreachable``
-makes reads fail as a Prefect server that is down would, ``<runs_dir>/start-fails`` starts.
+makes reads fail as a Prefect server that is down would, ``<runs_dir>/start-fails`` starts;
+``<runs_dir>/start-fails-after-create`` makes a start create the run and then fail (an answer
+lost on its way back), and ``<runs_dir>/cancel-fails`` makes cancels fail.
 A run is a JSON file ``<runs_dir>/<run_id>.json`` that the test moves through states with
 ``set_run(server, job_id, status, message=None)``; ``finish_run(server, job_id, engine)``
 really harvests the job with the core pipeline into the server's storage (what a worker
@@ -119,9 +121,18 @@ class FileRuns:
             data = self.get(run_id)
             data["starts"] = data.get("starts", 1) + 1
             self._write(run_id, data)
+        if (self.dir / "start-fails-after-create").exists():  # tests: the run exists, its id never came back
+            raise TimeoutError("the run backend did not answer in time")
         return run_id
 
+    def cancel_job(self, job_id: str) -> None:
+        if (self.dir / "cancel-fails").exists():
+            raise ConnectionError("the run backend refused the connection")
+        self.cancel(f"run-{job_id}")
+
     def cancel(self, run_id: str) -> None:
+        if (self.dir / "cancel-fails").exists():
+            raise ConnectionError("the run backend refused the connection")
         data = self.get(run_id)
         if data is not None and data["status"] in ("pending", "running"):
             data["status"] = "cancelled"

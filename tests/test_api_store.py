@@ -1,6 +1,10 @@
 """The job store on SQLite and on PostgreSQL (127.0.0.1:5432, database `test`): atomic
 admission under every cap, charging rules, charged-once, status that never goes back, the
-restart budget of runs whose host died, the watcher lease, activation quota. Each test runs on a fresh database (a new SQLite file, a new PostgreSQL schema)."""
+restart budget of runs whose host died, the watcher lease, activation quota, per-key request
+rates. Each test runs on a fresh database (a new SQLite file, a new PostgreSQL schema).
+
+Charges are checked against `charge_ledger`, the append-only record written in the
+transaction that ends a job, never against the `jobs.tokens` column the same code writes."""
 
 from __future__ import annotations
 
@@ -9,10 +13,10 @@ import uuid
 from datetime import datetime, timezone
 
 import pytest
-from sqlalchemy import inspect, select
+from sqlalchemy import inspect, insert, select, text
 
 from api.auth import authenticate, consume_activation, create_key, revoke_key
-from api.db import jobs, make_engine, upgrade
+from api.db import charge_ledger, jobs, make_engine, upgrade
 from api.runs import RunState
 from api.store import (
     active_jobs,
@@ -112,7 +116,7 @@ def _race(n: int, fn) -> tuple[list, list]:
 def test_migrations_create_the_schema_and_are_idempotent(engine):
     upgrade(engine)  # second time: nothing to do, no error
     names = set(inspect(engine).get_table_names())
-    assert {"api_keys", "jobs", "usage", "service_flags", "lane_locks", "alembic_version"} <= names
+    assert {"api_keys", "jobs", "usage", "service_flags", "lane_locks", "charge_ledger", "rate_buckets", "alembic_version"} <= names
 
 
 def test_keys_are_hashed_at_rest_and_revocable(engine):
@@ -196,60 +200,136 @@ def _admitted(engine, key, tokens=10):
     return row["id"]
 
 
+def _ledger(engine, job_id: str) -> list[tuple]:
+    """The job's charges as the ledger recorded them: (outcome, tokens_charged, key_id, lane)."""
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(
+            select(charge_ledger.c.outcome, charge_ledger.c.tokens_charged, charge_ledger.c.key_id, charge_ledger.c.lane)
+            .where(charge_ledger.c.job_id == job_id)
+        ).all()]
+
+
 def test_charging_rules(engine):
     _, key = create_key("charges", small=10, engine=engine)
     done = _admitted(engine, key, tokens=50)
     apply_state(done, RunState("running"), engine=engine)
     apply_state(done, RunState("done"), result={"tokens": 42, "n_shards": 1}, engine=engine)
-    assert get_job(done, engine=engine)["tokens"] == 42  # done → the tokens that ran
+    assert _ledger(engine, done) == [("done", 42, key.id, "small")]  # done → the tokens that ran
 
     failed = _admitted(engine, key)
     apply_state(failed, RunState("running"), engine=engine)
     apply_state(failed, RunState("failed", message="CUDA out of memory"), engine=engine)
     row = get_job(failed, engine=engine)
-    assert (row["status"], row["tokens"], row["error"]) == ("failed", 0, "CUDA out of memory")
+    assert (row["status"], row["error"]) == ("failed", "CUDA out of memory")
+    assert _ledger(engine, failed) == [("failed", 0, key.id, "small")]
 
     early = _admitted(engine, key)  # cancelled before its GPU run started → 0
     row, cancelled = cancel_job(early, key.id, engine=engine)
-    assert cancelled and (row["status"], row["tokens"]) == ("cancelled", 0)
+    assert cancelled and row["status"] == "cancelled"
+    assert _ledger(engine, early) == [("cancelled", 0, key.id, "small")]
 
     late = _admitted(engine, key, tokens=33)  # cancelled after → the reserved tokens
     apply_state(late, RunState("running"), engine=engine)
     row, _ = cancel_job(late, key.id, engine=engine)
-    assert (row["status"], row["tokens"]) == ("cancelled", 33)
+    assert row["status"] == "cancelled" and _ledger(engine, late) == [("cancelled", 33, key.id, "small")]
 
-    again, cancelled = cancel_job(late, key.id, engine=engine)  # second cancel: same answer
+    again, cancelled = cancel_job(late, key.id, engine=engine)  # second cancel: same answer, no new charge
     assert not cancelled and again["tokens"] == 33
+    assert _ledger(engine, late) == [("cancelled", 33, key.id, "small")]
     for ended in (done, failed):
         with pytest.raises(NotCancellable):
             cancel_job(ended, key.id, engine=engine)
     with pytest.raises(NotFound):
         cancel_job(late, "another-key", engine=engine)
+    # Usage is the ledger's sum: 42 + 0 + 0 + 33.
+    with engine.connect() as conn:
+        assert tokens_used(conn, key.id) == 75
 
 
 def test_a_job_is_charged_once_however_many_endings_race(engine):
+    """Twelve endings of one running job at once (done, cancel, failed, four of each): exactly
+    one wins, and the ledger holds exactly one row for the job, the winner's charge."""
     _, key = create_key("once", engine=engine)
     job = _admitted(engine, key, tokens=20)
     apply_state(job, RunState("running"), engine=engine)
     endings = [
-        lambda: apply_state(job, RunState("done"), result={"tokens": 17, "n_shards": 1}, engine=engine),
-        lambda: cancel_job(job, key.id, engine=engine)[1],
-        lambda: apply_state(job, RunState("failed", message="x"), engine=engine),
+        ("done", 17, lambda: apply_state(job, RunState("done"), result={"tokens": 17, "n_shards": 1}, engine=engine)),
+        ("cancelled", 20, lambda: cancel_job(job, key.id, engine=engine)[1]),
+        ("failed", 0, lambda: apply_state(job, RunState("failed", message="x"), engine=engine)),
     ] * 4
     lock = threading.Lock()
     order = iter(endings)
-    results, errors = _race(len(endings), lambda: next_of(order, lock)())
-    assert sum(1 for r in results if r is True) == 1, (results, errors)
-    assert all(isinstance(e, NotCancellable) for e in errors)
-    row = get_job(job, engine=engine)
-    with engine.connect() as conn:
-        assert tokens_used(conn, key.id) == row["tokens"]
-        assert conn.execute(select(jobs.c.status).where(jobs.c.id == job)).scalar_one() == row["status"]
+
+    def one():
+        outcome, tokens, end = next_of(order, lock)
+        return outcome, tokens, end()
+
+    results, errors = _race(len(endings), one)
+    winners = [(outcome, tokens) for outcome, tokens, won in results if won is True]
+    assert len(winners) == 1, (results, errors)
+    # Losing cancels are refused (the job already ended done or failed) or answer the cancel.
+    assert all(isinstance(e, NotCancellable) for e in errors), errors
+    assert len(results) + len(errors) == 12
+    (outcome, tokens), = winners
+    assert _ledger(engine, job) == [(outcome, tokens, key.id, "small")]
+    assert get_job(job, engine=engine)["status"] == outcome
 
 
 def next_of(iterator, lock):
     with lock:
         return next(iterator)
+
+
+def test_the_ledger_refuses_a_second_charge_and_any_change(engine):
+    """The database itself keeps the ledger honest: UNIQUE(job_id) refuses a second row for a
+    job, and triggers refuse UPDATE and DELETE, whatever code runs against it."""
+    from sqlalchemy.exc import DBAPIError, IntegrityError
+
+    _, key = create_key("ledger", engine=engine)
+    job = _admitted(engine, key, tokens=9)
+    cancel_job(job, key.id, engine=engine)
+    with pytest.raises(IntegrityError):
+        with engine.begin() as conn:
+            conn.execute(insert(charge_ledger).values(
+                job_id=job, key_id=key.id, lane="small", tokens_charged=9, outcome="done", created_at=datetime.now(),
+            ))
+    for statement in ("UPDATE charge_ledger SET tokens_charged = 0", "DELETE FROM charge_ledger"):
+        with pytest.raises(DBAPIError, match="append-only"):
+            with engine.begin() as conn:
+                conn.execute(text(statement))
+    assert _ledger(engine, job) == [("cancelled", 0, key.id, "small")]
+
+
+def test_migration_0004_records_jobs_that_ended_before_it(tmp_path):
+    """A store at revision 0003 with ended and active jobs: upgrading writes one ledger row per
+    ended job (its tokens, its outcome) and none for the active one."""
+    from alembic import command
+    from alembic.config import Config
+    from pathlib import Path
+
+    import api.db
+
+    eng = make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    config = Config()
+    config.set_main_option("script_location", str(Path(api.db.__file__).parent / "migrations"))
+    with eng.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0003")
+        conn.execute(text(
+            "INSERT INTO api_keys (id, name, key_hash, prefix, created_at) VALUES ('k1', 'old', 'h', 'acs_x', '2026-01-01 00:00:00.000000')"
+        ))
+        for job_id, status, tokens in (("j-done", "done", 40), ("j-cancel", "cancelled", 7), ("j-run", "running", None)):
+            conn.execute(text(
+                "INSERT INTO jobs (id, key_id, model, lane, status, n_prompts, layers, shard_size, n_shards, shards_done, "
+                "add_special_tokens, contents, reserved_tokens, tokens, created_at, completed_at, request_url, restarts) "
+                "VALUES (:id, 'k1', 'llama-tiny', 'small', :status, 1, '[1]', 32, 1, 0, 1, 'activations', 50, :tokens, "
+                "'2026-01-02 00:00:00.000000', :completed, 'file:///x', 0)"
+            ), {"id": job_id, "status": status, "tokens": tokens, "completed": None if tokens is None else "2026-01-03 00:00:00.000000"})
+    upgrade(eng)
+    assert _ledger(eng, "j-done") == [("done", 40, "k1", "small")]
+    assert _ledger(eng, "j-cancel") == [("cancelled", 7, "k1", "small")]
+    assert _ledger(eng, "j-run") == []
+    eng.dispose()
 
 
 def test_status_comes_from_the_database_and_never_goes_back(engine):
@@ -266,8 +346,8 @@ def test_status_comes_from_the_database_and_never_goes_back(engine):
     for later in (RunState("running"), RunState("pending"), RunState("failed", message="x")):
         assert apply_state(job, later, engine=engine) is False
     with engine.connect() as conn:
-        assert conn.execute(select(jobs.c.status, jobs.c.tokens).where(jobs.c.id == job)).one() == ("done", 24)
-        assert tokens_used(conn, key.id) == 24
+        assert conn.execute(select(jobs.c.status).where(jobs.c.id == job)).scalar_one() == "done"
+    assert _ledger(engine, job) == [("done", 24, key.id, "small")]
 
 
 def test_a_job_whose_hosts_keep_dying_fails_after_its_restart_budget_charged_nothing(engine):
@@ -279,7 +359,8 @@ def test_a_job_whose_hosts_keep_dying_fails_after_its_restart_budget_charged_not
         status, tokens, error, restarts = conn.execute(
             select(jobs.c.status, jobs.c.tokens, jobs.c.error, jobs.c.restarts).where(jobs.c.id == job)
         ).one()
-    assert (status, tokens, restarts) == ("failed", 0, 2) and "died 3 times" in error
+    assert (status, restarts) == ("failed", 2) and "died 3 times" in error
+    assert _ledger(engine, job) == [("failed", 0, key.id, "small")]
     assert record_restart(job, 2, engine=engine) is False  # ended: nothing more to count
 
 
@@ -365,3 +446,33 @@ def test_job_changes_reach_every_replicas_listener_after_commit_only(engine):
     finally:
         for listener in listeners:
             listener.stop()
+
+
+def test_a_keys_request_rate_holds_under_concurrency_across_replicas(engine):
+    """The token bucket lives in the job store: 30 requests at once through two engines (two
+    API replicas' connection pools) against a burst of 10 take exactly 10 tokens; another key
+    is untouched; tokens come back at the configured rate."""
+    import time
+
+    from api.ratelimit import take
+
+    url = engine.url.render_as_string(hide_password=False)
+    other_replica = make_engine(url)
+    try:
+        now = time.time()
+        engines = [engine, other_replica] * 15
+        lock = threading.Lock()
+        order = iter(engines)
+        results, errors = _race(30, lambda: take("key-a", "read", per_s=1.0, burst=10, now=now, engine=next_of(order, lock)))
+        assert not errors, errors
+        assert sum(1 for wait in results if wait == 0.0) == 10
+        assert all(0 < wait <= 1.0 for wait in results if wait != 0.0)
+        assert take("key-b", "read", per_s=1.0, burst=10, now=now, engine=engine) == 0.0  # not starved
+        assert take("key-a", "submit", per_s=1.0, burst=10, now=now, engine=engine) == 0.0  # kinds are separate
+        # 2.5 s later two tokens are back (the bucket never overfills): two pass, the third waits 0.5 s.
+        later = [take("key-a", "read", per_s=1.0, burst=10, now=now + 2.5, engine=engine) for _ in range(3)]
+        assert later[:2] == [0.0, 0.0] and later[2] == pytest.approx(0.5)
+        # A replica whose clock is behind never refills a bucket backwards.
+        assert take("key-a", "read", per_s=1.0, burst=10, now=now, engine=other_replica) == pytest.approx(0.5)
+    finally:
+        other_replica.dispose()

@@ -1,0 +1,98 @@
+"""The published OpenAPI document, exactly as the API behaves.
+
+FastAPI documents what it parses itself; the routes here read raw bodies (to cap them before
+parsing, `api.guard`), answer refusals through one handler, and check keys by hand, so this
+module says the rest:
+
+- `request_body(Model)`: the route's JSON body, with the model's schema placed under
+  `components/schemas` (its nested models too), so every `$ref` resolves. Pydantic's own
+  schema points at `#/$defs/...`, which does not exist in an OpenAPI document.
+- `errors(*statuses)`: the SPEC error body for each refusal a route can answer. Every route
+  also documents 413 (bodies are capped everywhere) and 500 (the request-id answer).
+- `bearer`: the routes that need an API key say so (`security`), so generated clients send it.
+- FastAPI's 422 is dropped: validation failures are answered 400 with the error body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+__all__ = ["request_body", "errors", "KEYED", "install"]
+
+REF = "#/components/schemas/{model}"
+_components: dict[str, dict] = {}
+
+_DESCRIPTIONS = {
+    400: "Invalid request (`param` names the field).",
+    401: "Missing, unknown or revoked API key.",
+    403: "Download link expired, altered or foreign.",
+    404: "No such job for this key, or no such file.",
+    409: "The job cannot be cancelled (done or failed).",
+    413: "The request body is over the route's limit.",
+    429: "A cap or the key's request rate; Retry-After where waiting helps.",
+    500: "Unexpected error; the message names the request id (also in X-Request-ID).",
+    503: "The model's weights are not here, or its run could not be started.",
+}
+
+KEYED = {"security": [{"bearer": []}]}
+"""openapi_extra of a route that needs `Authorization: Bearer <key>`."""
+
+
+def _register(schema: dict) -> dict:
+    for name, definition in schema.pop("$defs", {}).items():
+        _components[name] = definition
+    return schema
+
+
+def request_body(model: type[BaseModel], *, patch=None) -> dict[str, Any]:
+    """openapi_extra declaring `model` as the route's required JSON body (and its key)."""
+    schema = _register(model.model_json_schema(ref_template=REF))
+    if patch is not None:
+        schema = patch(schema)
+    _components[model.__name__] = schema
+    return {
+        **KEYED,
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+        },
+    }
+
+
+def errors(*statuses: int) -> dict[int | str, dict]:
+    """`responses=` entries: the error body for each status, plus 413 and 500 everywhere."""
+    from api.schemas import ErrorBody
+
+    return {
+        status: {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
+        for status in sorted({*statuses, 413, 500})
+    }
+
+
+def install(app: FastAPI) -> None:
+    """Make `app.openapi()` build (once) the document described above."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes,
+            )
+            components = document.setdefault("components", {})
+            schemas = components.setdefault("schemas", {})
+            schemas.update(_components)
+            components["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "An API key: `acs_…`."}
+            }
+            for operations in document.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
