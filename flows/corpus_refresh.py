@@ -13,7 +13,7 @@ of the remaining parts as the lane has free slots to `harvest` flow runs of the 
 deployment, which any host of the lane picks up. Each part, here or there, spreads its own
 shards over whatever is still free (the harvest flow's automatic `workers`). A handed-out part
 that does not start, or ends without finishing, is taken back and done here by the same rules
-as a job's helpers (`flows.harvest.HelperWatch`). Every part keeps the harvest flow's resume:
+as a job's helpers (`flows.scale_out.HelperWatch`). Every part keeps the harvest flow's resume:
 a re-run on the same day skips the shards already written. Scheduled copies of this flow's
 deployment are made by `harvest schedule create` (flows/schedule.py) on the work pool of the
 model's lane.
@@ -30,7 +30,8 @@ from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run as current_run
 
-from flows.harvest import COLLECT, POLL_S, WAIT, HelperWatch, harvest
+from flows.harvest import harvest
+from flows.scale_out import COLLECT, POLL_S, WAIT, HelperWatch
 from flows.placement import lane_free_slots
 from flows.submit import cancel_harvest_run
 from harvest.corpus import read_prompts

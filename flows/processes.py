@@ -182,7 +182,7 @@ def start_worker(
     pool: str, api_url: str, log: Path, env: dict[str, str] | None = None, name: str | None = None, *,
     healthcheck: bool = False, cwd: str | None = None, limit: int | None = None,
 ) -> Managed:
-    """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_USE_VLLM=0).
+    """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_ENGINE=hf).
 
     healthcheck: serve `/health` on PREFECT_WORKER_WEBSERVER_HOST/PORT (a load balancer's or a
     supervisor's view of whether the worker still polls).

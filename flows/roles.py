@@ -282,15 +282,17 @@ def worker_main(argv: list[str]) -> int:
                           gpus=parse_gpus(args.gpus), gpus_per_run=args.gpus_per_run, slots=args.slots)
         return [f"WORKER_READY lane={args.lane}"]
 
-    def forget() -> None:
+    def stop() -> None:
         from flows.placement import forget_host
+        from harvest.warm.protocol import stop_engine_servers
 
+        stop_engine_servers(_home())  # this host's warm engines go with its worker
         try:
             forget_host(args.lane, name, api_url)
         except Exception:  # the control plane may be gone first; an OFFLINE worker is not counted
             pass
 
-    return serve("harvest worker", start, on_stop=forget)
+    return serve("harvest worker", start, on_stop=stop)
 
 
 def main(argv: list[str]) -> int:

@@ -137,4 +137,10 @@ def main(argv: list[str]) -> int:
     def start() -> dict[str, str]:
         return up(home, args.port or settings.port, args.prefect_port or settings.prefect_port)
 
-    return serve("harvest up", start, on_stop=lambda: stack_file.unlink(missing_ok=True))
+    def stop() -> None:
+        from harvest.warm.protocol import stop_engine_servers
+
+        stop_engine_servers(home)  # the workers' warm engines (harvest.warm)
+        stack_file.unlink(missing_ok=True)
+
+    return serve("harvest up", start, on_stop=stop)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -80,13 +79,13 @@ def _run(argv: list[str]) -> int:
     from tqdm import tqdm
 
     from harvest.corpus import read_prompts
-    from harvest.engines import load_engine
     from harvest.errors import HarvestError, invalid_from_pydantic
     from harvest.jobfiles import MANIFEST, STATS, shard_name
     from harvest.pipeline import run_job, tokenize_job
     from harvest.registry import load_registry
     from harvest.request import HarvestRequest, resolve_job
     from harvest.storage import Storage
+    from harvest.warm.client import open_engine
 
     out = args.out if "://" in args.out else f"file://{Path(args.out).expanduser().resolve()}"
     try:
@@ -101,9 +100,7 @@ def _run(argv: list[str]) -> int:
         )
         job = resolve_job(request, load_registry())
         tokenized = tokenize_job(job)
-        started = time.perf_counter()
-        engine = load_engine(job.model)
-        load_s = time.perf_counter() - started
+        engine, load = open_engine(job.model, placement=None)
     except ValidationError as exc:  # the same 400 the API answers, as a message
         print(f"harvest run: {invalid_from_pydantic(exc.errors()).message}", file=sys.stderr)
         return 2
@@ -118,7 +115,7 @@ def _run(argv: list[str]) -> int:
         bar.update(sum(record.token_counts))
 
     job_id = args.job_id or str(uuid.uuid4())
-    summary = run_job(job, Storage(out), engine, job_id, load_s=load_s, tokenized=tokenized, on_shard=on_shard)
+    summary = run_job(job, Storage(out), engine, job_id, load=load, tokenized=tokenized, on_shard=on_shard)
     bar.close()
     print(f"wrote {summary.n_shards} shard(s), {summary.tokens} tokens, {summary.bytes_written:,} bytes to {out}")
     print(f"  manifest:  {out}/{MANIFEST}")

@@ -1,9 +1,10 @@
 """One harvest job, from resolved request to files: shards, statistics, manifest last.
 
 The work is split so orchestration can spread it out: `run_shards` writes any range of shards
-(skipping those already written and verified), `finalize` merges the shards' statistics
-partials and writes `stats.safetensors` then `manifest.json`. `run_job` does both in one
-process, which is what `harvest run` and a single-worker flow use.
+(skipping those already written and verified), each shard's write running behind the next
+shard's forward pass (`ShardWriter`), and `finalize` merges the shards' statistics partials
+and writes `stats.safetensors` then `manifest.json`. `run_job` does both in one process,
+which is what `harvest run` uses; the flow calls the same two with its Prefect tasks.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from safetensors.torch import save as save_tensors
 
-from harvest.engines.base import Engine
+from harvest.capture import ShardCapture
+from harvest.engines.base import Engine, EngineLoad
 from harvest.layers import RESIDUAL_STREAM_CONVENTION
 from harvest.manifest import MANIFEST, STATS, Manifest, ModelEntry, PromptEntry, statistics_sentence
 from harvest.request import ResolvedJob, check_token_total
@@ -25,7 +28,10 @@ from harvest.stats import RunningStats
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt, load_tokenizer, tokenize_prompts
 
-__all__ = ["Timings", "JobSummary", "tokenize_job", "run_shards", "finalize", "run_job", "Cancelled"]
+__all__ = [
+    "Timings", "JobSummary", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards", "finalize", "run_job",
+    "Cancelled",
+]
 
 
 class Cancelled(Exception):
@@ -74,6 +80,79 @@ def tokenize_job(job: ResolvedJob) -> list[TokenizedPrompt]:
     return tokenized
 
 
+def capture_shard(job: ResolvedJob, engine: Engine, tokenized: list[TokenizedPrompt], k: int) -> ShardCapture:
+    """Shard k's forward passes: its values in prompt order, and its statistics partial."""
+    indices = shard_ranges(len(tokenized), job.request.shard_size)[k]
+    return engine.capture([tokenized[i].ids for i in indices], job.spec, batch_size=job.request.batch_size)
+
+
+def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPrompt], k: int, capture: ShardCapture) -> tuple[ShardRecord, Timings]:
+    """Encode, hash and write shard k, then its record (whose presence vouches for the shard)."""
+    indices = shard_ranges(len(tokenized), job.request.shard_size)[k]
+    ids = [tokenized[i].ids for i in indices]
+    timings = Timings()
+    started = time.perf_counter()
+    data = encode_shard(indices, ids, capture.values)
+    record = ShardRecord(
+        file=shard_name(k),
+        index=k,
+        prompt_range=[indices.start, indices.stop - 1],
+        token_counts=[len(x) for x in ids],
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+    timings.save_s = time.perf_counter() - started
+    started = time.perf_counter()
+    storage.write_bytes(record.file, data)
+    write_part(storage, record, capture.stats)
+    timings.upload_s = time.perf_counter() - started
+    return record, timings
+
+
+class ShardWriter:
+    """Writes shards behind the forward passes: shard k is encoded, hashed and written in the
+    background while shard k+1 runs. `submit` first waits for the previous write, so at most
+    two shards are in memory (one being written, one being computed) and a write's error
+    surfaces at the next shard, never later than `close`.
+
+    `submit_write(fn)` runs `fn` off the caller's thread and returns a future; by default a
+    thread of this writer's own (the flow passes Prefect's task submission, which adds its
+    retries). With `overlap=False` every write runs in the caller's thread (benchmarks).
+    `then(result)` runs in the caller's thread once the write is done (progress reporting).
+    """
+
+    def __init__(self, *, overlap: bool = True, submit_write: Callable[..., Future] | None = None):
+        self.overlap = overlap
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") if overlap and submit_write is None else None
+        self._submit = submit_write or (self._executor.submit if self._executor else None)
+        self._pending: tuple[Future, Callable] | None = None
+
+    def submit(self, then: Callable, fn: Callable, *args) -> None:
+        self.wait()
+        if not self.overlap:
+            then(fn(*args))
+            return
+        self._pending = (self._submit(fn, *args), then)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            future, then = self._pending
+            self._pending = None
+            then(future.result())
+
+    def close(self, *, failed: bool = False) -> None:
+        """Wait for the write in flight. After a failure elsewhere (`failed`) it still
+        finishes, so a resume finds the shard, but its own error no longer matters."""
+        try:
+            self.wait()
+        except Exception:
+            if not failed:
+                raise
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+
+
 def run_shards(
     job: ResolvedJob,
     storage: Storage,
@@ -83,53 +162,55 @@ def run_shards(
     tokenized: list[TokenizedPrompt] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_shard: Callable[[ShardRecord, bool], None] = lambda record, skipped: None,
+    overlap: bool = True,
+    forward: Callable[[int], ShardCapture] | None = None,
+    submit_write: Callable[..., Future] | None = None,
 ) -> tuple[Timings, int]:
     """Write the given shards (all by default); returns timings and how many were skipped.
 
     A shard already written and verified is skipped. `should_stop` is asked before each shard
-    so a cancel lands between shards, never in the middle of a file.
+    so a cancel lands between shards, never in the middle of a file. Each shard's forward pass
+    runs in this thread (`forward(k)`, default `capture_shard`) and its write behind the next
+    one (`ShardWriter`). forward_s, save_s and upload_s are each the time spent in that step,
+    so with overlap their sum exceeds the wall time.
     """
     tokenized = tokenized or tokenize_job(job)
-    ranges = shard_ranges(len(tokenized), job.request.shard_size)
+    n_shards = len(shard_ranges(len(tokenized), job.request.shard_size))
+    forward = forward or (lambda k: capture_shard(job, engine, tokenized, k))
     timings = Timings()
     skipped = 0
-    for k in range(len(ranges)) if shard_ids is None else shard_ids:
-        if should_stop():
-            raise Cancelled(f"cancelled before shard {k}")
-        done = verified_part(storage, k)
-        if done is not None:
-            skipped += 1
-            on_shard(done[0], True)
-            continue
-        indices = ranges[k]
-        ids = [tokenized[i].ids for i in indices]
-        capture = engine.capture(ids, job.spec, batch_size=job.request.batch_size)
-        timings.forward_s += capture.forward_s
 
-        started = time.perf_counter()
-        data = encode_shard(indices, ids, capture.values)
-        record = ShardRecord(
-            file=shard_name(k),
-            index=k,
-            prompt_range=[indices.start, indices.stop - 1],
-            token_counts=[len(x) for x in ids],
-            bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-        )
-        timings.save_s += time.perf_counter() - started
-
-        started = time.perf_counter()
-        storage.write_bytes(record.file, data)
-        write_part(storage, record, capture.stats)  # after the shard: its presence vouches for it
-        timings.upload_s += time.perf_counter() - started
+    def written(result: tuple[ShardRecord, Timings]) -> None:
+        record, spent = result
+        timings.save_s += spent.save_s
+        timings.upload_s += spent.upload_s
         on_shard(record, False)
+
+    writer = ShardWriter(overlap=overlap, submit_write=submit_write)
+    ok = False
+    try:
+        for k in range(n_shards) if shard_ids is None else shard_ids:
+            if should_stop():
+                raise Cancelled(f"cancelled before shard {k}")
+            done = verified_part(storage, k)
+            if done is not None:
+                skipped += 1
+                on_shard(done[0], True)
+                continue
+            capture = forward(k)
+            timings.forward_s += capture.forward_s
+            writer.submit(written, write_shard, job, storage, tokenized, k, capture)
+            del capture  # the writer holds it now; this frame must not keep a third shard alive
+        ok = True
+    finally:
+        writer.close(failed=not ok)
     return timings, skipped
 
 
 def finalize(
     job: ResolvedJob,
     storage: Storage,
-    engine_versions: dict[str, str],
+    engine_entry: dict[str, str],
     job_id: str,
     *,
     timings: Timings | None = None,
@@ -179,7 +260,7 @@ def finalize(
         statistics=statistics_sentence(job.contents),
         mean_token_norm={str(layer): norm for layer, norm in zip(job.layers, norms, strict=True)},
         projection=None if job.directions is None else job.directions.manifest_entry(),
-        engine=engine_versions,
+        engine=engine_entry,
         timings=timings.as_dict(),
         bytes_written=sum(r.bytes for r in records) + len(stats_bytes),
         created_at=datetime.now(timezone.utc).isoformat(),
@@ -200,14 +281,16 @@ def run_job(
     engine: Engine,
     job_id: str,
     *,
-    load_s: float = 0.0,
+    load: EngineLoad | None = None,
     tokenized: list[TokenizedPrompt] | None = None,
     **kwargs,
 ) -> JobSummary:
-    """Every shard, then the statistics and manifest, in this process."""
+    """Every shard, then the statistics and manifest, in this process. `load` says how the
+    engine was obtained (default: handed over by the caller, no load time)."""
+    load = load or EngineLoad(engine.name, "an engine the caller loaded", warm=True, load_s=0.0)
     tokenized = tokenized or tokenize_job(job)
     timings, skipped = run_shards(job, storage, engine, tokenized=tokenized, **kwargs)
-    timings.load_s = load_s
-    summary = finalize(job, storage, engine.versions(), job_id, timings=timings, tokenized=tokenized)
+    timings.load_s = load.load_s
+    summary = finalize(job, storage, load.manifest_entry(engine.versions()), job_id, timings=timings, tokenized=tokenized)
     summary.shards_skipped = skipped
     return summary

@@ -30,8 +30,10 @@ class Settings(BaseSettings):
     lanes_file: Path = Field(default=REPO_ROOT / "infra" / "lanes.toml")
     """The GPU lanes (work pool, caps, GPUs per run), one table each (`harvest.lanes`)."""
 
-    use_vllm: bool | None = None
-    """Engine choice: None picks vLLM where it is installed, False forces the HF reference."""
+    engine: str = "auto"
+    """Engine: `auto` (vLLM where CUDA is present and vLLM installed, else the HF reference;
+    `harvest.engines.base.choose_engine` says why), `vllm`, `hf`, or `module:Class` (an
+    `Engine` subclass taking the model, e.g. an instrumented one)."""
 
     storage_url: str | None = None
     """Where job files go (any fsspec URL); default `file://<home>/storage`."""
@@ -88,6 +90,14 @@ class Settings(BaseSettings):
     inline_preload: str | None = None
     """Comma-separated served names whose inline engines the API loads at start-up."""
 
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        value = value.strip()
+        if value not in ("auto", "vllm", "hf") and ":" not in value:
+            raise ValueError(f"HARVEST_ENGINE must be auto, vllm, hf or module:Class, not {value!r}")
+        return value
+
     @field_validator("home")
     @classmethod
     def _absolute_home(cls, value: Path) -> Path:
@@ -107,14 +117,19 @@ class Settings(BaseSettings):
     """Seconds a helper may stay Crashed, Cancelling or in an unknown state, unchanged, before
     the parent takes its shards over (long enough for a reschedule to show)."""
 
-    flow_shard_pause_s: float = Field(default=0.0, ge=0)
-    """Test/demo throttle, not a tuning knob: seconds the harvest flow sleeps after each shard,
-    so that tests can act "mid-job" on real work (it fakes nothing). Set it in the flow run's
-    environment (`HARVEST_FLOW_SHARD_PAUSE_S`); 0 in production."""
+    # --- warm engines (harvest/warm/): one engine server per GPU group of a worker host ---
+    engine_idle_s: float = Field(default=900.0, gt=0)
+    """An engine server with no client for this long releases its models and exits."""
 
-    flow_load_pause_s: float = Field(default=0.0, ge=0)
-    """Test/demo throttle: seconds the harvest flow sleeps before loading the model
-    (`HARVEST_FLOW_LOAD_PAUSE_S`, in the flow run's environment); 0 in production."""
+    engine_models_per_group: int = Field(default=1, ge=1)
+    """Models kept loaded per GPU group (a CPU host is one group); the least recently used
+    idle one is evicted when another is asked for."""
+
+    engine_start_timeout_s: float = Field(default=180.0, gt=0)
+    """How long a run waits for its host's engine server to answer after starting it."""
+
+    s3_part_bytes: int = Field(default=16 << 20, ge=5 << 20)
+    """Part size of S3 multipart uploads: a file of at least two parts goes up as one."""
 
     # --- placement: a worker host's slots, automatic scale-out (harvest/placement.py) ---
     slots: list[list[str]] | None = None

@@ -1,8 +1,8 @@
 """Job files on any fsspec filesystem: local disk by default, S3 in production, memory in tests.
 
 Every write is all-or-nothing from a reader's point of view: on local disk a file is written
-beside its target and renamed into place, and an object store's PUT is atomic already. So a
-file that exists is complete, which is what lets `manifest.json`, written last, mean "done".
+beside its target and renamed into place, and an object store's PUT (or multipart upload, for
+large files on S3) is atomic already. So a file that exists is complete, which is what lets `manifest.json`, written last, mean "done".
 What goes where inside a job's folder is `harvest.jobfiles`; this module knows no file names.
 """
 
@@ -42,6 +42,11 @@ class Storage:
     def is_local(self) -> bool:
         return "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
+    @property
+    def _is_s3(self) -> bool:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        return "s3" in protocols
+
     def child(self, prefix: str) -> "Storage":
         """The storage of a sub-folder, e.g. one job's prefix."""
         return Storage(f"{self.url}/{prefix}", self.fs, posixpath.join(self.root, prefix))
@@ -58,6 +63,10 @@ class Storage:
             with open(staging, "wb") as handle:
                 handle.write(data)
             os.replace(staging, target)
+        elif self._is_s3:
+            # s3fs sends a file of two parts or more as one multipart upload (parts in
+            # parallel); the object appears only when the upload completes, so still atomic.
+            self.fs.pipe_file(target, data, chunksize=get_settings().s3_part_bytes)
         else:
             self.fs.pipe_file(target, data)
         return len(data)

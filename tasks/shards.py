@@ -1,8 +1,10 @@
-"""The per-shard task and the statistics merge, as thin Prefect tasks over `harvest.pipeline`.
+"""The per-shard tasks and the statistics merge, as thin Prefect tasks over `harvest.pipeline`.
 
-Both run *synchronously in the caller's thread* (a plain call of a Prefect 3 task does), which
-is the point: the forward pass stays in the flow's main thread, where a worker's cancel
-(SIGTERM) lands within a shard instead of after a 30 s grace (DESIGN, Prefect facts).
+A shard is two task runs: `forward-k` runs *synchronously in the flow's main thread* (a plain
+call of a Prefect 3 task does), which is the point: a worker's cancel (SIGTERM) lands within a
+shard instead of after a 30 s grace (DESIGN, Prefect facts). `write-k` is submitted to the
+flow's task runner, so the shard's encode, hash and upload run while the next shard's forward
+pass does, with Prefect's retries on storage errors.
 
 Arguments travel in `ShardWork`, a plain object that Prefect does not look into: the engine,
 the tokenized prompts, the resolved job and its folder (`JobFiles`) are never hashed for cache
@@ -18,12 +20,14 @@ from prefect.cache_policies import NO_CACHE
 from harvest.engines.base import Engine
 from harvest.errors import HarvestError
 from harvest.jobfiles import JobFiles
-from harvest.pipeline import JobSummary, Timings, finalize, run_shards
+from harvest.capture import ShardCapture
+from harvest.pipeline import JobSummary, Timings, capture_shard, finalize, run_shards, write_shard
+from harvest.shards import ShardRecord
 from harvest.request import ResolvedJob
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt
 
-__all__ = ["ShardWork", "harvest_shard", "finalize_job"]
+__all__ = ["ShardWork", "Captured", "forward_shard", "write_shard_task", "run_shard_range", "finalize_job"]
 
 
 class ShardWork:
@@ -53,25 +57,58 @@ def _transient(task, task_run, state) -> bool:
     return False
 
 
+class Captured:
+    """A shard's forward-pass output between its two tasks (a plain box Prefect leaves alone)."""
+
+    def __init__(self, capture: ShardCapture):
+        self.capture = capture
+
+
 @task(
-    name="harvest-shard",
-    task_run_name="shard-{k}",
+    name="forward-shard",
+    task_run_name="forward-{k}",
     cache_policy=NO_CACHE,
     persist_result=False,
     retries=1,
     retry_condition_fn=_transient,
 )
-def harvest_shard(work: ShardWork, k: int) -> dict:
-    """Write shard k (or skip it if it is already written and verified).
+def forward_shard(work: ShardWork, k: int) -> Captured:
+    """Shard k's forward passes, in the flow's main thread (a cancel lands within the shard).
 
-    One retry for a transient error: it costs a second attempt at this shard only, and the
-    write is idempotent (atomic overwrite of the same bytes).
+    One retry for a transient error (a lost engine server is already asked again by
+    `harvest.warm.client`); a refusal of the service's own (`HarvestError`) fails at once.
     """
-    timings, skipped = run_shards(work.job, work.storage, work.engine, [k], tokenized=work.tokenized)
-    return {"timings": timings, "skipped": bool(skipped)}
+    return Captured(capture_shard(work.job, work.engine, work.tokenized, k))
+
+
+@task(
+    name="write-shard",
+    task_run_name="write-{k}",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retries=2,
+    retry_delay_seconds=[1, 4],
+    retry_condition_fn=_transient,
+)
+def write_shard_task(work: ShardWork, k: int, captured: Captured) -> tuple[ShardRecord, Timings]:
+    """Encode, hash and write shard k and its record, behind the next shard's forward pass
+    (`harvest.pipeline.ShardWriter`). Retried twice on a storage error: each write is an
+    atomic replacement of the same bytes, so a retry never leaves anything half written."""
+    return write_shard(work.job, work.storage, work.tokenized, k, captured.capture)
+
+
+def run_shard_range(work: ShardWork, ids: range, *, should_stop, on_shard) -> Timings:
+    """The shards `ids` of the job, one forward task and one write task each, each write
+    submitted to the flow's task runner so it overlaps the next forward pass."""
+    timings, _ = run_shards(
+        work.job, work.storage, work.engine, ids, tokenized=work.tokenized, should_stop=should_stop, on_shard=on_shard,
+        forward=lambda k: forward_shard(work, k).capture,
+        submit_write=lambda fn, job, storage, tokenized, k, capture: write_shard_task.submit(work, k, Captured(capture)),
+    )
+    return timings
 
 
 @task(name="merge-stats-and-manifest", cache_policy=NO_CACHE, persist_result=False)
-def finalize_job(work: ShardWork, engine_versions: dict[str, str], job_id: str, timings: Timings) -> JobSummary:
+def finalize_job(work: ShardWork, engine_entry: dict[str, str], job_id: str, timings: Timings) -> JobSummary:
     """Merge every shard's statistics partial, write the statistics, then the manifest last."""
-    return finalize(work.job, work.storage, engine_versions, job_id, timings=timings, tokenized=work.tokenized)
+    return finalize(work.job, work.storage, engine_entry, job_id, timings=timings, tokenized=work.tokenized)

@@ -27,6 +27,39 @@ def harvest_home() -> Path:
     return _SESSION_HOME
 
 
+def _engine_servers_of_this_session(roots: list[Path]) -> list[int]:
+    """Pids of warm-engine servers (`harvest.warm.server`) whose HARVEST_HOME lies under one
+    of `roots`: runs of this session's worker hosts started them, detached."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if b"harvest.warm.server" not in (proc / "cmdline").read_bytes():
+                continue
+            env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        home = env.get(b"HARVEST_HOME", b"").decode()
+        if any(home.startswith(str(root)) for root in roots):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_engine_servers_at_the_end(tmp_path_factory):
+    """Engine servers outlive the runs that started them (that is their point); the session
+    stops the ones its hosts started, wherever their home was."""
+    yield
+    import signal
+
+    for pid in _engine_servers_of_this_session([_SESSION_HOME, tmp_path_factory.getbasetemp()]):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
 @pytest.fixture(scope="session")
 def registry():
     from harvest.registry import load_registry

@@ -14,8 +14,9 @@ Fixtures (all session-scoped; the server and workers start only when a test asks
     ``corpus-refresh/corpus-refresh``, ``retention-sweep/retention-sweep``.
 
 ``lane_workers`` → ``LaneWorkers``
-    one ``prefect worker`` per lane (``.small``, ``.large``), with ``HARVEST_USE_VLLM=0`` so
-    flow runs use the HF reference engine. ``.start(lane)`` adds a worker, ``.kill(worker)``
+    one ``prefect worker`` per lane (``.small``, ``.large``), with ``HARVEST_ENGINE=hf`` so
+    flow runs use the HF reference engine, and a slot table, so they use the host's warm
+    engine server (`harvest.warm`). ``.start(lane)`` adds a worker, ``.kill(worker)``
     SIGKILLs a worker *and its flow-run processes* (a lost machine). All stopped at session end,
     leaving no process behind.
 
@@ -28,13 +29,14 @@ Fixtures (all session-scoped; the server and workers start only when a test asks
 
 An API test needing a live flow backend asks for ``harvest_stack`` (or just
 ``prefect_deployments`` + ``lane_workers``) and then starts its uvicorn with the inherited
-environment. Tests that need "mid-job" moments slow real work with
-``env={"HARVEST_FLOW_SHARD_PAUSE_S": "0.5"}`` (seconds slept after each shard) or
-``HARVEST_FLOW_LOAD_PAUSE_S`` (before the model loads); these are flow-run env only.
+environment. Tests that need "mid-job" moments slow real work with an engine of their own,
+``env=engine_env(OneSecondShards)`` (`tests.slow_engine`): the flow run asks its host's engine
+server for that engine instead of the plain one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -45,7 +47,20 @@ import pytest
 
 __all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob"]
 
-WORKER_ENV = {"HARVEST_USE_VLLM": "0", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "WARNING"}
+REPO = Path(__file__).resolve().parent.parent
+
+# Flow runs on the HF reference engine, as warm engines (`harvest.warm`) of one CPU group per
+# session: up to three models kept (the slow test engines of `tests.slow_engine` beside the
+# plain one), idle servers gone two minutes after the last job. The repository is on the path
+# so those engines import.
+WORKER_ENV = {
+    "HARVEST_ENGINE": "hf",
+    "HARVEST_ENGINE_MODELS_PER_GROUP": "3",
+    "HARVEST_ENGINE_IDLE_S": "120",
+    "PYTHONPATH": str(REPO),
+    "PREFECT_WORKER_QUERY_SECONDS": "1",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+}
 
 
 @dataclass
@@ -93,9 +108,17 @@ class LaneWorkers:
 
     def start(self, lane: str, env: dict[str, str] | None = None):
         from flows.processes import start_worker
+        from harvest.lanes import load_lanes
 
         name = f"{lane}-{uuid.uuid4().hex[:6]}"
-        worker = start_worker(lane, self.api_url, self.log_dir / f"worker-{name}.log", {**WORKER_ENV, **(env or {})}, name=name)
+        env = {**WORKER_ENV, **(env or {})}
+        declared = load_lanes().get(lane)
+        if declared is not None:
+            # A worker host of the lane: as many CPU slots as its pool runs at once, so its
+            # runs share the host's warm engine. A worker of a test's own pool stays a bare
+            # one, whose runs load their engine themselves.
+            env["HARVEST_SLOTS"] = json.dumps([[] for _ in range(declared.pool_limit or 1)])
+        worker = start_worker(lane, self.api_url, self.log_dir / f"worker-{name}.log", env, name=name)
         self.workers.append(worker)
         return worker
 

@@ -17,7 +17,7 @@ PROMPTS = ["The sky is", "Grass is green.", "A shard is a file."]
 
 
 def _harvest(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HARVEST_USE_VLLM": "0", **(env_extra or {})}
+    env = {**os.environ, "HARVEST_ENGINE": "hf", **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "harvest.cli", "run", *args], capture_output=True, text=True, env=env, timeout=300
     )
@@ -79,7 +79,7 @@ def test_bad_input_gets_a_clear_message_and_nonzero_exit(corpora, args, message,
     """In-process (the same `main` the console script calls), so each case costs no interpreter start."""
     from harvest.cli import main
 
-    monkeypatch.setenv("HARVEST_USE_VLLM", "0")
+    monkeypatch.setenv("HARVEST_ENGINE", "hf")
     (corpora / "p.csv").write_text("a,b\n")
     base = {"--model": "llama-tiny", "--prompts": str(corpora / "p.txt"), "--out": str(corpora / "never")}
     given = dict(zip(args[::2], [a.replace("CORPUS", str(corpora)) for a in args[1::2]]))

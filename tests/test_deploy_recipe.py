@@ -361,7 +361,7 @@ def test_compose_builds_dockerfile_targets():
         assert (REPO / build["dockerfile"]).resolve() == DOCKERFILE, (name, build["dockerfile"])
         assert build["target"] in stages, (name, build["target"])
         if _role(_services()[name]) == "worker" and build["target"] == "worker-cpu":
-            assert _env(_services()[name]).get("HARVEST_USE_VLLM") == "0", f"{name}: the CPU image has no vLLM by default"
+            assert _env(_services()[name]).get("HARVEST_ENGINE") == "hf", f"{name}: the CPU image has no vLLM by default"
 
 
 def test_compose_variables_are_documented():

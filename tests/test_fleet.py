@@ -27,10 +27,10 @@ import psutil
 import psycopg
 import pytest
 
+from tests.slow_engine import slow_shards
 from tests.topology import Fleet
 
 ORDER = {"pending": 0, "running": 1, "done": 2, "failed": 2, "cancelled": 2}
-SHARD_PAUSE_S = "1.0"  # worker hosts slow each shard by this much, so tests can act mid-job
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
     with Fleet(
         root, replicas_n=2, hosts_n=2,
-        host_env={"HARVEST_FLOW_SHARD_PAUSE_S": SHARD_PAUSE_S},
+        host_env=slow_shards(1),  # each shard a second longer: tests act mid-job
         replica_env={"HARVEST_WATCH_INTERVAL_S": "0.5", "HARVEST_WATCHER_LEASE_S": "3"},
     ) as fleet:
         yield fleet

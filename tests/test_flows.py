@@ -53,7 +53,9 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
         assert run.parameters == {"job_id": job.job_id, "request_url": job.request_url, "workers": 1}
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         names = sorted(t.name for t in tasks)
-        assert [n for n in names if n.startswith("shard-")] == ["shard-0", "shard-1", "shard-2"]
+        # Each shard: its forward pass, then its write (behind the next forward pass).
+        assert [n for n in names if n.startswith("forward-")] == ["forward-0", "forward-1", "forward-2"]
+        assert [n for n in names if n.startswith("write-")] == ["write-0", "write-1", "write-2"]
         assert all(t.state.is_completed() for t in tasks)
         artifacts = client.read_artifacts()
         progress = [a for a in artifacts if a.flow_run_id == run.id and a.type == "progress"]
@@ -92,7 +94,7 @@ def test_a_helper_stuck_pending_is_taken_over_after_the_grace(single_job, harves
     from prefect.client.schemas.objects import StateType
     from prefect.states import Pending
 
-    from flows.harvest import HELPER_TAG
+    from flows.scale_out import HELPER_TAG
 
     reference, _ = single_job
     job_id = str(uuid.uuid4())

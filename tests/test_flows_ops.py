@@ -9,9 +9,7 @@ import time
 
 
 from harvest.jobfiles import MANIFEST, PROGRESS
-
-PAUSE = "HARVEST_FLOW_SHARD_PAUSE_S"
-LOAD_PAUSE = "HARVEST_FLOW_LOAD_PAUSE_S"
+from tests.slow_engine import slow_load, slow_shards
 
 
 def _progress(job) -> dict:
@@ -67,7 +65,7 @@ def test_cancel_during_forward_passes_lands_within_5_s(harvest_stack):
 
 
 def test_cancel_while_the_model_loads(harvest_stack):
-    job = harvest_stack.submit({"model": "llama-tiny", "prompts": ["hello"] * 4, "shard_size": 2}, env={LOAD_PAUSE: "120"})
+    job = harvest_stack.submit({"model": "llama-tiny", "prompts": ["hello"] * 4, "shard_size": 2}, env=slow_load())
     _wait_for(lambda: _progress(job).get("stage") == "loading", 240, "the loading stage")
     assert harvest_stack.status(job.flow_run_id).status == "running"
     latency = _cancelled_within(job, 5)
@@ -90,7 +88,7 @@ def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
     from prefect.client.orchestration import get_client
 
     jobs = [
-        harvest_stack.submit({"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(3)], "shard_size": 1}, env={PAUSE: "1"})
+        harvest_stack.submit({"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(3)], "shard_size": 1}, env=slow_shards(1))
         for i in range(4)
     ]
     ids = [j.flow_run_id for j in jobs]

@@ -10,7 +10,7 @@ from uuid import uuid4
 
 import pytest
 
-from flows.harvest import COLLECT, RECOMPUTE, TAKE_OVER, WAIT, helper_action, split_ranges
+from flows.scale_out import COLLECT, RECOMPUTE, TAKE_OVER, WAIT, helper_action, split_ranges
 from flows.retention import expired_jobs, sweep
 from harvest.jobfiles import JobFiles
 from harvest.request import HarvestRequest
@@ -148,15 +148,20 @@ def test_every_helper_state_but_running_ends_within_a_bound():
 
 
 def test_flow_settings_from_the_environment(monkeypatch):
-    monkeypatch.setenv("HARVEST_FLOW_SHARD_PAUSE_S", "0.5")
-    monkeypatch.setenv("HARVEST_FLOW_LOAD_PAUSE_S", "120")
     monkeypatch.setenv("HARVEST_HELPER_GRACE_S", "2")
+    monkeypatch.setenv("HARVEST_ENGINE", "hf")
     settings = Settings()
-    assert (settings.flow_shard_pause_s, settings.flow_load_pause_s, settings.helper_grace_s) == (0.5, 120, 2)
+    assert (settings.helper_grace_s, settings.engine) == (2, "hf")
     defaults = {name: field.default for name, field in Settings.model_fields.items()}
-    assert (defaults["flow_shard_pause_s"], defaults["flow_load_pause_s"], defaults["helper_grace_s"]) == (0, 0, 30)
+    assert (defaults["helper_grace_s"], defaults["engine"]) == (30, "auto")
+    # No test throttle is left in production settings: tests slow a job down with their own engine.
+    assert not [name for name in defaults if "pause" in name]
     monkeypatch.setenv("HARVEST_HELPER_GRACE_S", "-1")
     with pytest.raises(ValueError):
+        Settings()
+    monkeypatch.setenv("HARVEST_HELPER_GRACE_S", "2")
+    monkeypatch.setenv("HARVEST_ENGINE", "tensorrt")
+    with pytest.raises(ValueError, match="HARVEST_ENGINE must be auto, vllm, hf or module:Class"):
         Settings()
 
 

@@ -19,7 +19,7 @@ def inline_server(harvest_home, tiny):
 
     # HF engine whatever is installed (the vLLM engine has its own parity tests); the model
     # is warmed in the background at start-up, as a served model would be.
-    server = ApiServer(harvest_home, "inline", {"HARVEST_USE_VLLM": "0", "HARVEST_INLINE_PRELOAD": "llama-tiny"}).start()
+    server = ApiServer(harvest_home, "inline", {"HARVEST_ENGINE": "hf", "HARVEST_INLINE_PRELOAD": "llama-tiny"}).start()
     try:
         yield server
     finally:

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from tests.slow_engine import slow_shards
 from flows.liveness import (
     CANCEL_AFTER_S,
     CANCEL_AUTOMATION,
@@ -40,7 +41,6 @@ from flows.liveness import (
 
 DEAD_1, DEAD_2, LIVE, UNWATCHED = "liveness-dead-1", "liveness-dead-2", "liveness-live", "liveness-unwatched"
 POOLS = (DEAD_1, DEAD_2, LIVE, UNWATCHED)
-PAUSE = "HARVEST_FLOW_SHARD_PAUSE_S"
 
 
 def _client():
@@ -147,7 +147,7 @@ def _submit(pool: str, n_prompts: int, pause_s: float):
         {"model": "llama-tiny", "prompts": [f"prompt {k} of job {job_id[:8]}" for k in range(n_prompts)], "shard_size": 2}
     )
     url = files.write_request(request)
-    return start_harvest_run(job_id, url, "llama-tiny", pool, "test", env={PAUSE: str(pause_s)}), files
+    return start_harvest_run(job_id, url, "llama-tiny", pool, "test", env=slow_shards(pause_s)), files
 
 
 def test_apply_automations_is_idempotent_by_name(liveness):

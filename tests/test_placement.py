@@ -31,6 +31,7 @@ from harvest.jobfiles import MANIFEST, STATS, JobFiles
 from harvest.placement import auto_workers, check_fits, free_slots, host_slots, parse_gpus, visible_gpus
 from harvest.request import HarvestRequest
 from tests.prefect_fixtures import WORKER_ENV
+from tests.slow_engine import slow_shards
 
 MODEL = "llama-tiny-placed"
 REPO = Path(__file__).resolve().parent.parent
@@ -222,7 +223,7 @@ def _shard_tasks(run_id) -> list[str]:
 
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-    return sorted((t.name for t in tasks if t.name.startswith("shard-")), key=lambda n: int(n.split("-")[1]))
+    return sorted((t.name for t in tasks if t.name.startswith("write-")), key=lambda n: int(n.split("-")[1]))
 
 
 def test_a_host_with_two_slots_never_runs_a_third_job_and_each_run_sees_only_its_gpus(lanes):
@@ -231,7 +232,7 @@ def test_a_host_with_two_slots_never_runs_a_third_job_and_each_run_sees_only_its
     from prefect.client.schemas.objects import StateType
 
     host = lanes.host(lanes.pools["gpu"], "gpu-host", gpus=["0", "1"], gpus_per_run=1)
-    slowed = {"HARVEST_FLOW_SHARD_PAUSE_S": "1"}
+    slowed = slow_shards(1)
     jobs = [_submit(lanes, "gpu", [f"job {j} prompt {k}" for k in range(3)], env=slowed) for j in range(3)]
     ids = [run_id for _, _, run_id in jobs]
 
@@ -282,7 +283,7 @@ def two_hosts(lanes):
 def test_a_16_shard_job_spreads_over_two_idle_hosts_with_identical_results(lanes, two_hosts):
     from prefect.client.schemas.filters import FlowRunFilterTags
 
-    from flows.harvest import HELPER_TAG
+    from flows.scale_out import HELPER_TAG
 
     prompts = [f"Prompt {i} of the spread job says hello." for i in range(16)]
     job_id, files, run_id = _submit(lanes, "cpu", prompts)  # as the API: no workers given
@@ -295,13 +296,13 @@ def test_a_16_shard_job_spreads_over_two_idle_hosts_with_identical_results(lanes
     helper = helpers[0]
     assert helper.state.is_completed() and helper.run_count == 1  # ran itself, not taken over
     assert {parent.labels["prefect.worker.name"], helper.labels["prefect.worker.name"]} == {"cpu-host-a", "cpu-host-b"}
-    assert _shard_tasks(parent.id) == [f"shard-{k}" for k in range(8)]
-    assert _shard_tasks(helper.id) == [f"shard-{k}" for k in range(8, 16)]
+    assert _shard_tasks(parent.id) == [f"write-{k}" for k in range(8)]
+    assert _shard_tasks(helper.id) == [f"write-{k}" for k in range(8, 16)]
 
     ref_id, ref_files, ref_run = _submit(lanes, "cpu", prompts, workers=1)  # one run, one host
     assert _wait(ref_run).status == "done"
     assert not _read_runs(tags=FlowRunFilterTags(all_=[f"job:{ref_id}", HELPER_TAG]))
-    assert _shard_tasks(ref_run) == [f"shard-{k}" for k in range(16)]
+    assert _shard_tasks(ref_run) == [f"write-{k}" for k in range(16)]
 
     names = sorted(n for n in files.storage.listdir() if n.startswith("shard_"))
     assert names == sorted(n for n in ref_files.storage.listdir() if n.startswith("shard_")) and len(names) == 16

@@ -53,7 +53,7 @@ def test_make_run_starts_serves_a_harvest_and_stops_clean(tmp_path):
         PREFECT_HOME=str(home / "prefect"),
         HARVEST_PORT=str(free_port()),
         HARVEST_PREFECT_PORT=str(free_port()),
-        HARVEST_USE_VLLM="0",
+        HARVEST_ENGINE="hf",
         PREFECT_WORKER_QUERY_SECONDS="1",
     )
     home.mkdir()

@@ -271,7 +271,8 @@ class Fleet:
         name = f"host-{host.name}"
         role = self._role(
             name, [*HARVEST, "worker", "--lane", self.lane, "--name", name], host,
-            PREFECT_API_URL=self.prefect_api_url, HARVEST_USE_VLLM="0", PREFECT_WORKER_QUERY_SECONDS="1",
+            PREFECT_API_URL=self.prefect_api_url, HARVEST_ENGINE="hf", PREFECT_WORKER_QUERY_SECONDS="1",
+            PYTHONPATH=str(Path(__file__).resolve().parent.parent),  # for tests.slow_engine
             **self._storage_env(), **self.host_env,
         )
         role.wait_ready(f"WORKER_READY lane={self.lane}")

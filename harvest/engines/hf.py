@@ -1,4 +1,4 @@
-"""The Hugging Face transformers engine: the numerical reference (`HARVEST_USE_VLLM=0`).
+"""The Hugging Face transformers engine: the numerical reference (`HARVEST_ENGINE=hf`; `auto` on the CPU).
 
 Prompts are sorted by length and run in right-padded batches, so padding only ever sits
 after a prompt's real tokens: with a causal mask it cannot change them, and each prompt's

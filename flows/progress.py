@@ -1,0 +1,124 @@
+"""A harvest run's view of itself: who it is, whether it is being cancelled, and its progress.
+
+Progress goes three ways, for three readers: the job's progress file (`JobFiles`, what the API
+shows as `progress`), a Prefect progress artifact (the UI), and the run's labels (where it
+landed: `harvest.slot`, `harvest.devices`, `harvest.workers`, beside Prefect's own
+`prefect.worker.name`). All of it is best effort: a display failure never fails a job.
+"""
+
+from __future__ import annotations
+
+import time
+from uuid import UUID
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.runtime import flow_run as current_run
+
+from flows.placement import WORKERS_LABEL
+from harvest.jobfiles import JobFiles
+from harvest.lanes import deployment_name
+
+__all__ = ["RunProgress", "summary_artifact"]
+
+
+class RunProgress:
+    """This flow run's view of itself: where it runs, cancellation check, progress reporting."""
+
+    def __init__(self, job_id: str, files: JobFiles, lane: str, tokens_per_shard: list[int], placement: dict | None):
+        self.id = current_run.get_id()
+        self.placement = placement
+        self.job_id = job_id
+        self.files = files
+        self.n_shards = len(tokens_per_shard)  # this run's own share, once the plan is made
+        self.tokens_per_shard = tokens_per_shard
+        self.client = get_client(sync_client=True)
+        self.client.__enter__()
+        me = self.client.read_flow_run(self.id) if self.id is not None else None
+        # Helpers are runs of this run's own deployment, so they land on the pool whose free
+        # slots were counted; a run without one (a subflow: a corpus refresh's part done in
+        # the refresh's process) uses its lane's.
+        self.pool: str = (me.work_pool_name if me else None) or lane
+        self.deployment: UUID | str = (me.deployment_id if me else None) or deployment_name(lane)
+        self.job_variables = me.job_variables if me else None
+        self.labels = dict(me.labels or {}) if me else {}
+        self.started = time.perf_counter()
+        self.tokens_done = 0
+        self.shards_done = 0
+        self.skipped = 0
+        self.artifact: UUID | None = None
+
+    def close(self) -> None:
+        self.client.__exit__(None, None, None)
+
+    def cancelling(self) -> bool:
+        """True once someone asked to cancel this run (the worker's SIGTERM usually wins)."""
+        if self.id is None:
+            return False
+        try:
+            state = self.client.read_flow_run(self.id).state
+        except Exception:  # an API hiccup must not fail a GPU job; SIGTERM still works
+            return False
+        return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+    def stage(self, stage: str) -> None:
+        self.files.write_progress(
+            stage=stage, shards_done=self.shards_done, n_shards=self.n_shards, shards_skipped=self.skipped, placement=self.placement
+        )
+
+    def label(self, workers: int) -> None:
+        """Where this run landed and how many runs share the job, as labels of the flow run
+        (the UI shows them; `choose_workers` reads `harvest.workers` back on a reschedule)."""
+        if self.id is None:
+            return
+        labels = {WORKERS_LABEL: str(workers)}
+        for key, value in (self.placement or {}).items():
+            labels[f"harvest.{key}"] = "" if value is None else str(value)
+        try:
+            self.client.update_flow_run_labels(self.id, labels)
+        except Exception:  # display and resume aid; the job goes on without it
+            get_run_logger().warning("could not label flow run %s", self.id, exc_info=True)
+
+    def shard_done(self, k: int, skipped: bool) -> None:
+        self.shards_done += 1
+        if skipped:
+            self.skipped += 1
+        else:
+            self.tokens_done += self.tokens_per_shard[k]
+        rate = self.tokens_done / max(time.perf_counter() - self.started, 1e-6)
+        fraction = 100.0 * self.shards_done / max(self.n_shards, 1)
+        text = f"{self.shards_done}/{self.n_shards} shards, {rate:,.0f} tokens/s"
+        self.files.write_progress(
+            stage="forward",
+            shards_done=self.shards_done,
+            n_shards=self.n_shards,
+            shards_skipped=self.skipped,
+            tokens_per_s=round(rate, 1),
+            placement=self.placement,
+        )
+        if self.id is None:
+            return
+        try:
+            if self.artifact is None:
+                self.artifact = create_progress_artifact(
+                    progress=fraction, key=f"harvest-progress-{self.job_id}"[:100].lower(), description=text
+                )
+            else:
+                update_progress_artifact(self.artifact, progress=fraction, description=text)
+        except Exception:  # progress display is best effort
+            get_run_logger().debug("progress artifact update failed", exc_info=True)
+
+
+
+def summary_artifact(job_id: str, result: dict) -> None:
+    """A small table in the UI: what the job wrote and where the time went."""
+    rows = [f"| {k} | {v} |" for k, v in result.items() if k != "timings"]
+    rows += [f"| {k} | {v} |" for k, v in result["timings"].items()]
+    try:
+        create_markdown_artifact("| field | value |\n|---|---|\n" + "\n".join(rows), description=f"harvest {job_id}")
+    except Exception:  # display only
+        get_run_logger().debug("summary artifact failed", exc_info=True)
+
+

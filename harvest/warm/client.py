@@ -1,0 +1,144 @@
+"""A run's side of the warm engines: `open_engine` and the `RemoteEngine` it returns."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Client, Connection
+
+from harvest.capture import CaptureSpec, ShardCapture
+from harvest.engines.base import Engine, EngineLoad, choose_engine, load_engine
+from harvest.registry import ModelInfo
+from harvest.settings import Settings, get_settings
+from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, send
+
+__all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect"]
+
+# A server lost mid-shard is started again this many times for one shard before the shard
+# fails (its task's own retry then tries once more).
+RECONNECTS = 2
+
+
+class EngineLost(ConnectionError):
+    """The engine server went away (killed, out of memory) while it had our request."""
+
+
+def _start_server(files: GroupFiles, settings: Settings) -> None:
+    """Start the group's engine server in its own session, so it outlives the run that
+    started it (a cancel signals the run's process group, not the server's)."""
+    files.log.parent.mkdir(parents=True, exist_ok=True)
+    log = open(files.log, "a")
+    subprocess.Popen(
+        [sys.executable, "-m", "harvest.warm.server", "--group", files.group],
+        env={**os.environ, "HARVEST_HOME": str(settings.home)},
+        cwd=str(settings.home),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    log.close()
+
+
+def _try_connect(files: GroupFiles) -> Connection | None:
+    try:
+        return Client(str(files.socket), family="AF_UNIX", authkey=files.authkey())
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+
+
+def connect(files: GroupFiles, settings: Settings) -> Connection:
+    """A connection to the group's server, starting it if none answers."""
+    conn = _try_connect(files)
+    if conn is not None:
+        return conn
+    with open(files.lock, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one starter per group; the others find it running
+        conn = _try_connect(files)
+        if conn is not None:
+            return conn
+        _start_server(files, settings)
+        deadline = time.monotonic() + settings.engine_start_timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            conn = _try_connect(files)
+            if conn is not None:
+                return conn
+    tail = files.log.read_text()[-1500:] if files.log.exists() else ""
+    raise RuntimeError(f"the engine server of group {files.group} did not answer within {settings.engine_start_timeout_s:.0f} s:\n{tail}")
+
+
+class RemoteEngine(Engine):
+    """An engine in the group's server; `capture` is one request, asked again (after the
+    server is started again) if the server dies with it."""
+
+    def __init__(self, model: ModelInfo, files: GroupFiles, setting: str, settings: Settings):
+        self.model = model
+        self.files = files
+        self.setting = setting
+        self.settings = settings
+        self.conn: Connection | None = None
+        self.load = self._load()
+        self.name = self.load.engine
+
+    def _call(self, *message):
+        assert self.conn is not None
+        try:
+            send(self.conn, message)
+            status, reply = receive(self.conn)
+        except (EOFError, OSError) as exc:
+            self.conn.close()
+            self.conn = None
+            raise EngineLost(f"the engine server of group {self.files.group} went away: {exc!r}") from exc
+        if status == "error":
+            raise_error(reply)
+        return reply
+
+    def _load(self) -> EngineLoad:
+        self.conn = connect(self.files, self.settings)
+        reply = self._call("load", self.model.name, self.setting)
+        self._versions = reply["versions"]
+        return EngineLoad(reply["engine"], reply["reason"], reply["warm"], reply["load_s"], self.files.group)
+
+    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
+        for attempt in range(RECONNECTS + 1):
+            try:
+                if self.conn is None:
+                    self._load()
+                return self._call("capture", prompts, list(spec.layers), spec.directions, batch_size)
+            except EngineLost:
+                if attempt == RECONNECTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    def status(self) -> dict:
+        return self._call("status")
+
+    def versions(self) -> dict[str, str]:
+        return dict(self._versions)
+
+    def close(self) -> None:
+        """Hand the engine back (the server keeps it loaded for the next job)."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def open_engine(model: ModelInfo, placement: dict | None, settings: Settings | None = None) -> tuple[Engine, EngineLoad]:
+    """The run's engine: its host group's warm one on a worker host (`placement` is its
+    slot), else one loaded here."""
+    settings = settings or get_settings()
+    started = time.perf_counter()
+    if placement is None:
+        choice = choose_engine()
+        engine = load_engine(model, choice)
+        return engine, EngineLoad(engine.name, choice.reason, False, time.perf_counter() - started)
+    files = GroupFiles(settings.home, group_name(placement.get("devices")))
+    engine = RemoteEngine(model, files, settings.engine, settings)
+    load = engine.load
+    # What the run waited, warm or not: connecting, and a load (its own or one it queued behind).
+    load.load_s = time.perf_counter() - started
+    return engine, load

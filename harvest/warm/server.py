@@ -1,0 +1,164 @@
+"""The engine server of one GPU group: `python -m harvest.warm.server --group G`.
+
+It listens on the group's Unix socket (`harvest.warm.protocol`) and serves each client (a
+job's run) in a thread of its own. A client first asks for a model (`load`: which engine and
+why, whether it was warm, the load time), then for shards (`capture`), one at a time. The
+engines are an `EngineCache`: one capture at a time per engine, so two jobs on one engine take
+turns shard by shard, each a whole forward batch of its own.
+
+A client that goes away (its run was cancelled and its process ended) is noticed when its
+connection reads EOF or refuses the answer; only its own work is dropped. The server exits
+when it has had no client for `HARVEST_ENGINE_IDLE_S`, on SIGTERM (its worker stopping), and
+it removes its socket and pid file on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+
+from harvest.capture import CaptureSpec
+from harvest.engines.base import EngineChoice, choose_engine, load_engine
+from harvest.registry import load_registry
+from harvest.settings import get_settings
+from harvest.warm.cache import EngineCache, Loaded
+from harvest.warm.protocol import GroupFiles, error_reply, receive, send
+
+__all__ = ["EngineServer", "main"]
+
+
+class EngineServer:
+    def __init__(self, files: GroupFiles, capacity: int, idle_s: float):
+        self.files = files
+        self.idle_s = idle_s
+        self.registry = load_registry()
+        self.cache = EngineCache(capacity, self._load)
+        self.clients = 0
+        self.last_seen = time.monotonic()
+        self.lock = threading.Lock()
+        self.listener: Listener | None = None
+
+    def _load(self, key: tuple[str, str]):
+        model, engine = key
+        return load_engine(self.registry.get(model), EngineChoice(engine, ""))
+
+    # -- one client -----------------------------------------------------------------------
+
+    def _serve(self, conn: Connection) -> None:
+        held: Loaded | None = None
+        reason = ""
+        try:
+            while True:
+                try:
+                    message = receive(conn)
+                except (EOFError, OSError):
+                    return  # the run ended (done, cancelled or killed)
+                op, args = message[0], message[1:]
+                try:
+                    if op == "load":
+                        model, setting = args
+                        choice = choose_engine(setting)  # on this host: what torch sees here
+                        self.registry.get(model)  # unknown model: a clear error, nothing evicted
+                        if held is not None:
+                            self.cache.release(held)
+                            held = None
+                        held, warm = self.cache.acquire((model, choice.name))
+                        reason = choice.reason
+                        reply = {
+                            "engine": held.engine.name,
+                            "reason": reason,
+                            "warm": warm,
+                            "load_s": held.load_s,
+                            "versions": held.engine.versions(),
+                            "group": self.files.group,
+                        }
+                    elif op == "capture":
+                        if held is None:
+                            raise RuntimeError("capture before load")
+                        prompts, layers, directions, batch_size = args
+                        spec = CaptureSpec(layers=list(layers), directions=directions)
+                        with held.turn:
+                            reply = held.engine.capture(prompts, spec, batch_size=batch_size)
+                    elif op == "status":
+                        reply = {"pid": os.getpid(), "group": self.files.group, "clients": self.clients,
+                                 "loaded": self.cache.describe(), "loads": self.cache.loads, "evictions": self.cache.evictions}
+                    else:
+                        raise ValueError(f"unknown request {op!r}")
+                    answer = ("ok", reply)
+                except Exception as exc:  # the client raises it; the server goes on
+                    answer = error_reply(exc)
+                try:
+                    send(conn, answer)
+                except (OSError, EOFError):
+                    return  # cancelled while its shard ran: the answer has nobody to go to
+        finally:
+            if held is not None:
+                self.cache.release(held)
+            conn.close()
+            with self.lock:
+                self.clients -= 1
+                self.last_seen = time.monotonic()
+
+    # -- the server -----------------------------------------------------------------------
+
+    def _watch_idle(self) -> None:
+        while True:
+            time.sleep(min(5.0, self.idle_s / 4))
+            with self.lock:
+                idle = self.clients == 0 and time.monotonic() - self.last_seen > self.idle_s
+            if idle:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def run(self) -> None:
+        self.files.socket.unlink(missing_ok=True)
+        self.listener = Listener(str(self.files.socket), family="AF_UNIX", authkey=self.files.authkey())
+        self.files.pid.write_text(str(os.getpid()))
+        print(f"engine server {self.files.group}: pid {os.getpid()}, socket {self.files.socket}", flush=True)
+        threading.Thread(target=self._watch_idle, daemon=True, name="idle").start()
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                continue  # a client that failed the authentication handshake
+            with self.lock:
+                self.clients += 1
+                self.last_seen = time.monotonic()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="client").start()
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        self.files.forget(os.getpid())
+        self.cache.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="harvest.warm.server", description="The engine server of one GPU group.")
+    parser.add_argument("--group", required=True, help="the GPU group's name (harvest.warm.protocol.group_name)")
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s)
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.run()
+    except (SystemExit, KeyboardInterrupt):
+        pass
+    finally:
+        print(f"engine server {args.group}: stopping", flush=True)
+        server.close()
+    # Daemon client threads may sit in a forward pass; nothing of theirs is worth waiting for.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Engines that take their time, for tests that act "mid-job" on real work.
+
+A test picks one for its flow runs through their environment, `slow_shards(seconds)` or
+`slow_load()`: `HARVEST_ENGINE=tests.slow_engine:<Class>` (the repository must be on the
+runs' PYTHONPATH; the test fixtures' hosts have it). The numbers are the HF reference's, only
+slower; nothing in the service knows about these engines. On a worker host the engine lives in
+the host's warm engine server beside the plain one, as any other engine would.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from harvest.engines.hf import HFEngine
+
+__all__ = ["SlowShards", "SlowLoad", "slow_shards", "slow_load"]
+
+
+class SlowShards(HFEngine):
+    """Every shard's capture takes `shard_s` seconds more (class `ShardsTake<seconds>s`)."""
+
+    shard_s = 1.0
+
+    def capture(self, prompts, spec, *, batch_size=None):
+        capture = super().capture(prompts, spec, batch_size=batch_size)
+        time.sleep(self.shard_s)
+        capture.forward_s += self.shard_s
+        return capture
+
+
+class SlowLoad(HFEngine):
+    """Loading takes 30 s more (a big checkpoint): long enough to cancel a run mid-load."""
+
+    def __init__(self, model, device=None):
+        time.sleep(30)
+        super().__init__(model, device)
+
+
+def __getattr__(name: str) -> type:
+    """`ShardsTake1.5s` → a `SlowShards` of 1.5 s, made when the engine server asks for it."""
+    match = re.fullmatch(r"ShardsTake([0-9.]+)s", name)
+    if match is None:
+        raise AttributeError(name)
+    return type(name, (SlowShards,), {"shard_s": float(match.group(1))})
+
+
+def slow_shards(seconds: float) -> dict[str, str]:
+    """Flow-run environment: each shard takes `seconds` more."""
+    return {"HARVEST_ENGINE": f"tests.slow_engine:ShardsTake{seconds:g}s"}
+
+
+def slow_load() -> dict[str, str]:
+    """Flow-run environment: the model takes 30 s more to load."""
+    return {"HARVEST_ENGINE": "tests.slow_engine:SlowLoad"}
