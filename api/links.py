@@ -3,8 +3,9 @@
 On `s3://` storage the store signs them itself (SigV4 presigned GET, `X-Amz-Expires`). On the
 local file store the API signs `/v1/files/{job_id}/{name}?expires=…&signature=…` with HMAC-SHA256
 over the job id, the file name and the expiry, and serves the file only when the signature
-matches and the expiry has not passed (403 otherwise). Only the job's own result files can be
-named (`harvest.jobfiles.RESULT_FILE`), so no link reaches outside the job's prefix.
+matches and the expiry has not passed (403 otherwise). Only a canonical job id and the job's
+own result files can be named (`harvest.jobfiles.RESULT_FILE`), so no link reaches outside the
+job's prefix, even one this API signed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import hmac
 import secrets
 import time
+import uuid
 from functools import lru_cache
 from urllib.parse import urlencode
 
@@ -50,9 +52,18 @@ def sign(base_url: str, job_id: str, name: str, expires: int) -> str:
     return f"{base_url.rstrip('/')}/v1/files/{job_id}/{name}?{query}"
 
 
+def _is_job_id(job_id: str) -> bool:
+    """A job id as the API makes them (a canonical uuid): never `..` nor anything with a
+    separator, so a signed link cannot name a path outside its job's folder."""
+    try:
+        return str(uuid.UUID(job_id)) == job_id
+    except ValueError:
+        return False
+
+
 def verify(job_id: str, name: str, expires: str | None, signature: str | None) -> None:
     """Raise 403 unless the link is intact, unexpired and names one of the job's files."""
-    if not RESULT_FILE.match(name) or expires is None or signature is None or not expires.isdigit():
+    if not _is_job_id(job_id) or not RESULT_FILE.match(name) or expires is None or signature is None or not expires.isdigit():
         raise LinkRefused("This download link is not valid.")
     if not hmac.compare_digest(_mac(job_id, name, int(expires)), signature):
         raise LinkRefused("This download link is not valid: its signature does not match.")

@@ -9,6 +9,7 @@ by the real core pipeline with the real tiny model, as a worker would.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -145,8 +146,43 @@ def test_expired_tampered_or_foreign_links_are_403(harvest_api, key, done_job):
         response = httpx.get(link)
         assert response.status_code == 403, (link, response.text)
         assert response.json()["error"]["code"] == "link_invalid"
-    # Validly signed by this API but for a path outside the job: the route never reaches it.
-    assert httpx.get(sign(harvest_api.root, "..", "manifest.json", int(time.time()) + 60)).status_code in (403, 404)
+
+
+def test_a_validly_signed_link_outside_any_job_is_refused(harvest_api, key, done_job):
+    """A link signed by this API for the job id `..` names `<storage>/manifest.json`, outside
+    every job. Sent byte for byte (http.client does not fold `..` away as httpx does, which
+    is how the old check never reached the route), it must be refused, not served."""
+    import http.client
+
+    from api.links import _mac
+
+    storage_root = Path(harvest_api.env["HARVEST_STORAGE_URL"][len("file://"):])
+    planted = storage_root / "manifest.json"
+    planted.write_text('{"secret": "outside every job"}')
+    expires = int(time.time()) + 60
+    try:
+        for job_id in ("..", "%2E%2E"):
+            conn = http.client.HTTPConnection("127.0.0.1", harvest_api.port, timeout=30)
+            conn.request("GET", f"/v1/files/{job_id}/manifest.json?expires={expires}&signature={_mac('..', 'manifest.json', expires)}")
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            assert response.status == 403, (job_id, response.status, body)
+            assert json.loads(body)["error"]["code"] == "link_invalid" and b"secret" not in body
+    finally:
+        planted.unlink()
+
+
+def test_links_ignore_the_clients_host_header(harvest_api, key, done_job):
+    """Before, links were built from the Host header: a client could make the API hand out
+    validly signed links to a host of its choosing."""
+    body = _get_with(harvest_api, key, done_job["job_id"], {"Host": "evil.example:666"}).json()
+    links = [*body["result"]["shard_urls"], body["result"]["manifest_url"], body["result"]["stats_url"]]
+    assert all(link.startswith(f"{harvest_api.root}/v1/files/{done_job['job_id']}/") for link in links), links
+
+
+def _get_with(server, key, job_id, headers) -> httpx.Response:
+    return httpx.get(f"{server.base_url}/harvest/{job_id}", headers={**_auth(key), **headers}, timeout=90)
 
 
 def test_after_retention_the_job_says_urls_expired_with_no_links(harvest_api, key, hf_engine):
@@ -202,9 +238,29 @@ def _cancel(server, key, job_id) -> httpx.Response:
     return httpx.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), timeout=30)
 
 
+def ledger(server, job_ids) -> dict[str, list[tuple]]:
+    """Each job's rows in the charge ledger, (outcome, tokens_charged): the independent record
+    of charges, written once in the transaction that ended the job."""
+    from sqlalchemy import text
+
+    engine = server.engine()
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT job_id, outcome, tokens_charged FROM charge_ledger")).all()
+    finally:
+        engine.dispose()
+    return {job_id: [(o, t) for j, o, t in rows if j == job_id] for job_id in job_ids}
+
+
+def manifest_tokens(server, job_id) -> int:
+    """The token positions the pipeline wrote, from the job's own manifest (not the API)."""
+    return json.loads(server.storage().child(f"jobs/{job_id}").read_bytes("manifest.json"))["tokens"]
+
+
 def test_charging_rules_over_http(harvest_api, key, done_job):
-    # done → the tokens that ran
-    assert done_job["tokens"] == done_job["result"]["tokens"] > 0
+    # done → the tokens that ran, as the files say
+    assert ledger(harvest_api, [done_job["job_id"]])[done_job["job_id"]] == [("done", manifest_tokens(harvest_api, done_job["job_id"]))]
+    assert done_job["tokens"] == manifest_tokens(harvest_api, done_job["job_id"]) > 0
 
     # cancelled before the GPU run started → 0, and the run is stopped
     early = _submit(harvest_api, key)
@@ -234,6 +290,13 @@ def test_charging_rules_over_http(harvest_api, key, done_job):
     for job_id in (done_job["job_id"], failed["job_id"]):
         response = _cancel(harvest_api, key, job_id)
         assert response.status_code == 409 and response.json()["error"]["code"] == "harvest_not_cancellable"
+
+    # The ledger recorded each ending once, whatever the API answered on the way.
+    assert ledger(harvest_api, [early["job_id"], late["job_id"], failed["job_id"]]) == {
+        early["job_id"]: [("cancelled", 0)],
+        late["job_id"]: [("cancelled", late["reserved_tokens"])],
+        failed["job_id"]: [("failed", 0)],
+    }
 
 
 def test_twenty_simultaneous_submits_against_a_limit_of_three_admit_three(harvest_api):
@@ -291,19 +354,14 @@ def test_the_api_killed_mid_job_follows_on_and_charges_once(harvest_api, hf_engi
     # The same run was followed, never started again.
     assert server.runs.get(f"run-{finishing}")["starts"] == 1
 
-    # Charged exactly once: the key's charges are this job's tokens plus the cancelled job's
-    # reservation, and further watcher ticks change nothing.
+    # Charged exactly once each, by the ledger: the finished job its tokens as its manifest
+    # counts them, the cancelled one its reservation; and further watcher ticks add nothing.
     time.sleep(1.0)
-    from sqlalchemy import text
-
-    engine = server.engine()
-    with engine.connect() as conn:
-        charged = conn.execute(text(
-            "SELECT coalesce(sum(tokens), 0) FROM jobs WHERE key_id = (SELECT id FROM api_keys WHERE name = :n)"
-        ), {"n": name}).scalar_one()
-    engine.dispose()
-    assert body["tokens"] == _get(server, key, finishing).json()["tokens"]
-    assert charged == body["tokens"] + reserved
+    assert ledger(server, [finishing, cancelled]) == {
+        finishing: [("done", manifest_tokens(server, finishing))],
+        cancelled: [("cancelled", reserved)],
+    }
+    assert _get(server, key, finishing).json()["tokens"] == manifest_tokens(server, finishing)
 
 
 def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harvest_api, key):
@@ -319,7 +377,9 @@ def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harv
     assert error["code"] == "harvest_unavailable"
     job_id = error["message"].split("Job ")[1].split(" ")[0]
     body = _get(harvest_api, key, job_id).json()
-    assert (body["status"], body["tokens"]) == ("failed", 0) and "could not be started" in body["error"]
+    assert body["status"] == "failed" and "could not be started" in body["error"]
+    assert ledger(harvest_api, [job_id]) == {job_id: [("failed", 0)]}
+    assert "refused the connection" not in body["error"]  # the backend's own words stay in the log
 
 
 def test_a_job_admitted_by_a_process_that_died_before_starting_it_is_started_by_the_watcher(harvest_api):

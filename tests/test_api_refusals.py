@@ -91,6 +91,7 @@ def test_directions_that_do_not_fit_are_refused_with_the_numbers(harvest_api, ke
 def test_a_model_whose_weights_are_not_here_is_503(harvest_api, key):
     error = _error(_post(harvest_api, key, {**OK, "model": "llama-8b", "layers": [8]}), 503, "harvest_unavailable", None)
     assert "meta-llama/Llama-3.1-8B" in error["message"]
+    assert str(harvest_api.home) not in error["message"] and "looked in" not in error["message"]  # no server paths
 
 
 def test_malformed_json_is_400(harvest_api, key):
@@ -201,7 +202,7 @@ def test_monthly_quota_and_token_budget(harvest_api):
 
     budget_key = harvest_api.make_key(name="budget", token_budget=10)
     error = _error(_post(harvest_api, budget_key, {**OK, "prompts": ["zq " * 20]}), 429, "budget_exceeded", None)
-    assert "10 monthly harvest tokens" in error["message"] or "of its 10" in error["message"]
+    assert "has 10 of its 10 monthly harvest tokens left (0 charged or held)" in error["message"], error
     assert _post(harvest_api, budget_key, OK).status_code == 202  # a small one fits
 
 
