@@ -1,0 +1,3 @@
+from harvest_client.cli import main
+
+raise SystemExit(main())

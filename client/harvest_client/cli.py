@@ -1,0 +1,81 @@
+"""`harvest-client`: the client from a shell.
+
+    harvest-client harvest --model M --prompts corpus.parquet --column text --out DIR [--layers 2,4,6|all]
+                           [--shard-size N] [--no-special-tokens] [--project-onto dirs.npy]
+                           [--max-prompts-per-job N] [--workers N]
+    harvest-client download JOB_ID --out DIR
+
+ACS_API_BASE and ACS_API_KEY say where and who (or --api-base / --api-key). Running the same
+`harvest` command again resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+__all__ = ["main"]
+
+
+def _layers(text: str | None):
+    if text is None:
+        return None
+    if text == "all":
+        return "all"
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harvest-client", description="Harvest residual-stream activations of a corpus "
+                                     "through the service, and download jobs, verified and resumable.")
+    parser.add_argument("--api-base", help="default: $ACS_API_BASE")
+    parser.add_argument("--api-key", help="default: $ACS_API_KEY")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    harvest = commands.add_parser("harvest", help="harvest a whole corpus into a dataset folder (resumable)")
+    harvest.add_argument("--model", required=True, help="served model name, e.g. llama-tiny")
+    harvest.add_argument("--prompts", required=True, help=".jsonl, .txt or .parquet; a path or any fsspec URL")
+    harvest.add_argument("--column", default="text", help="the field/column holding the text (default: text)")
+    harvest.add_argument("--out", required=True, help="the dataset folder")
+    harvest.add_argument("--layers", help="comma-separated block indices, or 'all' (default: the quartile blocks)")
+    harvest.add_argument("--shard-size", type=int, default=32, help="prompts per shard file (default 32)")
+    harvest.add_argument("--no-special-tokens", action="store_true", help="tokenize verbatim, add no start token")
+    harvest.add_argument("--project-onto", help="a .npy array [n_directions, hidden]: harvest projections onto it")
+    harvest.add_argument("--max-prompts-per-job", type=int, default=4096, help="jobs of at most this many prompts")
+    harvest.add_argument("--workers", type=int, default=8, help="parallel downloads (default 8)")
+    harvest.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    download = commands.add_parser("download", help="download one job's files, verified (waits for it to end)")
+    download.add_argument("job_id")
+    download.add_argument("--out", required=True, help="the folder for its shards, stats and manifest")
+    download.add_argument("--workers", type=int, default=8, help="parallel downloads (default 8)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from harvest_client.client import Client
+
+    with Client(args.api_base, args.api_key) as client:
+        if args.command == "harvest":
+            directions = None
+            if args.project_onto:
+                import numpy as np
+
+                directions = np.load(args.project_onto)
+            summary = client.harvest(
+                args.model, args.prompts, args.out, layers=_layers(args.layers), project_onto=directions,
+                add_special_tokens=not args.no_special_tokens, shard_size=args.shard_size, column=args.column,
+                max_prompts_per_job=args.max_prompts_per_job, download_workers=args.workers, progress=not args.quiet,
+            )
+            print(json.dumps({**asdict(summary), "out": str(summary.out)}, indent=1))
+        else:
+            out = client.download(args.job_id, args.out, workers=args.workers)
+            print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
