@@ -15,7 +15,7 @@ from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
 from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, send
 
-__all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect"]
+__all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status"]
 
 # A server lost mid-shard is started again this many times for one shard before the shard
 # fails (its task's own retry then tries once more).
@@ -142,3 +142,19 @@ def open_engine(model: ModelInfo, placement: dict | None, settings: Settings | N
     # What the run waited, warm or not: connecting, and a load (its own or one it queued behind).
     load.load_s = time.perf_counter() - started
     return engine, load
+
+
+def engine_status(home, group: str = "cpu") -> dict | None:
+    """What a group's engine server holds (pid, clients, loaded models, loads, evictions),
+    or None when none runs; starts nothing."""
+    from pathlib import Path
+
+    conn = _try_connect(GroupFiles(Path(home), group))
+    if conn is None:
+        return None
+    try:
+        send(conn, ("status",))
+        status, reply = receive(conn)
+        return reply
+    finally:
+        conn.close()

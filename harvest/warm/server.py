@@ -85,7 +85,7 @@ class EngineServer:
                         with held.turn:
                             reply = held.engine.capture(prompts, spec, batch_size=batch_size)
                     elif op == "status":
-                        reply = {"pid": os.getpid(), "group": self.files.group, "clients": self.clients,
+                        reply = {"pid": os.getpid(), "group": self.files.group, "clients": self.clients - 1,  # not the asker
                                  "loaded": self.cache.describe(), "loads": self.cache.loads, "evictions": self.cache.evictions}
                     else:
                         raise ValueError(f"unknown request {op!r}")
