@@ -77,7 +77,7 @@ def stack(tmp_path_factory, harvest_home, tiny):
     home = tmp_path_factory.mktemp("stack-home")
     shutil.copytree(harvest_home / "models", home / "models")  # the built tiny model, not rebuilt
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL") and k != "PREFECT_HOME"}
-    env.update({"HARVEST_HOME": str(home), "HARVEST_USE_VLLM": "0", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+    env.update({"HARVEST_HOME": str(home), "HARVEST_ENGINE": "hf", "PREFECT_WORKER_QUERY_SECONDS": "1"})
     port, prefect_port = free_port(), free_port()
     log = open(home / "up.log", "w")
     proc = subprocess.Popen(
@@ -181,9 +181,35 @@ def test_api_killed_mid_job_follows_the_same_flow_run(stack):
         assert body["run_id"] == run_id  # the same flow run, re-attached, not a new one
         assert body["tokens"] == body["result"]["tokens"] > 0
         assert body["progress"] == {"shards_done": 10, "n_shards": 10}
+        # Charged once, by the ledger (one row, ever, for the job), with the tokens the job's own
+        # manifest counts: not the jobs.tokens column the same code wrote.
+        manifest = json.loads((home / "storage" / "jobs" / job_id / "manifest.json").read_text())
         engine = server.engine()
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT sum(tokens) FROM jobs")).scalar_one() == body["tokens"]
+            rows = conn.execute(text("SELECT job_id, outcome, tokens_charged FROM charge_ledger")).all()
         engine.dispose()
+        assert [tuple(r) for r in rows] == [(job_id, "done", manifest["tokens"])]
+        assert body["tokens"] == manifest["tokens"]
     finally:
         server.stop()
+
+
+def test_a_jobs_runs_are_found_and_cancelled_by_its_tag(stack):
+    """What a failed start relies on (`api.harvest._submit`, the watcher's `stop_run`): the
+    run Prefect created is found by the job's tag alone, with no run id, and cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.submit import cancel_job_runs, start_harvest_run
+
+    job_id = str(uuid.uuid4())
+    with temporary_settings({PREFECT_API_URL: stack["prefect_api_url"]}):
+        run_id = start_harvest_run(job_id, "file:///nowhere/request.json", "llama-tiny", "small", "key-tag-test")
+        assert cancel_job_runs(job_id) == 1
+        assert cancel_job_runs(str(uuid.uuid4())) == 0  # another job's tag finds nothing
+        deadline = time.monotonic() + 90
+        with get_client(sync_client=True) as client:
+            while (state := client.read_flow_run(uuid.UUID(run_id)).state).type.value != "CANCELLED":
+                assert state.type.value in ("CANCELLING", "CANCELLED"), state
+                assert time.monotonic() < deadline, state
+                time.sleep(0.5)
