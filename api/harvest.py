@@ -94,11 +94,24 @@ def _stop_runs(job_id: str) -> None:
         run_stopped(job_id)
 
 
+_FOLLOW = {
+    202: {
+        "description": "The harvest, pending.",
+        # Where a client (or a fuzzer's stateful phase) goes next with the job id it got.
+        "links": {
+            "readHarvest": {"operationId": "readHarvest", "parameters": {"job_id": "$response.body#/job_id"}},
+            "cancelHarvest": {"operationId": "cancelHarvest", "parameters": {"job_id": "$response.body#/job_id"}},
+        },
+    }
+}
+
+
 @router.post(
     "/harvest",
     status_code=202,
     response_model=Harvest,
-    responses=errors(400, 401, 429, 503),
+    operation_id="submitHarvest",
+    responses={**_FOLLOW, **errors(400, 401, 429, 503)},
     openapi_extra=request_body(HarvestRequest),
 )
 async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
@@ -111,7 +124,10 @@ async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)
 
 
-@router.get("/harvest/{job_id}", response_model=Harvest, responses=errors(400, 401, 404, 429), openapi_extra=KEYED)
+@router.get(
+    "/harvest/{job_id}", response_model=Harvest, operation_id="readHarvest",
+    responses=errors(400, 401, 404, 429), openapi_extra=KEYED,
+)
 async def read_harvest(
     job_id: str,
     request: Request,
@@ -161,14 +177,20 @@ def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
     return row
 
 
-@router.delete("/harvest/{job_id}", response_model=Harvest, responses=errors(401, 404, 409, 429), openapi_extra=KEYED)
+@router.delete(
+    "/harvest/{job_id}", response_model=Harvest, operation_id="cancelHarvest",
+    responses=errors(401, 404, 409, 429), openapi_extra=KEYED,
+)
 async def cancel_harvest(job_id: str, request: Request, key: ApiKey = Depends(read_key)):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
     row = await run_in_threadpool(_cancel, job_id, key, deps.watcher(request))
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)))
 
 
-@router.get("/harvest", response_model=HarvestList, responses=errors(400, 401, 404, 429), openapi_extra=KEYED)
+@router.get(
+    "/harvest", response_model=HarvestList, operation_id="listHarvests",
+    responses=errors(400, 401, 404, 429), openapi_extra=KEYED,
+)
 async def list_harvests(
     request: Request,
     limit: int = Query(20, ge=1, le=100, description="Jobs per page."),

@@ -11,10 +11,14 @@ module says the rest:
   also documents 413 (bodies are capped everywhere) and 500 (the request-id answer).
 - `bearer`: the routes that need an API key say so (`security`), so generated clients send it.
 - FastAPI's 422 is dropped: validation failures are answered 400 with the error body.
+- `model` names the registry's served models (`enum`; harvests: those that harvest), and
+  `layers` its depth, so a client (or a fuzzer) knows what it may send; what no schema can say
+  (a layer beyond the chosen model's depth, directions against its hidden size) stays a 400.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI
@@ -73,6 +77,22 @@ def errors(*statuses: int) -> dict[int | str, dict]:
     }
 
 
+def _constrain_models(schemas: dict) -> None:
+    """The registry's models in the request schemas (module docstring)."""
+    from api import deps
+
+    models = deps.registry().all()
+    harvestable = [m for m in models if m.harvest]
+    schemas["HarvestRequest"]["properties"]["model"]["enum"] = [m.name for m in harvestable]
+    schemas["HarvestRequest"]["properties"]["prompts"]["items"]["minLength"] = 1  # its validator's rule
+    schemas["CompletionRequest"]["properties"]["model"]["enum"] = [m.name for m in models]
+    deepest = max((m.n_layers for m in harvestable), default=1) - 1
+    for branch in schemas["HarvestRequest"]["properties"]["layers"]["anyOf"]:
+        if branch.get("type") == "array":
+            branch["items"] = {**branch["items"], "minimum": 0, "maximum": deepest}
+            branch["minItems"] = 1
+
+
 def install(app: FastAPI) -> None:
     """Make `app.openapi()` build (once) the document described above."""
 
@@ -83,7 +103,8 @@ def install(app: FastAPI) -> None:
             )
             components = document.setdefault("components", {})
             schemas = components.setdefault("schemas", {})
-            schemas.update(_components)
+            schemas.update(json.loads(json.dumps(_components)))  # a copy: refined per app below
+            _constrain_models(schemas)
             components["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "An API key: `acs_…`."}
             }

@@ -1,0 +1,158 @@
+"""Fuzz the API with schemathesis `--checks all` against its own `/openapi.json`, on loopback.
+
+    .venv/bin/python bench/fuzz_api.py [--examples 150] [--seed 1]
+
+Starts the real app under uvicorn (the test fixtures' `ApiServer`: SQLite job store, local
+files, runs as files, the real tiny model for inline completions) in a fresh HARVEST_HOME,
+makes a valid key, and runs schemathesis over every route with that key. Prints the cases
+generated and the failures per check, and exits non-zero on any failure. CI runs a smaller
+pass of the same (`tests/test_openapi_fuzz.py`).
+
+Two settings differ from schemathesis's defaults, and why:
+- `use_after_free` is excluded: it expects a resource to be gone after its DELETE, but here
+  DELETE cancels a harvest and the cancelled harvest stays readable (SPEC §3).
+- `positive_data_acceptance` also accepts 400 (and 503): a request the schema allows can
+  still break a rule no JSON Schema can state (a layer beyond the chosen model's depth, a
+  projection whose byte count does not match its shape and the model's hidden size, a
+  zero-norm direction, a prompt plus max_tokens over the model's context, a model whose
+  weights are not installed).
+- `max_response_time` is 61 s, not 10 s: `?wait=` may hold a read for 60 s by design (SPEC §3).
+The server's request rates and lane caps are raised so the fuzzer exercises the routes rather
+than the throttles, its models have a 64-token context, and its long-poll waiter limit is 0
+(`fuzz_env`); throttles and long-polls have their own tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONFIG = """
+[checks.positive_data_acceptance]
+expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429", "5xx"]
+"""
+
+
+FUZZ_MODELS = """
+[models.llama-tiny]
+weights = "models/llama-tiny"
+builtin = true
+lane = "small"
+max_model_len = 64
+max_activation_prompt_tokens = 32
+
+[models.llama-tiny-large]
+weights = "models/llama-tiny"
+builtin = true
+lane = "large"
+max_model_len = 64
+max_activation_prompt_tokens = 32
+
+[models.llama-tiny-noharvest]
+weights = "models/llama-tiny"
+builtin = true
+lane = "small"
+harvest = false
+max_model_len = 64
+max_activation_prompt_tokens = 32
+"""
+"""Only models whose weights are here: a 503 for an absent model is the service's designed
+answer (SPEC), and leaving such models out keeps `not_a_server_error` strict (any 5xx fails).
+A context of 64 tokens bounds each completion the fuzzer asks for (max_tokens ≤ 63), so a
+case costs a fraction of a second on a CPU, not the seconds of 2,000 generated tokens."""
+
+
+def fuzz_env(home: Path) -> dict[str, str]:
+    """The API's settings for a fuzz run: generous rates and lane caps (module docstring)."""
+    import re
+
+    lanes, models = home / "fuzz-lanes.toml", home / "fuzz-models.toml"
+    lanes.write_text(re.sub(r"capacity = \d+", "capacity = 1000000", (REPO / "infra" / "lanes.toml").read_text()))
+    models.write_text(FUZZ_MODELS)
+    return {
+        "HARVEST_LANES_FILE": str(lanes),
+        "HARVEST_MODELS_FILE": str(models),
+        "HARVEST_RATE_READ_BURST": "1000000", "HARVEST_RATE_READ_PER_S": "1000000",
+        "HARVEST_RATE_SUBMIT_BURST": "1000000", "HARVEST_RATE_SUBMIT_PER_S": "1000000",
+        "HARVEST_WATCH_INTERVAL_S": "0.5",
+        # Every ?wait= is declined at once (X-Acs-Longpoll: declined, a documented answer):
+        # fuzzed jobs never change status, so each long-poll would hold the run up to 60 s.
+        "HARVEST_LONGPOLL_MAX_WAITERS": "0",
+    }
+
+
+def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: Path, timeout: float = 900) -> dict:
+    """schemathesis run over every route; returns {"cases", "failures", "by_check", "operations", "output", "returncode"}."""
+    config = workdir / "schemathesis.toml"
+    config.write_text(CONFIG)
+    report = workdir / "report.ndjson"
+    command = [
+        str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config), "run", f"{root}/openapi.json",
+        "--checks", "all", "--exclude-checks", "use_after_free",
+        "-H", f"Authorization: Bearer {key}",
+        "--max-examples", str(examples), "--seed", str(seed), "--no-shrink",
+        "--request-timeout", "70", "--max-response-time", "61", "--workers", "1",
+        "--report", "ndjson", "--report-ndjson-path", str(report),
+    ]
+    started = time.monotonic()
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "NO_COLOR": "1"})
+    elapsed = time.monotonic() - started
+    return {**_count(report), "output": out.stdout + out.stderr, "returncode": out.returncode, "seconds": elapsed,
+            "command": " ".join(command[1:]).replace(key, "$KEY")}
+
+
+def _count(report: Path) -> dict:
+    """Cases, failures per check, the checks that ran and the operations, from schemathesis's
+    NDJSON event log (one ScenarioFinished per scenario, with each case's checks)."""
+    cases, by_check, checks, operations = 0, {}, set(), set()
+    for line in report.read_text().splitlines():
+        event = json.loads(line)
+        body = event.get("ScenarioFinished")
+        if body is None:
+            continue
+        recorder = body.get("recorder") or {}
+        cases += len(recorder.get("cases") or {})
+        if recorder.get("cases"):
+            operations.add(recorder["label"])
+        for case_checks in (recorder.get("checks") or {}).values():
+            for check in case_checks:
+                checks.add(check["name"])
+                if check["status"] == "failure":
+                    by_check[check["name"]] = by_check.get(check["name"], 0) + 1
+    return {"cases": cases, "failures": sum(by_check.values()), "by_check": by_check, "checks": sorted(checks),
+            "operations": sorted(operations)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=150, help="schemathesis --max-examples (per operation and phase)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="harvest-fuzz-"))
+    os.environ["HARVEST_HOME"] = str(home)
+    from tests.api_fixtures import ApiServer
+
+    server = ApiServer(home, "fuzz", fuzz_env(home)).start()
+    try:
+        key = server.make_key(name="fuzz", small=1000000, large=1000000)
+        result = run_schemathesis(server.root, key, examples=args.examples, seed=args.seed, workdir=home)
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    print(result["output"][-4000:])
+    print(json.dumps({k: result[k] for k in ("cases", "failures", "by_check", "checks", "operations", "seconds", "returncode")}, indent=2))
+    return 0 if result["failures"] == 0 and result["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
