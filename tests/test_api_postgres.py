@@ -1,5 +1,6 @@
 """The whole app on PostgreSQL (127.0.0.1:5432, database `test`, a schema of its own): the same
-code as on SQLite, with the 20-submit race admitting exactly 3 and a cancel charged by the rule."""
+code as on SQLite, with the 20-submit race admitting exactly 3 and each cancel charged by the
+rule, once, as the charge ledger records it."""
 
 from __future__ import annotations
 
@@ -55,5 +56,16 @@ def test_race_and_charging_on_postgresql(pg_api):
         assert (early["status"], early["tokens"]) == ("cancelled", 0)
     listed = httpx.get(f"{pg_api.base_url}/harvest", headers=auth).json()["data"]
     assert {j["job_id"] for j in listed} == {j["job_id"] for j in jobs}
+    # Charged once each, by the ledger on PostgreSQL: the started one its reservation, the others 0.
+    from sqlalchemy import text
+
+    engine = pg_api.engine()
+    try:
+        with engine.connect() as conn:
+            rows = {tuple(r) for r in conn.execute(text("SELECT job_id, outcome, tokens_charged FROM charge_ledger"))}
+    finally:
+        engine.dispose()
+    assert rows == {(jobs[0]["job_id"], "cancelled", jobs[0]["reserved_tokens"])} | {
+        (job["job_id"], "cancelled", 0) for job in jobs[1:]}
     created = [j["created_at"] for j in listed]
     assert created == sorted(created, reverse=True)  # newest first

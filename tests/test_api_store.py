@@ -241,9 +241,12 @@ def test_charging_rules(engine):
             cancel_job(ended, key.id, engine=engine)
     with pytest.raises(NotFound):
         cancel_job(late, "another-key", engine=engine)
-    # Usage is the ledger's sum: 42 + 0 + 0 + 33.
+    # Usage (`harvest keys list`, the token budget) is the ledger's sum: 42 + 0 + 0 + 33.
+    from api.store import key_usage
+
     with engine.connect() as conn:
         assert tokens_used(conn, key.id) == 75
+        assert key_usage(conn, key.id)["tokens_charged"] == 75
 
 
 def test_a_job_is_charged_once_however_many_endings_race(engine):
