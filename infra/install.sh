@@ -12,6 +12,9 @@ fi
 # nothing after it may pull a CUDA build.
 .venv/bin/pip install --quiet "torch==2.13.0"
 .venv/bin/pip install --quiet -e ".[test]"
+# The researchers' client (client/, its own package) for its tests, the notebooks and the bench;
+# its dependencies are a subset of the service's, so this pulls nothing new (and never a torch).
+.venv/bin/pip install --quiet -e ./client
 
 # The vLLM engine (the default where installed) has its own install steps and traps.
 if [ -f infra/install_vllm.sh ] && [ "${HARVEST_SKIP_VLLM:-0}" != "1" ]; then

@@ -180,6 +180,11 @@ class ActivationDataset:
         return self._prompt_index
 
     @property
+    def position(self) -> np.ndarray:
+        """int64 `[len]`: each vector's token position in its prompt (0 is the start token)."""
+        return np.arange(len(self), dtype=np.int64) - np.repeat(self._starts, self._counts) + self._skip
+
+    @property
     def token_ids(self) -> np.ndarray:
         """int32 `[len]`: each vector's token id (reads every shard's small `tokens_i` tensors)."""
         if self._token_ids is None:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from harvest_client.api import TERMINAL, ApiError, HarvestApi
 from harvest_client.download import Downloader, JobDownload
@@ -96,7 +96,9 @@ class HarvestRun:
         self.fetched = 0
         self._bytes_lock = threading.Lock()
         self.downloader = Downloader(api.get, workers=download_workers, api_base=api.base, on_bytes=self._count_bytes)
+        # Plain tqdm (not tqdm.auto): in a notebook without ipywidgets it prints the same text.
         self.bar = tqdm(total=len(prompts), unit="prompt", desc="harvest", disable=not progress, dynamic_ncols=True)
+        self._shown: tuple | None = None
 
     # --- state ------------------------------------------------------------------------------
     def _load_or_plan(self) -> HarvestState:
@@ -123,6 +125,7 @@ class HarvestRun:
         self.state = self._load_or_plan()
         try:
             self._reattach()
+            self._show_progress()
             while not all(p.status in ("done", "failed") for p in self.state.parts):
                 self._submit_what_fits()
                 self._take_events(self._wait_s())
@@ -134,6 +137,7 @@ class HarvestRun:
             if sys.exc_info()[0] is KeyboardInterrupt:
                 print(f"\nInterrupted. {self.folder.root} is resumable: call again with the same arguments.", file=sys.stderr)
             raise
+        self._show_progress()
         self._stop(cancel=False)
         if self.failures:
             for part in self.state.parts:
@@ -280,10 +284,14 @@ class HarvestRun:
             harvested += min(shards_done * shard_size, followed.part.n_prompts)
         for part, _ in self.downloads.values():
             harvested += part.n_prompts
+        done = sum(p.status == "done" for p in self.state.parts)
+        shown = (harvested, done, len(self.followed), len(self.downloads))
+        if shown == self._shown:  # redraw on change only: a log or notebook gets a line per step
+            return
+        self._shown = shown
         self.bar.n = harvested
-        active = len(self.followed)
-        self.bar.set_postfix_str(f"jobs {sum(p.status == 'done' for p in self.state.parts)}/{len(self.state.parts)} done, "
-                                 f"{active} running, {self.fetched / 2**20:.1f} MiB fetched", refresh=False)
+        self.bar.set_postfix_str(f"jobs {done}/{len(self.state.parts)} done, {len(self.followed)} running, "
+                                 f"{len(self.downloads)} downloading", refresh=False)
         self.bar.refresh()
 
     def _summary(self, seconds: float) -> HarvestSummary:
