@@ -14,6 +14,9 @@
 #   GPU_BENCH_QUICK=1 bash bench/gpu.sh      # dry run: small sizes, one round (~2-3 min)
 #   GPU_BENCH_SMOKE=1 PYTHON=.venv/bin/python bash bench/gpu.sh   # CPU check of the script
 #
+# Each part constructs its engine itself (`HFEngine(model)`, `VLLMEngine(model)`), so the
+# service's engine choice (HARVEST_ENGINE=auto|vllm|hf) neither applies nor needs setting here.
+#
 # Staging the vLLM wheel set (229.7 MiB; at most 64 MiB travels with a run). On the dev box,
 # once: `bash bench/gpu_stage.sh` (writes the git-ignored .gpu-wheels/: vllm.tar.part00..03,
 # install-vllm-wheels.sh, and py/: the harvest core's small pure deps). Then back to back (the

@@ -104,7 +104,11 @@ def build_checkpoint(home: Path, shapes: dict, *, name: str = "llama-8b-shapes")
         torch.manual_seed(0)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with torch.device(device):  # made where it is fast: seconds on a GPU
-            model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+            try:
+                model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+            except TypeError:  # transformers before 4.56 names it torch_dtype
+                model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+        model = model.to(torch.bfloat16)  # a no-op unless the dtype argument was ignored
         model.save_pretrained(path, max_shard_size="5GB")
         del model
         if torch.cuda.is_available():
