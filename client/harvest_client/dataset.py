@@ -295,17 +295,51 @@ class ActivationDataset:
 
     @staticmethod
     def _shuffled(blocks, batch_size: int, buffer_size: int, rng: np.random.Generator):
-        """A shuffle buffer: fill to `buffer_size`, then each batch takes random slots."""
-        buffer: tuple | None = None
-        for block in blocks:
-            buffer = block if buffer is None else tuple(np.concatenate(pair) for pair in zip(buffer, block))
-            while len(buffer[0]) >= buffer_size:
-                take = rng.choice(len(buffer[0]), size=batch_size, replace=False)
+        """A shuffle buffer of fixed size: once full, each batch takes `batch_size` random slots
+        and the stream refills exactly those slots, so a batch costs O(batch), not O(buffer)."""
+        stream = _Rows(blocks)
+        buffer = stream.take(buffer_size)
+        if buffer is None:
+            return
+        while True:
+            take = rng.choice(len(buffer[0]), size=min(batch_size, len(buffer[0])), replace=False)
+            yield tuple(column[take] for column in buffer)
+            refill = stream.take(len(take))
+            if refill is None or len(refill[0]) < len(take):  # the stream ran dry: drain the rest
                 keep = np.ones(len(buffer[0]), dtype=bool)
                 keep[take] = False
-                yield tuple(column[take] for column in buffer)
-                buffer = tuple(column[keep] for column in buffer)
-        if buffer is not None and len(buffer[0]):
-            rest = rng.permutation(len(buffer[0]))
-            for start in range(0, len(rest), batch_size):
-                yield tuple(column[rest[start : start + batch_size]] for column in buffer)
+                rest = [column[keep] for column in buffer]
+                if refill is not None:
+                    rest = [np.concatenate(pair) for pair in zip(rest, refill)]
+                order = rng.permutation(len(rest[0]))
+                for start in range(0, len(order), batch_size):
+                    yield tuple(column[order[start : start + batch_size]] for column in rest)
+                return
+            for column, new in zip(buffer, refill):
+                column[take] = new
+
+
+class _Rows:
+    """Rows pulled `n` at a time from a stream of (vectors, tokens, prompts) blocks."""
+
+    def __init__(self, blocks):
+        self.blocks = iter(blocks)
+        self.pending: list[tuple] = []
+        self.held = 0
+
+    def take(self, n: int) -> tuple | None:
+        while self.held < n:
+            block = next(self.blocks, None)
+            if block is None:
+                break
+            if len(block[0]):
+                self.pending.append(block)
+                self.held += len(block[0])
+        if not self.held:
+            return None
+        joined = [np.concatenate(column) for column in zip(*self.pending)] if len(self.pending) > 1 else list(self.pending[0])
+        out = tuple(np.array(c[:n]) for c in joined)
+        rest = tuple(c[n:] for c in joined)
+        self.pending = [rest] if len(rest[0]) else []
+        self.held = len(rest[0])
+        return out
