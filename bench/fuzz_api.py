@@ -92,7 +92,8 @@ def fuzz_env(home: Path) -> dict[str, str]:
 
 
 def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: Path, timeout: float = 900) -> dict:
-    """schemathesis run over every route; returns {"cases", "failures", "by_check", "operations", "output", "returncode"}."""
+    """schemathesis run over every route; returns {"cases", "failures", "by_check", "checks", "operations" (cases
+    per route), "output", "returncode", "seconds", "command"}."""
     config = workdir / "schemathesis.toml"
     config.write_text(CONFIG)
     report = workdir / "report.ndjson"
@@ -114,7 +115,7 @@ def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: 
 def _count(report: Path) -> dict:
     """Cases, failures per check, the checks that ran and the operations, from schemathesis's
     NDJSON event log (one ScenarioFinished per scenario, with each case's checks)."""
-    cases, by_check, checks, operations = 0, {}, set(), set()
+    cases, by_check, checks, operations = 0, {}, set(), {}
     for line in report.read_text().splitlines():
         event = json.loads(line)
         body = event.get("ScenarioFinished")
@@ -123,14 +124,14 @@ def _count(report: Path) -> dict:
         recorder = body.get("recorder") or {}
         cases += len(recorder.get("cases") or {})
         if recorder.get("cases"):
-            operations.add(recorder["label"])
+            operations[recorder["label"]] = operations.get(recorder["label"], 0) + len(recorder["cases"])
         for case_checks in (recorder.get("checks") or {}).values():
             for check in case_checks:
                 checks.add(check["name"])
                 if check["status"] == "failure":
                     by_check[check["name"]] = by_check.get(check["name"], 0) + 1
     return {"cases": cases, "failures": sum(by_check.values()), "by_check": by_check, "checks": sorted(checks),
-            "operations": sorted(operations)}
+            "operations": dict(sorted(operations.items()))}
 
 
 def main() -> int:
