@@ -208,22 +208,22 @@ def test_merged_statistics_of_activations_against_numpy(big_harvest):
 
 @pytest.fixture(scope="module")
 def projection_harvest(client_api, tmp_path_factory):
-    """Prompts of varied length projected onto 4 directions, in 3 jobs, under a key that may
-    run only one job at a time: the client waits out the 429s."""
+    """Prompts of varied length projected onto 4 directions, in 2 jobs, under a key that may
+    run only one job at a time: the client waits out the 429 for the second."""
     out = tmp_path_factory.mktemp("client-proj") / "dataset"
     prompts = [("The residual stream " * (1 + i % 7)) + f"number {i}" for i in range(150)]
     directions = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
     key = client_api.make_key(name="client-proj", small=1)
     with Client(client_api.base_url, key) as client:
         summary = client.harvest("llama-tiny", prompts, out, layers=[2, 5], project_onto=directions, shard_size=16,
-                                 max_prompts_per_job=50, poll_s=2, progress=False)
+                                 max_prompts_per_job=75, poll_s=2, progress=False)
         jobs = client.jobs()
     return {"out": out, "summary": summary, "jobs": jobs, "directions": directions}
 
 
 def test_caps_are_waited_out_and_projections_merge_exactly(projection_harvest):
     out, summary = projection_harvest["out"], projection_harvest["summary"]
-    assert summary.jobs == 3 and len(projection_harvest["jobs"]) == 3  # one at a time, none twice
+    assert summary.jobs == 2 and len(projection_harvest["jobs"]) == 2  # one at a time, none twice
     assert {j["status"] for j in projection_harvest["jobs"]} == {"done"}
     for layer in (2, 5):
         ds = ActivationDataset(out, layer=layer)
@@ -272,3 +272,72 @@ def test_cli_download_and_a_partial_file_resumed_with_a_range(big_harvest, clien
         fetched = download_file(http, link, target, FileSpec(shard["file"], 0, shard["bytes"], shard["sha256"]))
     assert fetched == shard["bytes"] - half and _sha256(target) == shard["sha256"]
 
+
+
+S3_OPTIONS = {"key": "testing", "secret": "testing"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """moto's S3 server in its own process (as tests/test_api_s3.py runs it), with a bucket."""
+    import s3fs
+
+    from tests.api_fixtures import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    fs = s3fs.S3FileSystem(**S3_OPTIONS, client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            fs.mkdir("refresh")
+            break
+        except Exception:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise
+            time.sleep(0.3)
+    yield endpoint, fs
+    server.terminate()
+    server.wait(timeout=10)
+
+
+def test_a_scheduled_corpus_refresh_is_training_data_locally_and_on_s3(harvest_stack, harvest_home, s3_endpoint, tmp_path):
+    """A real corpus-refresh flow run writes its dated prefix; the dataset reads it in corpus
+    order from the storage folder itself, and from S3 after the prefix is copied there."""
+    import uuid
+
+    import pyarrow as pa
+    from prefect.deployments import run_deployment
+
+    texts = [("a refreshed line " * (1 + i % 3)) + str(i) for i in range(25)]
+    corpus = tmp_path / "refresh.parquet"
+    pq.write_table(pa.table({"text": texts}), corpus)
+    name = f"client-{uuid.uuid4().hex[:8]}"
+    run = run_deployment("corpus-refresh/corpus-refresh", timeout=0, parameters={
+        "corpus_url": str(corpus), "model": "llama-tiny", "layers": [1, 3], "shard_size": 4, "name": name, "part_size": 10})
+    status = harvest_stack.wait(str(run.id), timeout=300)
+    assert status.status == "done", status
+
+    root = harvest_home / "storage" / "corpus" / name
+    (dated,) = list(root.iterdir())  # corpus/<name>/<YYYY-MM-DD>
+    manifests = _manifests(dated)
+    assert len(manifests) == 3 and [p.name for p, _ in manifests] == ["part-0000", "part-0001", "part-0002"]
+    assert [p["text"] for _, m in manifests for p in m["prompts"]] == texts
+    local = ActivationDataset(root, layer=3)  # the newest dated prefix under the corpus's name
+    counts = [n for _, m in manifests for s in m["shards"] for n in s["token_counts"]]
+    assert len(local) == sum(n - 1 for n in counts) and local.n_prompts == len(texts)
+    vectors, tokens, prompts = _direct_vectors(dated, 3, skip_bos=True)
+    assert np.array_equal(local[:], vectors) and np.array_equal(local.token_ids, tokens)
+    assert np.array_equal(local.prompt_index, prompts)
+
+    endpoint, fs = s3_endpoint
+    fs.put(str(dated), f"refresh/corpus/{name}/{dated.name}", recursive=True)
+    remote = ActivationDataset(f"s3://refresh/corpus/{name}", layer=3, normalize=True,
+                               storage_options={**S3_OPTIONS, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}})
+    assert len(remote) == len(local) and remote.moments.count == local.moments.count
+    normalized = (vectors.astype(np.float64) - local.mean) / local.std
+    np.testing.assert_allclose(remote[:], normalized, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.concatenate([b.token_ids for b in remote.batches(50)]), tokens)

@@ -236,11 +236,14 @@ class ActivationDataset:
         indices = np.where(indices < 0, indices + len(self), indices)
         if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
             raise IndexError(f"indices out of range for {len(self)} vectors")
-        prompts = np.searchsorted(self._ends, indices, side="right")
+        order = np.argsort(indices, kind="stable")
+        ordered = indices[order]
+        prompts = np.searchsorted(self._ends, ordered, side="right")
         out = np.empty((len(indices), self.n_features), dtype=np.float32)
-        for p in np.unique(prompts):  # one read per prompt touched
-            where = np.flatnonzero(prompts == p)
-            out[where] = self._vectors_of(int(p))[indices[where] - self._starts[p]]
+        cuts = np.flatnonzero(np.diff(prompts)) + 1
+        for group in np.split(np.arange(len(ordered)), cuts) if len(ordered) else []:  # one read per prompt
+            p = int(prompts[group[0]])
+            out[order[group]] = self._vectors_of(p)[ordered[group] - self._starts[p]]
         return self._finish(out)
 
     def prompt(self, p: int) -> Batch:

@@ -64,11 +64,14 @@ class ShardFile:
         self._bytes: np.ndarray | None = None
         self._header: dict | None = None
         self._data_start = 0
+        self._entries: dict[str, tuple] = {}
 
     def _all_bytes(self) -> np.ndarray:
         if self.local:
             if self._bytes is None:
-                self._bytes = np.memmap(self.path, dtype=np.uint8, mode="r")
+                # a plain ndarray over the map (its base keeps the map open): np.memmap's own
+                # slicing costs a Python call per slice, which thousands of small reads feel
+                self._bytes = np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)
             return self._bytes
         return self.cache.get(self.fs, self.path)
 
@@ -90,22 +93,35 @@ class ShardFile:
     def shape(self, key: str) -> list[int]:
         return self.header[key]["shape"]
 
+    def _entry(self, key: str) -> tuple:
+        """(safetensors dtype, numpy dtype, absolute first byte, shape) of `key`, parsed once:
+        a reader asks for thousands of small tensors, so per-read work must stay tiny."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raw = self.header[key]
+            entry = (raw["dtype"], _NUMPY[raw["dtype"]], self._data_start + raw["data_offsets"][0], tuple(raw["shape"]))
+            self._entries[key] = entry
+        return entry
+
     def read(self, key: str, first: int = 0, count: int | None = None, row: int | None = None) -> np.ndarray:
         """Tensor `key` (float32, or its integer dtype); `row` picks index `row` of the first
         axis; `first`/`count` then slice the next axis (the tokens)."""
-        entry = self.header[key]
-        dtype, shape = entry["dtype"], list(entry["shape"])
-        item = _NUMPY[dtype]
-        begin, end = (self._data_start + o for o in entry["data_offsets"])
+        dtype, item, begin, shape = self._entry(key)
         if row is not None:  # [layers, tokens, features] → one layer's [tokens, features]
-            step = int(np.prod(shape[1:], dtype=np.int64)) * item.itemsize
-            begin, shape = begin + row * step, shape[1:]
-            end = begin + step
+            shape = shape[1:]
+            begin += row * _size(shape) * item.itemsize
+        if not shape:
+            return _widen(self._all_bytes()[begin : begin + item.itemsize].view(item).reshape(()), dtype)
         if count is None:
-            count = shape[0] - first if shape else 0
-        if shape:
-            inner = int(np.prod(shape[1:], dtype=np.int64)) * item.itemsize
-            begin, end = begin + first * inner, begin + (first + count) * inner
-            shape = [count, *shape[1:]]
-        raw = self._all_bytes()[begin:end].view(item).reshape(shape)
-        return _widen(np.asarray(raw), dtype)
+            count = shape[0] - first
+        inner = _size(shape[1:]) * item.itemsize
+        begin += first * inner
+        raw = self._all_bytes()[begin : begin + count * inner].view(item).reshape((count, *shape[1:]))
+        return _widen(raw, dtype)
+
+
+def _size(shape: tuple) -> int:
+    size = 1
+    for n in shape:
+        size *= n
+    return size
