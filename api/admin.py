@@ -1,11 +1,11 @@
 """Operator commands: `harvest keys create|list|revoke` and `harvest spend-cap on|off|status`.
 
 `harvest keys create --name NAME [--limit LANE=N …] [--monthly-jobs N] [--token-budget N]
-[--activation-quota N]` prints the new key alone on the last line of stdout (scripts read it
+[--activation-quota N] [--submit-per-s R --submit-burst N --read-per-s R --read-burst N]` prints the new key alone on the last line of stdout (scripts read it
 with `tail -n1`); only its hash is stored, so it is shown this once. A lane without `--limit`
 has its default `key_limit` (infra/lanes.toml).
-`harvest keys list [--json]`: every key with its caps and this month's usage (tokens charged,
-jobs submitted, active jobs per lane); `--json` prints one JSON array for scripts.
+`harvest keys list [--json]`: every key with its caps (request rates included) and this
+month's usage (tokens charged, from the charge ledger; jobs submitted; active jobs per lane); `--json` prints one JSON array for scripts.
 `harvest spend-cap on --retry-after SECONDS` pauses new harvests service-wide (429 spend_cap
 with that Retry-After); `harvest spend-cap off` resumes them.
 """
@@ -17,6 +17,7 @@ import json
 import sys
 
 from api.auth import create_key, list_keys, revoke_key
+from api.ratelimit import limits
 from api.db import get_engine, transaction
 from api.store import get_spend_cap, key_usage, set_spend_cap
 from harvest.lanes import load_lanes
@@ -46,6 +47,7 @@ def _key_rows(engine) -> list[dict]:
                     "monthly_jobs": k.monthly_jobs,
                     "token_budget": k.token_budget,
                     "activation_quota": k.activation_quota,
+                    "rates": {kind: dict(zip(("per_s", "burst"), limits(k, kind))) for kind in ("submit", "read")},
                 },
             })
     return rows
@@ -61,6 +63,9 @@ def _keys(argv: list[str]) -> int:
     create.add_argument("--monthly-jobs", type=int, help="harvests per month (default unlimited)")
     create.add_argument("--token-budget", type=int, help="harvest tokens per month (default unlimited)")
     create.add_argument("--activation-quota", type=int, help="inline activation requests per month (default unlimited)")
+    for kind in ("submit", "read"):
+        create.add_argument(f"--{kind}-per-s", type=float, help=f"{kind}s a second, sustained (default HARVEST_RATE_{kind.upper()}_PER_S)")
+        create.add_argument(f"--{kind}-burst", type=int, help=f"{kind}s at once (default HARVEST_RATE_{kind.upper()}_BURST)")
     listing = sub.add_parser("list", help="list keys with caps and this month's usage (never the keys themselves)")
     listing.add_argument("--json", action="store_true", help="one JSON array, for scripts")
     revoke = sub.add_parser("revoke", help="revoke a key by id, name or prefix")
@@ -85,6 +90,10 @@ def _keys(argv: list[str]) -> int:
                 monthly_jobs=args.monthly_jobs,
                 token_budget=args.token_budget,
                 activation_quota=args.activation_quota,
+                rate_submit_per_s=args.submit_per_s,
+                rate_submit_burst=args.submit_burst,
+                rate_read_per_s=args.read_per_s,
+                rate_read_burst=args.read_burst,
                 engine=engine,
                 **limits,
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import insert, select, update
@@ -54,6 +54,9 @@ class ApiKey:
     """Harvest tokens per calendar month (UTC), charged plus held; None is unlimited."""
     activation_quota: int | None
     """Inline activation requests per calendar month (UTC); None is unlimited."""
+    rates: dict[str, float | int] = field(default_factory=dict)
+    """The key's own request rates (`rate_submit_per_s`, `rate_submit_burst`, `rate_read_per_s`,
+    `rate_read_burst`); one not here is the service's `HARVEST_RATE_*` setting."""
 
     def lane_limit(self, lane: str) -> int:
         if lane in self.limits:
@@ -72,7 +75,11 @@ class ApiKey:
             monthly_jobs=row["monthly_jobs"],
             token_budget=row["token_budget"],
             activation_quota=row["activation_quota"],
+            rates={name: row[name] for name in RATE_FIELDS if row.get(name) is not None},
         )
+
+
+RATE_FIELDS = ("rate_submit_per_s", "rate_submit_burst", "rate_read_per_s", "rate_read_burst")
 
 
 def _hash(key: str) -> str:
@@ -97,6 +104,10 @@ def create_key(
     monthly_jobs: int | None = None,
     token_budget: int | None = None,
     activation_quota: int | None = None,
+    rate_submit_per_s: float | None = None,
+    rate_submit_burst: int | None = None,
+    rate_read_per_s: float | None = None,
+    rate_read_burst: int | None = None,
     engine=None,
     **lane_limits: int,
 ) -> tuple[str, ApiKey]:
@@ -111,6 +122,11 @@ def create_key(
             raise ValueError(f"there is no lane {lane!r}; the lanes are {', '.join(lanes)}")
         if value < 0:
             raise ValueError(f"the {lane} limit must be 0 or more, not {value}")
+    rates = {"rate_submit_per_s": rate_submit_per_s, "rate_submit_burst": rate_submit_burst,
+             "rate_read_per_s": rate_read_per_s, "rate_read_burst": rate_read_burst}
+    for field_name, value in rates.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{field_name.removeprefix('rate_').replace('_', ' ')} must be more than 0, not {value}")
     key = "acs_" + secrets.token_urlsafe(32)
     row = {
         "id": "key_" + uuid.uuid4().hex[:20],
@@ -122,6 +138,7 @@ def create_key(
         "monthly_jobs": monthly_jobs,
         "token_budget": token_budget,
         "activation_quota": activation_quota,
+        **rates,
     }
     with transaction(engine) as conn:
         conn.execute(insert(api_keys).values(**row))

@@ -77,6 +77,11 @@ api_keys = Table(
     Column("monthly_jobs", Integer, nullable=True),
     Column("token_budget", Integer, nullable=True),
     Column("activation_quota", Integer, nullable=True),
+    # The key's own request rates (`api.ratelimit`); NULL: the service's HARVEST_RATE_* settings.
+    Column("rate_submit_per_s", Float, nullable=True),
+    Column("rate_submit_burst", Integer, nullable=True),
+    Column("rate_read_per_s", Float, nullable=True),
+    Column("rate_read_burst", Integer, nullable=True),
 )
 
 jobs = Table(

@@ -4,7 +4,8 @@ Two kinds: `submit` (POST /v1/harvest, POST /v1/completions) and `read` (GET and
 harvests, GET /v1/models). Each key's bucket of a kind holds at most `burst` tokens and refills
 at `per_s` tokens a second; a request takes one, or is answered 429 `rate_limit_exceeded` with
 `Retry-After` (seconds until a token is back). Limits are `HARVEST_RATE_{SUBMIT,READ}_{PER_S,
-BURST}`. A key only ever drains its own buckets, so one key cannot starve the others.
+BURST}`, or the key's own (`harvest keys create --read-per-s … --read-burst …`, migration
+0005). A key only ever drains its own buckets, so one key cannot starve the others.
 
 Why in SQL and not in each replica's memory: API replicas sit behind a load balancer, and a
 per-replica bucket would let a key have N times its rate on N replicas (and a fresh bucket on
@@ -30,7 +31,7 @@ from api.db import ensure_row, rate_buckets, transaction
 from harvest.errors import RateLimited
 from harvest.settings import get_settings
 
-__all__ = ["take", "enforce", "submit_key", "read_key"]
+__all__ = ["take", "limits", "enforce", "submit_key", "read_key"]
 
 
 def take(key_id: str, kind: str, *, per_s: float, burst: int, now: float | None = None, engine=None) -> float:
@@ -56,13 +57,17 @@ def take(key_id: str, kind: str, *, per_s: float, burst: int, now: float | None 
     return max((1.0 - float(left)) / per_s, 0.0)
 
 
+def limits(key: ApiKey, kind: str) -> tuple[float, int]:
+    """(per_s, burst) of the key for `kind`: its own where it has them, else the settings'."""
+    settings = get_settings()
+    per_s = key.rates.get(f"rate_{kind}_per_s", getattr(settings, f"rate_{kind}_per_s"))
+    burst = key.rates.get(f"rate_{kind}_burst", getattr(settings, f"rate_{kind}_burst"))
+    return float(per_s), int(burst)
+
+
 def enforce(key: ApiKey, kind: str) -> None:
     """Raise 429 when the key is over its `kind` rate."""
-    settings = get_settings()
-    per_s, burst = (
-        (settings.rate_submit_per_s, settings.rate_submit_burst) if kind == "submit"
-        else (settings.rate_read_per_s, settings.rate_read_burst)
-    )
+    per_s, burst = limits(key, kind)
     wait = take(key.id, kind, per_s=per_s, burst=burst)
     if wait > 0:
         retry_after = max(math.ceil(wait), 1)

@@ -173,6 +173,33 @@ def test_submits_have_their_own_rate_shared_by_every_replica(guarded, harvest_ho
         replica.stop()
 
 
+def test_a_key_can_have_its_own_rates(guarded):
+    """`harvest keys create --read-burst 2 --read-per-s 0.5`: this key gets 2 reads at once where
+    the service's setting is 4; a key without its own keeps the setting; `keys list` shows both."""
+    import os
+    import subprocess
+    import sys
+
+    guarded.make_key(name="plain-rates")
+    env = {**os.environ, "HARVEST_DATABASE_URL": guarded.env["HARVEST_DATABASE_URL"],
+           "HARVEST_RATE_READ_BURST": "4", "HARVEST_RATE_READ_PER_S": "1"}
+    cli = [sys.executable, "-m", "harvest.cli", "keys"]
+    made = subprocess.run([*cli, "create", "--name", "own-rates", "--read-burst", "2", "--read-per-s", "0.5"],
+                          env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+    own = made.stdout.strip().splitlines()[-1]
+    codes = [httpx.get(f"{guarded.base_url}/harvest", headers=_auth(own)).status_code for _ in range(3)]
+    assert codes == [200, 200, 429], codes
+    refused = httpx.get(f"{guarded.base_url}/harvest", headers=_auth(own))
+    assert "at most 2 at once and 0.5 a second" in _error(refused, 429, "rate_limit_exceeded")["message"]
+    assert int(refused.headers["Retry-After"]) == 2  # a token every 2 s
+    listing = json.loads(subprocess.run([*cli, "list", "--json"], env=env, capture_output=True, text=True, check=True,
+                                        cwd=Path(__file__).resolve().parent.parent).stdout)
+    rates = {row["name"]: row["caps"]["rates"] for row in listing}
+    assert rates["own-rates"]["read"] == {"per_s": 0.5, "burst": 2}
+    assert rates["own-rates"]["submit"] == {"per_s": 2.0, "burst": 60}  # not its own: the (default) setting
+    assert rates["plain-rates"]["read"] == {"per_s": 1.0, "burst": 4}
+
+
 # --- 7. a failed start leaves no run going ----------------------------------------------------
 
 def _runs_dir(server) -> Path:
