@@ -7,6 +7,7 @@ registry file only adds operational settings (lane, context the service runs, in
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tomllib
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from pathlib import Path
 from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable
 from harvest.lanes import load_lanes
 from harvest.settings import Settings, get_settings
+
+log = logging.getLogger("harvest.registry")
 
 __all__ = ["ModelInfo", "Registry", "load_registry"]
 
@@ -55,9 +58,11 @@ class ModelInfo:
             # The message goes to users: it names the model, never where the server looked
             # (its directories are nobody's business outside it; operators have the log line).
             source = f" ({self.weights})" if _is_repo_id(self.weights) else ""
+            log.warning("the weights of %s (%s) were not found; looked in %s", self.name, self.weights,
+                        ", ".join(str(p) for p in _candidate_dirs(self.weights, get_settings())))
             raise ModelUnavailable(
-                f"The weights of {self.name}{source} are not available on this service right now. "
-                "Ask its operators to install them, or use another model from GET /v1/models."
+                f"The weights of {self.name}{source} are not on this machine: ask the operators to install them, "
+                "or use another model from GET /v1/models."
             )
         return self.path
 

@@ -33,8 +33,10 @@ def test_declared_models_without_weights(registry):
     big = registry.get("llama-8b")
     assert (big.n_layers, big.hidden_size, big.lane) == (32, 4096, "small")
     assert registry.get("llama-405b").lane == "large"
-    with pytest.raises(ModelUnavailable, match="are not on this machine: looked in"):
+    with pytest.raises(ModelUnavailable, match="are not on this machine: ask the operators") as refused:
         big.require_path()
+    # The message reaches API users: it names the model, never the server's directories.
+    assert "looked in" not in refused.value.message and str(get_settings().home) not in refused.value.message
 
 
 def test_unknown_and_unharvestable_models():
