@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # the folder was saved resumable; the message is already out
+        return 130
+
+
+def _run(args) -> int:
     from harvest_client.client import Client
 
     with Client(args.api_base, args.api_key) as client:
