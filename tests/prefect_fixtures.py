@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob"]
+__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,6 +96,29 @@ def prefect_deployments(prefect_server) -> list[str]:
     from flows.deploy import apply_sync
 
     return apply_sync()
+
+
+def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str | None = None) -> str:
+    """A process work pool of a test's own (no limit: its hosts' slots are the limit) and a
+    deployment on it (default `harvest-<pool>`, which `flows.submit.start_harvest_run` uses for
+    lane `pool`), made the way flows/deploy.py makes them: module entrypoint, no pull steps."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.flows import load_flow_from_entrypoint
+
+    name = name or f"harvest-{pool}"
+    flow = load_flow_from_entrypoint(entrypoint)
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        except ObjectAlreadyExists:
+            pass
+        client.create_deployment(
+            flow_id=client.create_flow_from_name(flow.name), name=name, work_pool_name=pool, entrypoint=entrypoint,
+            path=None, pull_steps=[], parameter_openapi_schema=flow.parameters.model_dump(), enforce_parameter_schema=True,
+        )
+    return f"{flow.name}/{name}"
 
 
 @dataclass

@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 
 import pytest
 
-from tests.slow_engine import slow_shards
 from flows.liveness import (
     CANCEL_AFTER_S,
     CANCEL_AUTOMATION,
@@ -38,6 +37,8 @@ from flows.liveness import (
     PENDING_AUTOMATION,
     apply_automations_sync,
 )
+from tests.prefect_fixtures import deploy_pool
+from tests.slow_engine import slow_shards
 
 DEAD_1, DEAD_2, LIVE, UNWATCHED = "liveness-dead-1", "liveness-dead-2", "liveness-live", "liveness-unwatched"
 POOLS = (DEAD_1, DEAD_2, LIVE, UNWATCHED)
@@ -96,40 +97,13 @@ def _when(flow_run_id, kind) -> datetime:
     return min(s.timestamp for s in _history(flow_run_id) if s.type == kind)
 
 
-def _deploy(pool: str) -> str:
-    """A process work pool `pool` and the harvest flow's deployment `harvest-<pool>` on it, made
-    with Prefect's client as `flows.deploy` makes a lane's (module entrypoint, no pull steps)."""
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-    from prefect.flows import load_flow_from_entrypoint
-
-    entrypoint = "flows.harvest.harvest"
-    flow = load_flow_from_entrypoint(entrypoint)
-    with _client() as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-        except ObjectAlreadyExists:
-            pass
-        client.create_deployment(
-            flow_id=client.create_flow_from_name(flow.name),
-            name=f"harvest-{pool}",
-            work_pool_name=pool,
-            entrypoint=entrypoint,
-            path=None,
-            pull_steps=[],
-            parameter_openapi_schema=flow.parameters.model_dump(),
-            enforce_parameter_schema=True,
-        )
-    return f"{flow.name}/harvest-{pool}"
-
-
 @pytest.fixture(scope="module")
 def liveness(prefect_deployments):
     """This test's pools and deployments (none on a lane's pool), and the automations applied
     for the lanes' pools and the watched ones of this test (they stay for the session, as in
     production). Returns the watched pools."""
     for pool in POOLS:
-        _deploy(pool)
+        deploy_pool(pool)
     pools = ["small", "large", DEAD_1, DEAD_2, LIVE]
     apply_automations_sync(pools)
     return pools

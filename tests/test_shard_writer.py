@@ -9,8 +9,6 @@ ETag, which for a multipart object is `<md5 of the parts' md5s>-<number of parts
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,7 +20,6 @@ from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
 from harvest.storage import Storage
-from tests.api_fixtures import free_port
 
 
 class Timeline:
@@ -115,26 +112,13 @@ def test_a_write_that_fails_fails_the_job_after_the_shard_in_flight_and_leaves_n
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    import boto3
+    from tests.topology import MotoS3
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.create_bucket(Bucket="shards")
-            break
-        except Exception:
-            assert time.monotonic() < deadline and proc.poll() is None, "moto's S3 server did not start"
-            time.sleep(0.3)
+    s3 = MotoS3("127.0.0.1", "shards")
     try:
-        yield endpoint, client
+        yield s3.endpoint, s3.client
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        s3.stop()
 
 
 def test_a_large_shard_goes_up_as_one_multipart_upload(registry, hf_engine, moto_s3, monkeypatch):

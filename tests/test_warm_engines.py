@@ -34,7 +34,7 @@ from harvest.request import HarvestRequest
 from harvest.tokenize import load_tokenizer
 from harvest.warm.client import engine_status
 from harvest.warm.protocol import GroupFiles
-from tests.prefect_fixtures import REPO, WORKER_ENV
+from tests.prefect_fixtures import REPO, WORKER_ENV, deploy_pool
 from tests.reference import bf16_tolerance, hf_reference_layers
 from tests.slow_engine import slow_shards
 
@@ -68,25 +68,6 @@ class Host:
         return start_harvest_run(job_id, url, model, POOL, "test", workers=1, env=env), files
 
 
-def _deploy_pool() -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-    from prefect.flows import load_flow_from_entrypoint
-
-    flow = load_flow_from_entrypoint("flows.harvest.harvest")
-    with get_client(sync_client=True) as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
-        except ObjectAlreadyExists:
-            pass
-        client.create_deployment(
-            flow_id=client.create_flow_from_name(flow.name), name=f"harvest-{POOL}", work_pool_name=POOL,
-            entrypoint="flows.harvest.harvest", path=None, pull_steps=[],
-            parameter_openapi_schema=flow.parameters.model_dump(), enforce_parameter_schema=True,
-        )
-
-
 @pytest.fixture(scope="module")
 def host(prefect_deployments, prefect_server, tmp_path_factory):
     from flows.processes import start_worker
@@ -94,7 +75,7 @@ def host(prefect_deployments, prefect_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("warm-host")
     models = home / "models.toml"
     models.write_text((REPO / "infra" / "models.toml").read_text() + OTHER_MODEL)
-    _deploy_pool()
+    deploy_pool(POOL)
     env = {
         **WORKER_ENV,
         "HARVEST_HOME": str(home),

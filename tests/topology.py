@@ -271,9 +271,11 @@ class Fleet:
         name = f"host-{host.name}"
         role = self._role(
             name, [*HARVEST, "worker", "--lane", self.lane, "--name", name], host,
-            PREFECT_API_URL=self.prefect_api_url, HARVEST_ENGINE="hf", PREFECT_WORKER_QUERY_SECONDS="1",
-            PYTHONPATH=str(Path(__file__).resolve().parent.parent),  # for tests.slow_engine
-            **self._storage_env(), **self.host_env,
+            **{
+                "PREFECT_API_URL": self.prefect_api_url, "HARVEST_ENGINE": "hf", "PREFECT_WORKER_QUERY_SECONDS": "1",
+                "PYTHONPATH": str(Path(__file__).resolve().parent.parent),  # for tests.slow_engine
+                **self._storage_env(), **self.host_env,
+            },
         )
         role.wait_ready(f"WORKER_READY lane={self.lane}")
         worker = WorkerHost(role, host, role.home)
