@@ -10,12 +10,19 @@
     watcher.py   the one background loop that follows all runs and wakes long-poll waiters
     links.py     presigned links: S3 SigV4 presigning, HMAC links for local files
     schemas.py   response shapes (OpenAPI) and the harvest object of a job row
+    guard.py     every request: a request id, the body cap (413), the one 500 for unexpected errors
+    ratelimit.py per-key request rates: a token bucket per key in the job store (429, Retry-After)
+    openapi.py   the published document: bodies, every refusal, resolving refs, keys declared
     admin.py     `harvest keys create|list|revoke`, `harvest spend-cap on|off|status`
 
 Choices where the spec is silent (documented here and in the routes' docstrings):
 
 - Caps are checked after the request is valid (a 400 wins over a 429); among caps the order
-  is spend_cap, concurrency, monthly job quota, token budget, lane capacity.
+  is spend_cap, concurrency, monthly job quota, token budget, lane capacity. The per-key
+  request rate comes before all of them, right after the key (401, then 429
+  `rate_limit_exceeded`, then the body): a throttled key costs no parsing.
+- Charges: one row per ended job in the append-only `charge_ledger`, written with the ending;
+  usage and budgets are its sums (`api.store`).
 - The monthly job quota, the token budget and the activation quota are per calendar month
   (UTC). The token budget counts tokens charged this month plus tokens held by active jobs.
   A cancelled or failed job still counts towards the monthly job quota.

@@ -90,17 +90,15 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
 
 
 def _allowed_methods(request: Request) -> list[str]:
-    """The methods the published document gives this path (HEAD with GET, as Starlette serves
-    it); Starlette's own 405 names one route's methods only, and the wrong ones when several
-    routes share a path. Paths outside the document (/health, /openapi.json) are GET only."""
+    """The methods the published document gives this path, which are exactly the methods its
+    routes serve (FastAPI serves no implicit HEAD); Starlette's own 405 names one route's
+    methods only, the wrong ones when several routes share a path. Paths outside the document
+    (/health, /openapi.json) are GET only."""
     methods: set[str] = set()
     for template, operations in request.app.openapi()["paths"].items():
         if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), request.url.path):
             methods |= {method.upper() for method in operations}
-    methods = methods or {"GET"}
-    if "GET" in methods:
-        methods.add("HEAD")
-    return sorted(methods)
+    return sorted(methods or {"GET"})
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
