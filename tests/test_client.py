@@ -32,7 +32,7 @@ from harvest_client.plan import too_many_tokens
 pytest_plugins = ["tests.client_fixtures"]
 
 N_PROMPTS = 10_000
-LAYERS = [3, 7]  # few layers and very short prompts: the corpus stays cheap to harvest on CPU
+LAYERS = [3, 7]  # two layers and very short prompts: the corpus stays cheap to harvest on CPU
 SHARD_SIZE = 1024
 
 
@@ -62,7 +62,25 @@ def _finished_files(out: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def big_harvest(client_api, client_env, tmp_path_factory):
+def refresh_run(harvest_stack, tmp_path_factory):
+    """A corpus-refresh flow run of 25 prompts in 2 parts, started (not awaited) before the big
+    harvest so that its Prefect run overlaps the harvest's instead of adding to the suite's time."""
+    import uuid
+
+    import pyarrow as pa
+    from prefect.deployments import run_deployment
+
+    texts = [("a refreshed line " * (1 + i % 3)) + str(i) for i in range(25)]
+    corpus = tmp_path_factory.mktemp("refresh") / "refresh.parquet"
+    pq.write_table(pa.table({"text": texts}), corpus)
+    name = f"client-{uuid.uuid4().hex[:8]}"
+    run = run_deployment("corpus-refresh/corpus-refresh", timeout=0, parameters={
+        "corpus_url": str(corpus), "model": "llama-tiny", "layers": [1, 3], "shard_size": 4, "name": name, "part_size": 13})
+    return str(run.id), name, texts
+
+
+@pytest.fixture(scope="module")
+def big_harvest(refresh_run, client_api, client_env, tmp_path_factory):
     """10,000 prompts through the CLI, SIGKILLed once its first job is downloaded, then the
     same harvest called again in-process. Returns what each step saw."""
     work = tmp_path_factory.mktemp("client-big")
@@ -242,7 +260,7 @@ def test_a_refused_token_total_is_recognised_as_the_split_signal(client_api):
     api = HarvestApi(client_api.base_url, key)
     try:
         with pytest.raises(ApiError) as refused:
-            api.submit({"model": "llama-tiny", "prompts": ["word " * 600] * 4096, "layers": [1]})
+            api.submit({"model": "llama-tiny", "prompts": ["word " * 520] * 4096, "layers": [1]})
     finally:
         api.close()
     error = refused.value
@@ -307,21 +325,11 @@ def s3_endpoint():
     server.wait(timeout=10)
 
 
-def test_a_scheduled_corpus_refresh_is_training_data_locally_and_on_s3(harvest_stack, harvest_home, s3_endpoint, tmp_path):
+def test_a_scheduled_corpus_refresh_is_training_data_locally_and_on_s3(refresh_run, harvest_stack, harvest_home, s3_endpoint):
     """A real corpus-refresh flow run writes its dated prefix; the dataset reads it in corpus
     order from the storage folder itself, and from S3 after the prefix is copied there."""
-    import uuid
-
-    import pyarrow as pa
-    from prefect.deployments import run_deployment
-
-    texts = [("a refreshed line " * (1 + i % 3)) + str(i) for i in range(25)]
-    corpus = tmp_path / "refresh.parquet"
-    pq.write_table(pa.table({"text": texts}), corpus)
-    name = f"client-{uuid.uuid4().hex[:8]}"
-    run = run_deployment("corpus-refresh/corpus-refresh", timeout=0, parameters={
-        "corpus_url": str(corpus), "model": "llama-tiny", "layers": [1, 3], "shard_size": 4, "name": name, "part_size": 13})
-    status = harvest_stack.wait(str(run.id), timeout=300)
+    run_id, name, texts = refresh_run
+    status = harvest_stack.wait(run_id, timeout=300)
     assert status.status == "done", status
 
     root = harvest_home / "storage" / "corpus" / name
