@@ -1,8 +1,9 @@
 """The service's HTTP API as the user docs describe it: `/v1/harvest` submit, read (long-poll),
 list and cancel, with the error body turned into one exception.
 
-Only transport failures and 5xx answers are retried here (a few times, backing off): a 4xx is
-the service's considered answer, and the caller decides what it means (a 429 is waited out by
+Reads retry transport failures and 5xx answers (a few times, backing off) and wait out a 429
+for the key's request rate (its Retry-After). Any other 4xx is the service's considered
+answer, and the caller decides what it means (a 429 on submit is waited out by
 `harvest_client.harvest`, a 400 for too many tokens splits the job).
 """
 
@@ -18,6 +19,7 @@ __all__ = ["ApiError", "HarvestApi", "TERMINAL"]
 
 TERMINAL = ("done", "failed", "cancelled")
 _RETRIES = 4
+_THROTTLED = 30
 
 
 class ApiError(Exception):
@@ -80,17 +82,27 @@ class HarvestApi:
         self.http.close()
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        for attempt in range(_RETRIES + 1):
+        """A read: transport errors and 5xx retried with backoff; a 429 (the key's request
+        rate, `rate_limit_exceeded`) waited out for its Retry-After, up to `_THROTTLED` times."""
+        failures = throttled = 0
+        while True:
             try:
                 response = self.http.request(method, f"{self.base}{path}", **kwargs)
             except httpx.TransportError:
-                if attempt == _RETRIES:
+                failures += 1
+                if failures > _RETRIES:
                     raise
-            else:
-                if response.status_code < 500 or attempt == _RETRIES:
-                    return response
-            time.sleep(min(2**attempt, 10))
-        raise AssertionError("unreachable")
+                time.sleep(min(2**failures, 10))
+                continue
+            if response.status_code == 429 and throttled < _THROTTLED:
+                throttled += 1
+                time.sleep(_retry_after(response) or 1.0)
+                continue
+            if response.status_code >= 500 and failures < _RETRIES:
+                failures += 1
+                time.sleep(min(2**failures, 10))
+                continue
+            return response
 
     def _json(self, response: httpx.Response) -> dict:
         if response.status_code >= 400:
