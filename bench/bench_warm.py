@@ -5,7 +5,9 @@ Sections (all by default; `--section latency|process|overlap` for one):
 - latency: submit-to-done of sequential 2-prompt `llama-tiny` jobs through a real Prefect
   server and process workers, on two pools side by side: "cold", a worker whose runs load the
   model themselves (the path before warm engines), and "warm", a worker host whose runs use
-  its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`.
+  its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`;
+  once per engine (`--engine hf|vllm`, default both: HF loads `llama-tiny` in a tenth of a
+  second, vLLM in seconds, as a big model would on a GPU).
 - process: `harvest run` as a whole process (imports, tokenizer, engine choice, files) against
   a bare HF forward script (imports, `from_pretrained`, the same batches, nothing written),
   192 prompts, alternating, `--rounds` each.
@@ -40,7 +42,7 @@ def _median(values: list[float]) -> float:
 # --- latency -------------------------------------------------------------------------------
 
 
-def latency(jobs: int) -> None:
+def latency(jobs: int, engine: str) -> None:
     home = Path(tempfile.mkdtemp(prefix="bench-warm-"))
     os.environ["HARVEST_HOME"] = str(home)
     from prefect.client.orchestration import get_client
@@ -67,7 +69,7 @@ def latency(jobs: int) -> None:
                         entrypoint="flows.harvest.harvest", path=None, pull_steps=[],
                         parameter_openapi_schema=flow.parameters.model_dump(), enforce_parameter_schema=True,
                     )
-            base_env = {"HARVEST_HOME": str(home), "HARVEST_ENGINE": "hf", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+            base_env = {"HARVEST_HOME": str(home), "HARVEST_ENGINE": engine, "PREFECT_WORKER_QUERY_SECONDS": "1"}
             workers.append(start_worker("cold", api_url, home / "cold.log", base_env, name="cold"))
             workers.append(start_worker("warm", api_url, home / "warm.log", {**base_env, "HARVEST_SLOTS": "[[]]"}, name="warm"))
 
@@ -96,7 +98,7 @@ def latency(jobs: int) -> None:
         server.stop()
 
     cold = _median([t for t, _ in times["cold"]])
-    print(f"\nSubmit-to-done, {jobs} sequential 2-prompt jobs per path, alternating (median, seconds):")
+    print(f"\nSubmit-to-done on the {engine} engine, {jobs} sequential 2-prompt jobs per path, alternating (seconds):")
     print("| path | median s | min s | max s | median load_s | vs cold |")
     print("|---|---:|---:|---:|---:|---:|")
     for pool in ("cold", "warm"):
@@ -245,6 +247,7 @@ def main() -> None:
     parser.add_argument("--section", choices=["latency", "process", "overlap"], action="append")
     parser.add_argument("--jobs", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine", action="append", choices=["hf", "vllm"], help="latency: engine(s) (default both)")
     args = parser.parse_args()
     sections = args.section or ["overlap", "process", "latency"]
     if "overlap" in sections:
@@ -252,7 +255,8 @@ def main() -> None:
     if "process" in sections:
         process(args.rounds)
     if "latency" in sections:
-        latency(args.jobs)
+        for engine in args.engine or ["hf", "vllm"]:
+            latency(args.jobs, engine)
 
 
 if __name__ == "__main__":
