@@ -2,9 +2,9 @@
 
 An engine runs the forward passes and hands each prompt's `[n_layers_kept, n_tokens, hidden]`
 activations, still on the device, to `PromptReducer.reduce`. The reducer projects onto the
-unit directions (if any), folds the statistics partial in float64, and only then converts to
-the stored dtype and copies to host memory, so projections and statistics never need the raw
-stream on the host.
+unit directions (if any), converts to the stored dtype, folds the statistics partial of
+exactly those stored values in float64, and only then copies to host memory, so projections
+and statistics never need the raw stream on the host.
 """
 
 from __future__ import annotations
@@ -68,8 +68,12 @@ class PromptReducer:
     def reduce(self, acts: torch.Tensor) -> torch.Tensor:
         """`acts` `[n_layers_kept, n_tokens, hidden]` on the device → the stored host tensor."""
         values = acts if self.directions is None else acts.float() @ self.directions.T
-        self.stats.update(values[:, 1:])  # a prompt's first position never enters the statistics
-        return values.to(self.spec.stored_dtype).cpu()
+        stored = values.to(self.spec.stored_dtype)
+        # The statistics describe exactly the values the files hold (bf16 for the stream), so a
+        # reader normalising what it reads gets mean 0 and std 1; a prompt's first position
+        # never enters them.
+        self.stats.update(stored[:, 1:])
+        return stored.cpu()
 
     def finish(self, values: list[torch.Tensor], started: float) -> ShardCapture:
         return ShardCapture(values=values, stats=self.stats.to("cpu"), forward_s=time.perf_counter() - started)

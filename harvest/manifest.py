@@ -69,7 +69,7 @@ class Manifest(BaseModel):
 
 
 def statistics_sentence(contents: str) -> str:
-    what = "the projections onto the unit directions" if contents == "projections" else "the residual stream"
+    what = "the projections onto the unit directions" if contents == "projections" else "the residual stream as stored (bf16)"
     return (
         f"stats.safetensors holds the per-layer mean and standard deviation (population, float32, "
         f"computed in float64 with Welford/Chan merging) of {what}, over every token position "

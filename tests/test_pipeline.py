@@ -82,18 +82,30 @@ def test_statistics_equal_numpy_over_the_same_positions(registry, hf_engine, tin
     run_job(job, storage, hf_engine, "job-stats")
     stats = load_tensors(storage.read_bytes(STATS))
     tokenizer = load_tokenizer(tiny.path)
-    # every position but the first of each prompt, from each prompt run alone in float32
+    # every position but the first of each prompt, from each prompt run alone in float32 and
+    # rounded to bf16 as the files hold it (the statistics describe the stored values)
     rows = [hf_reference_layers(hf_engine.hf_model, tokenizer(p)["input_ids"], [0, 7])[:, 1:] for p in PROMPTS]
-    data = np.concatenate(rows, axis=1).astype(np.float64)
+    data = torch.from_numpy(np.concatenate(rows, axis=1)).to(torch.bfloat16).double().numpy()
     assert int(stats["count"]) == data.shape[1]
     assert stats["layer_indices"].tolist() == [0, 7]
-    np.testing.assert_allclose(stats["mean"].numpy(), data.mean(axis=1), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(stats["std"].numpy(), data.std(axis=1), rtol=1e-4, atol=1e-4)
+    # Against HF: a batched run may round a value to the neighbouring bf16 step (one flip in
+    # hundreds of thousands moves a mean by ~1e-3 of one value / count).
+    np.testing.assert_allclose(stats["mean"].numpy(), data.mean(axis=1), rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(stats["std"].numpy(), data.std(axis=1), rtol=1e-3, atol=2e-3)
+    # Against the values the shards hold, read back with safetensors: exactly what they describe.
     manifest = json.loads(storage.read_bytes(MANIFEST))
+    held = []
+    for shard in manifest["shards"]:
+        tensors = load_tensors(storage.read_bytes(shard["file"]))
+        first, last = shard["prompt_range"]
+        held += [tensors[f"prompt_{i}"][:, 1:].double().numpy() for i in range(first, last + 1)]
+    stored = np.concatenate(held, axis=1)
+    np.testing.assert_allclose(stats["mean"].numpy(), stored.mean(axis=1), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(stats["std"].numpy(), stored.std(axis=1), rtol=1e-6)
     np.testing.assert_allclose(
         [manifest["mean_token_norm"]["0"], manifest["mean_token_norm"]["7"]],
-        np.linalg.norm(data, axis=2).mean(axis=1),
-        rtol=1e-5,
+        np.linalg.norm(stored, axis=2).mean(axis=1),
+        rtol=1e-9,
     )
 
 

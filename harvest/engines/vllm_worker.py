@@ -216,6 +216,7 @@ class _Session:
             values = hidden.index_select(0, rows_index)
         if self.directions is not None:
             values = values.float() @ self.directions.T  # projected on the device
+        values = values.to(self.stored_dtype)  # the statistics describe the stored values
         if self.plan.stats:
             counted = values
             if skip_first:
@@ -225,7 +226,7 @@ class _Session:
             if layer not in self.stats:
                 self.stats[layer] = RunningStats(1, values.shape[-1], device=values.device)
             self.stats[layer].update(counted[None])
-        host = self._to_host(values.to(self.stored_dtype))  # one copy per layer per step
+        host = self._to_host(values)  # one copy per layer per step
         at = 0
         for index, _start, rows in pieces:
             self.chunks[layer][index].append(host[at : at + rows])
