@@ -60,9 +60,16 @@ class Storage:
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             staging = f"{target}.{uuid.uuid4().hex}.partial"
-            with open(staging, "wb") as handle:
-                handle.write(data)
-            os.replace(staging, target)
+            try:
+                with open(staging, "wb") as handle:
+                    handle.write(data)
+                os.replace(staging, target)
+            except BaseException:
+                # A disk that filled up must not stay fuller by our half-written file: the
+                # write's retry (and everyone else) needs the space back.
+                if os.path.exists(staging):
+                    os.unlink(staging)
+                raise
         elif self._is_s3:
             # s3fs sends a file of two parts or more as one multipart upload (parts in
             # parallel); the object appears only when the upload completes, so still atomic.

@@ -11,6 +11,7 @@ Local disk: a 256 KiB tmpfs as the job's folder, filled by the shards.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import subprocess
@@ -138,3 +139,17 @@ def test_local_disk_full_fails_the_job_clearly_with_no_manifest(harvest_stack, s
     assert "No space left on device" in status.message, status.message
     left = sorted(p.name for p in (small_disk / "jobs" / job_id).iterdir())
     assert "manifest.json" not in left and "stats.safetensors" not in left, left
+
+
+def test_a_write_failing_on_a_full_disk_leaves_no_staging_file(small_disk):
+    """A write that fails with ENOSPC removes its staging file, so the write's retry does not
+    find the disk fuller than the failure left it, and the folder holds only complete files."""
+    from harvest.storage import Storage
+
+    storage = Storage(f"file://{small_disk}").child("jobs/disk-full")
+    storage.write_bytes("shard_00000.safetensors", b"x" * 100_000)
+    with pytest.raises(OSError) as failure:
+        storage.write_bytes("shard_00001.safetensors", b"y" * 400_000)  # more than the 256 KiB disk holds
+    assert failure.value.errno == errno.ENOSPC
+    assert storage.listdir() == ["shard_00000.safetensors"]  # no .partial left, the complete file kept
+    storage.write_bytes("shard_00001.safetensors", b"y" * 100_000)  # the space is there again for a retry
