@@ -17,13 +17,13 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from harvest.capture import ShardCapture
 from harvest.engines.base import Engine
 from harvest.errors import HarvestError
 from harvest.jobfiles import JobFiles
-from harvest.capture import ShardCapture
 from harvest.pipeline import JobSummary, Timings, capture_shard, finalize, run_shards, write_shard
-from harvest.shards import ShardRecord
 from harvest.request import ResolvedJob
+from harvest.shards import ShardRecord
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt
 

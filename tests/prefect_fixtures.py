@@ -80,15 +80,19 @@ def prefect_server(harvest_home: Path):
     server, api_url = start_server(harvest_home / "prefect-server", port, timeout=90)
     previous = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = api_url
+    current = PrefectServer(api_url=api_url, ui_url=f"http://127.0.0.1:{port}", process=server)
     try:
         with temporary_settings({PREFECT_API_URL: api_url}):
-            yield PrefectServer(api_url=api_url, ui_url=f"http://127.0.0.1:{port}", process=server)
+            yield current
     finally:
         if previous is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = previous
-        server.stop()
+        # Whichever process serves now: a test may have restarted the server on the same port.
+        current.process.stop()
+        if current.process is not server:
+            server.stop()
 
 
 @pytest.fixture(scope="session")
