@@ -50,11 +50,12 @@ def latency(jobs: int, engine: str) -> None:
     from prefect.flows import load_flow_from_entrypoint
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from flows.deploy import RUN_COMMAND
     from flows.processes import free_port, start_server, start_worker
     from flows.submit import read_harvest_run, start_harvest_run
     from harvest.jobfiles import JobFiles
     from harvest.request import HarvestRequest
-    from harvest.warm.protocol import stop_engine_servers
+    from harvest.warm.protocol import stop_engine_servers, unix_socket_path
 
     server, api_url = start_server(home / "prefect", free_port(), {"HARVEST_HOME": str(home)}, 120)
     workers = []
@@ -68,10 +69,12 @@ def latency(jobs: int, engine: str) -> None:
                         flow_id=client.create_flow_from_name(flow.name), name=f"harvest-{pool}", work_pool_name=pool,
                         entrypoint="flows.harvest.harvest", path=None, pull_steps=[],
                         parameter_openapi_schema=flow.parameters.model_dump(), enforce_parameter_schema=True,
+                        job_variables={"command": RUN_COMMAND} if pool == "warm" else {},
                     )
             base_env = {"HARVEST_HOME": str(home), "HARVEST_ENGINE": engine, "PREFECT_WORKER_QUERY_SECONDS": "1"}
             workers.append(start_worker("cold", api_url, home / "cold.log", base_env, name="cold"))
-            workers.append(start_worker("warm", api_url, home / "warm.log", {**base_env, "HARVEST_SLOTS": "[[]]"}, name="warm"))
+            workers.append(start_worker("warm", api_url, home / "warm.log", {**base_env, "HARVEST_SLOTS": "[[]]"}, name="warm",
+                                        run_starter=unix_socket_path(home / "engines", "runs-warm")))
 
             def one(pool: str, n: int) -> tuple[float, float]:
                 job_id = str(uuid.uuid4())

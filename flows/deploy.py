@@ -27,13 +27,14 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from harvest.lanes import Lane, load_lanes
 from harvest.settings import get_settings
 
-__all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "load_spec", "lane_spec", "apply", "apply_sync", "pull_steps"]
+__all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "RUN_COMMAND", "load_spec", "lane_spec", "apply", "apply_sync", "pull_steps"]
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = REPO / "infra" / "prefect.yaml"
 # A module path with no pull steps: worker hosts import the flow from the installed package
 # (see infra/prefect.yaml).
 HARVEST_ENTRYPOINT = "flows.harvest.harvest"
+RUN_COMMAND = "python -m flows.run_starter"
 
 
 def load_spec(path: Path = PREFECT_YAML) -> dict[str, Any]:
@@ -53,6 +54,9 @@ def lane_spec(lanes: dict[str, Lane]) -> dict[str, list[dict]]:
             "description": f"bulk harvest jobs of the {lane.name} lane ({lane.description}); one flow run per job",
             "work_pool": {"name": lane.name},
             "tags": ["harvest", f"lane:{lane.name}"],
+            # On a worker host the run forks from its preloaded starter; elsewhere this is
+            # `python -m prefect.engine` (`flows.run_starter`).
+            "job_variables": {"command": RUN_COMMAND},
         }
         for lane in lanes.values()
     ]

@@ -180,7 +180,7 @@ def start_server(
 
 def start_worker(
     pool: str, api_url: str, log: Path, env: dict[str, str] | None = None, name: str | None = None, *,
-    healthcheck: bool = False, cwd: str | None = None, limit: int | None = None,
+    healthcheck: bool = False, cwd: str | None = None, limit: int | None = None, run_starter: Path | None = None,
 ) -> Managed:
     """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_ENGINE=hf).
 
@@ -188,8 +188,12 @@ def start_worker(
     supervisor's view of whether the worker still polls).
     limit: flow runs at once on this worker (`--limit`; Prefect holds a slot for the run
     process's whole life), e.g. the host's slots.
+    run_starter: a Unix socket path: the worker runs under `flows.run_starter`, which forks its
+    flow runs from a preloaded process listening there (a worker host's runs start in ms).
     """
-    env = {**os.environ, **(env or {}), "PREFECT_API_URL": api_url}
+    # The harvest deployments' run command is `python -m flows.run_starter`: this interpreter's.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, **(env or {}), "PREFECT_API_URL": api_url, "PATH": path}
     argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
     if name:
         argv += ["--name", name]
@@ -197,4 +201,6 @@ def start_worker(
         argv.append("--with-healthcheck")
     if limit is not None:
         argv += ["--limit", str(limit)]
+    if run_starter is not None:
+        argv = [sys.executable, "-m", "flows.run_starter", "--socket", str(run_starter), "--", *argv]
     return Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)

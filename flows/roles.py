@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -181,6 +182,7 @@ def start_worker_host(
     from flows.liveness import HEARTBEAT_ENV
     from flows.placement import publish_host
     from harvest.placement import describe_slots, host_slots
+    from harvest.warm.protocol import unix_socket_path
 
     table = host_slots(gpus, gpus_per_run or _lane_gpus_per_run(lane), slots)
     health_port = health_port or free_port()
@@ -194,7 +196,8 @@ def start_worker_host(
     }
     name = name or f"{socket.gethostname()}-{lane}-{os.getpid()}"
     worker = start_worker(
-        lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name=name, healthcheck=True, cwd=str(home), limit=len(table)
+        lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name=name, healthcheck=True, cwd=str(home), limit=len(table),
+        run_starter=unix_socket_path(home / "engines", f"runs-{lane}-{secrets.token_hex(4)}"),
     )
     wait_http(f"http://127.0.0.1:{health_port}/health", timeout, worker, ok_only=True)
     publish_host(lane, name, table, api_url)

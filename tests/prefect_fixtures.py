@@ -111,6 +111,8 @@ def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str 
     from prefect.exceptions import ObjectAlreadyExists
     from prefect.flows import load_flow_from_entrypoint
 
+    from flows.deploy import RUN_COMMAND
+
     name = name or f"harvest-{pool}"
     flow = load_flow_from_entrypoint(entrypoint)
     with get_client(sync_client=True) as client:
@@ -121,6 +123,7 @@ def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str 
         client.create_deployment(
             flow_id=client.create_flow_from_name(flow.name), name=name, work_pool_name=pool, entrypoint=entrypoint,
             path=None, pull_steps=[], parameter_openapi_schema=flow.parameters.model_dump(), enforce_parameter_schema=True,
+            job_variables={"command": RUN_COMMAND},
         )
     return f"{flow.name}/{name}"
 
@@ -136,16 +139,20 @@ class LaneWorkers:
     def start(self, lane: str, env: dict[str, str] | None = None):
         from flows.processes import start_worker
         from harvest.lanes import load_lanes
+        from harvest.warm.protocol import unix_socket_path
 
         name = f"{lane}-{uuid.uuid4().hex[:6]}"
         env = {**WORKER_ENV, **(env or {})}
         declared = load_lanes().get(lane)
+        starter = None
         if declared is not None:
             # A worker host of the lane: as many CPU slots as its pool runs at once, so its
-            # runs share the host's warm engine. A worker of a test's own pool stays a bare
-            # one, whose runs load their engine themselves.
+            # runs share the host's warm engine, and its runs forked from a run starter. A
+            # worker of a test's own pool stays a bare one, whose runs start and load their
+            # engine themselves.
             env["HARVEST_SLOTS"] = json.dumps([[] for _ in range(declared.pool_limit or 1)])
-        worker = start_worker(lane, self.api_url, self.log_dir / f"worker-{name}.log", env, name=name)
+            starter = unix_socket_path(self.log_dir, f"runs-{name}")
+        worker = start_worker(lane, self.api_url, self.log_dir / f"worker-{name}.log", env, name=name, run_starter=starter)
         self.workers.append(worker)
         return worker
 

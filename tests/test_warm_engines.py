@@ -10,7 +10,11 @@ against what:
   alone through HF (`hidden_states`) within one bf16 rounding;
 - an engine server killed mid-job: the job ends done, every shard's sha256 against the bytes
   on disk and its values against HF;
-- each engine (`HARVEST_ENGINE=hf` and `vllm`) through the host and through `/v1/completions`.
+- each engine (`HARVEST_ENGINE=hf` and `vllm`) through the host and through `/v1/completions`;
+  the run's own environment choosing the engine, though its process is forked from the
+  host's run starter (`flows.run_starter`), whose environment says `hf`;
+- runs forked from the run starter: the process tree (psutil), and a launcher killed taking
+  its run along.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from harvest.jobfiles import MANIFEST, JobFiles
 from harvest.request import HarvestRequest
 from harvest.tokenize import load_tokenizer
 from harvest.warm.client import engine_status
-from harvest.warm.protocol import GroupFiles
+from harvest.warm.protocol import GroupFiles, unix_socket_path
 from tests.prefect_fixtures import REPO, WORKER_ENV, deploy_pool
 from tests.reference import bf16_tolerance, hf_reference_layers
 from tests.slow_engine import slow_shards
@@ -83,7 +87,8 @@ def host(prefect_deployments, prefect_server, tmp_path_factory):
         "HARVEST_SLOTS": json.dumps([[], []]),
         "HARVEST_ENGINE_MODELS_PER_GROUP": "1",  # one model per group: another one evicts
     }
-    worker = start_worker(POOL, prefect_server.api_url, home / "worker.log", env, name=f"warm-{uuid.uuid4().hex[:6]}")
+    worker = start_worker(POOL, prefect_server.api_url, home / "worker.log", env, name=f"warm-{uuid.uuid4().hex[:6]}",
+                          run_starter=unix_socket_path(home / "engines", "runs"))
     try:
         yield Host(home, worker)
     finally:
@@ -181,6 +186,38 @@ def test_an_engine_server_killed_mid_job_is_started_again_and_the_job_ends_done(
     assert status.status == "done", status
     assert host.status()["pid"] != killed  # a new server took over
     _check_against_hf(files, hf_engine.hf_model, tokenizer, prompts, [0, 7])
+
+
+def _run_processes(host) -> tuple[list, list]:
+    """The host's launchers (children of its Prefect worker) and the runs its run starter forked."""
+    import psutil
+
+    starter = psutil.Process(host.worker.pid)
+    worker, *forked = sorted(starter.children(), key=lambda p: "worker" not in " ".join(p.cmdline()))
+    launchers = [p for p in worker.children(recursive=True) if p.cmdline()[-2:] == ["-m", "flows.run_starter"]]
+    return launchers, [p for p in forked if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_runs_fork_from_the_run_starter_and_a_killed_launcher_takes_its_run_along(host):
+    import psutil
+
+    run_id, files = host.submit([f"prompt {k}" for k in range(12)], env=slow_shards(1), shard_size=1, layers=[1])
+    deadline = time.monotonic() + 240
+    while files.shards_done() < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # The process tree, as the kernel has it: one launcher under the worker, and the run it
+    # asked for forked from the starter (not started by the worker).
+    launchers, runs = _run_processes(host)
+    assert len(launchers) == 1 and len(runs) == 1, (launchers, runs)
+    assert runs[0].cmdline()[:5] == psutil.Process(host.worker.pid).cmdline()[:5]
+
+    launchers[0].kill()  # what the worker does to a run past its cancel grace
+    psutil.wait_procs(runs, timeout=5)
+    assert not runs[0].is_running() or runs[0].status() == psutil.STATUS_ZOMBIE
+    assert not files.storage.exists(MANIFEST)
+    _wait(run_id)  # whatever Prefect makes of it (crashed), it ends before the next test
+    assert _run_processes(host) == ([], [])
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])

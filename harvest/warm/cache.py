@@ -56,17 +56,19 @@ class EngineCache:
                     break
                 self._changed.wait()
         started = time.perf_counter()
+        entry = None
         try:
-            engine = self._load(key)
+            entry = Loaded(key, self._load(key), time.perf_counter() - started, users=1)
         finally:
+            # In one step with the end of the load, so a waiter woken now finds the engine
+            # (it would otherwise load the same model again beside it).
             with self._changed:
                 self._loading.discard(key)
+                if entry is not None:
+                    self._entries[key] = entry
+                    self.loads += 1
                 self._changed.notify_all()
-        with self._changed:
-            entry = Loaded(key, engine, time.perf_counter() - started, users=1)
-            self._entries[key] = entry
-            self.loads += 1
-            return entry, False
+        return entry, False
 
     def release(self, entry: Loaded) -> None:
         with self._changed:

@@ -18,10 +18,21 @@ from pathlib import Path
 
 from harvest.private_files import write_private
 
-__all__ = ["GroupFiles", "group_name", "send", "receive", "error_reply", "raise_error", "stop_engine_servers"]
+__all__ = ["unix_socket_path", "GroupFiles", "group_name", "send", "receive", "error_reply", "raise_error", "stop_engine_servers"]
 
 # A Unix socket path holds at most 107 bytes; deep homes (test folders) fall back to /tmp.
 _MAX_SOCKET_PATH = 100
+
+
+def unix_socket_path(directory: Path, name: str) -> Path:
+    """`<directory>/<name>.sock`, or the same name in a private folder under /tmp when that path
+    is too long for a Unix socket."""
+    path = Path(directory) / f"{name}.sock"
+    if len(str(path)) > _MAX_SOCKET_PATH:
+        short = Path("/tmp") / f"harvest-engines-{hashlib.sha1(str(directory).encode()).hexdigest()[:12]}"
+        short.mkdir(mode=0o700, exist_ok=True)
+        path = short / f"{name}.sock"
+    return path
 
 
 def group_name(devices: str | None) -> str:
@@ -37,12 +48,7 @@ class GroupFiles:
         self.group = group
         self.dir = self.home / "engines"
         self.dir.mkdir(parents=True, exist_ok=True)
-        socket = self.dir / f"{group}.sock"
-        if len(str(socket)) > _MAX_SOCKET_PATH:
-            short = Path("/tmp") / f"harvest-engines-{hashlib.sha1(str(self.dir).encode()).hexdigest()[:12]}"
-            short.mkdir(mode=0o700, exist_ok=True)
-            socket = short / f"{group}.sock"
-        self.socket = socket
+        self.socket = unix_socket_path(self.dir, group)
         self.pid = self.dir / f"{group}.pid"
         self.lock = self.dir / f"{group}.lock"
         self.log = self.home / "logs" / f"engine-{group}.log"

@@ -1,0 +1,312 @@
+"""Flow runs forked from a preloaded process: a run starts in milliseconds, not seconds.
+
+Prefect's process worker starts every flow run as a fresh `python -m prefect.engine`. On the
+2-core dev box that is ~3.5 s of imports (Prefect, torch, transformers' tokenizer classes, the
+flow) before the flow's first line: more than a warm job's whole work once its engine stays
+loaded (`harvest.warm`). On a worker host this module removes that cost with a fork server:
+
+- `python -m flows.run_starter --socket S -- prefect worker start …` (the *starter*; what
+  `flows.processes.start_worker` runs on a worker host): starts the Prefect worker as its child,
+  with `HARVEST_RUN_STARTER=S` in its environment; imports what a run imports; then listens on
+  the Unix socket S. For each run it is asked for, it forks: the child takes the asker's
+  stdin/stdout/stderr, environment and working directory and runs `prefect.engine` as
+  `python -m` would. The signals it gets go to the worker (a worker stopping), and it ends
+  when the worker does, stopping any run still going.
+- `python -m flows.run_starter` (the *launcher*; the harvest deployments' `command` job
+  variable, `flows.deploy`): what the worker starts per run. It hands its stdio, environment
+  and directory to the host's starter, passes on the signals it gets (a cancel's SIGTERM) and
+  exits as the run did. Without a starter (a worker started some other way, or one still
+  preloading) it becomes `python -m prefect.engine` itself. It imports only the standard
+  library, so it starts in tens of milliseconds.
+
+A launcher that dies (SIGKILL after a cancel's grace, or with its worker) takes its run along:
+the starter sees its connection close and kills the run's process group. Forking is safe
+because the starter stays single-threaded (one `selectors` loop, no threads), never touches
+CUDA and holds no open client; the child sets Prefect's and our settings again from its own
+environment before the engine reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+__all__ = ["STARTER_ENV", "launch", "RunStarter", "main"]
+
+STARTER_ENV = "HARVEST_RUN_STARTER"
+_LENGTH = struct.Struct("!I")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# --- the launcher (standard library only) ----------------------------------------------------
+
+
+def _connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def launch(argv: list[str]) -> int:
+    """Run this flow run in the host's starter; returns its exit status."""
+    path = os.environ.get(STARTER_ENV)
+    sock = _connect(path) if path else None
+    if sock is None:
+        os.execv(sys.executable, [sys.executable, "-m", "prefect.engine", *argv])
+    payload = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "argv": argv}).encode()
+    socket.send_fds(sock, [_LENGTH.pack(len(payload))], [0, 1, 2])
+    sock.sendall(payload)
+    answers = sock.makefile("rb")
+    pid = int(answers.readline().split()[1])
+
+    def forward(signum, frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in _FORWARDED:
+        signal.signal(signum, forward)
+    line = answers.readline()
+    if not line:  # the starter itself died; the run may go on (an orphan): wait it out
+        while _alive(pid):
+            time.sleep(0.5)
+        return 1
+    code = int(line.split()[1])
+    if code < 0:  # killed by a signal: end the same way, so the worker reads the same status
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+# --- the starter -----------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """Import what every run imports, and the tokenizer classes of the models found here (the
+    tokenizers themselves are not kept: their files may change)."""
+    import prefect.engine  # noqa: F401
+    import prefect.flow_engine  # noqa: F401
+
+    import flows.harvest  # noqa: F401  (torch, the harvest core, the warm-engine client)
+    from harvest.registry import load_registry
+    from harvest.tokenize import load_tokenizer
+
+    for model in load_registry().all():
+        if model.path is not None:
+            try:
+                load_tokenizer.__wrapped__(model.path)
+            except Exception as exc:  # the run will say what is wrong with it; this is only speed
+                print(f"run starter: no preload of {model.name}'s tokenizer: {exc}", flush=True)
+
+
+class _Fork:
+    """What the child of a fork carries out of the starter's loop: the run to become."""
+
+    def __init__(self, payload: dict, fds: list[int]):
+        self.payload = payload
+        self.fds = fds
+
+
+class RunStarter:
+    def __init__(self, path: str, worker_argv: list[str]):
+        self.path = path
+        self.worker_argv = worker_argv
+        self.runs: dict[int, socket.socket] = {}  # run pid -> its launcher's connection
+        self.worker_status: int | None = None
+        self.selector: selectors.BaseSelector | None = None
+
+    def serve(self) -> int | _Fork:
+        """The worker's exit status once it ends, or, in a forked child, the run to become."""
+        env = {**os.environ, STARTER_ENV: self.path}
+        worker = subprocess.Popen(self.worker_argv, env=env)
+        for signum in _FORWARDED:
+            signal.signal(signum, lambda s, f: _signal(worker.pid, s))
+        selector = self.selector = selectors.DefaultSelector()
+        try:
+            preload()
+            listener = self._listen()
+            selector.register(listener, selectors.EVENT_READ, None)
+            print(f"run starter: pid {os.getpid()}, worker pid {worker.pid}, socket {self.path}", flush=True)
+        except Exception as exc:  # the launchers find no starter and start their runs themselves
+            print(f"run starter: not serving, runs start the slow way: {exc!r}", flush=True)
+            listener = None
+        while self.worker_status is None:
+            for key, _ in selector.select(timeout=0.5):
+                if key.data is None:
+                    fork = self._start(listener)
+                    if fork is not None:
+                        return fork
+                else:
+                    self._launcher_left(key.fileobj, key.data)
+            self._reap(worker.pid)
+        self._stop_runs()
+        if listener is not None:
+            os.unlink(self.path)
+        return self.worker_status
+
+    def _listen(self) -> socket.socket:
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)  # owner-only from the first moment: a connection runs code as us
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old)
+        listener.listen(16)
+        return listener
+
+    def _start(self, listener: socket.socket) -> _Fork | None:
+        conn, _ = listener.accept()
+        try:
+            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if uid != os.getuid():
+                raise PermissionError(f"a launcher of uid {uid}")
+            conn.settimeout(10)
+            message, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 3)
+            payload = json.loads(_read_exactly(conn, _LENGTH.unpack(message)[0]))
+        except (OSError, ValueError, struct.error) as exc:
+            print(f"run starter: refused a launch: {exc!r}", flush=True)
+            conn.close()
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for other in [listener, conn, *self.runs.values()]:
+                other.close()
+            self.selector.close()
+            return _Fork(payload, fds)
+        for fd in fds:
+            os.close(fd)
+        conn.settimeout(None)
+        conn.sendall(f"pid {pid}\n".encode())
+        self.runs[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+        return None
+
+    def _launcher_left(self, conn: socket.socket, pid: int) -> None:
+        """The launcher closed its end (only ever EOF: it sends nothing after the launch)."""
+        self.selector.unregister(conn)
+        _signal(-pid, signal.SIGKILL)  # its worker gave up on it; the run goes with it
+
+    def _reap(self, worker_pid: int) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            code = os.waitstatus_to_exitcode(status)
+            if pid == worker_pid:
+                self.worker_status = code
+            conn = self.runs.pop(pid, None)
+            if conn is not None:
+                if conn in self.selector.get_map():
+                    self.selector.unregister(conn)
+                try:
+                    conn.sendall(f"exit {code}\n".encode())
+                except OSError:
+                    pass  # its launcher is gone already
+                conn.close()
+
+    def _stop_runs(self, grace_s: float = 10.0) -> None:
+        """The worker has ended: runs still going get SIGTERM, then SIGKILL after the grace."""
+        for pid in self.runs:
+            _signal(-pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.runs and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self._reap(-1)
+        for pid in list(self.runs):
+            _signal(-pid, signal.SIGKILL)
+        self._reap(-1)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = conn.recv(min(left, 1 << 16))
+        if not chunk:
+            raise ValueError("launcher closed mid-message")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def become_run(fork: _Fork) -> None:
+    """In the forked child: take the launcher's place and run `prefect.engine` as `-m` would."""
+    import runpy
+    import warnings
+
+    os.setpgid(0, 0)  # its own group: the starter can stop the run and whatever it starts
+    for signum in (*_FORWARDED, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    for target, fd in zip((0, 1, 2), fork.fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(fork.payload["cwd"])
+    os.environ.clear()
+    os.environ.update(fork.payload["env"])
+    _settings_from_environment()
+    sys.argv = ["prefect.engine", *fork.payload["argv"]]
+    # Preloaded, as intended: `-m` on an imported module is what this is for.
+    warnings.filterwarnings("ignore", message="'prefect.engine' found in sys.modules", category=RuntimeWarning)
+    runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+
+
+def _settings_from_environment() -> None:
+    """Settings read at import in the starter, read again from the run's own environment."""
+    import prefect.context
+    from prefect.logging.configuration import setup_logging
+
+    from harvest.settings import get_settings
+
+    prefect.context.refresh_global_settings_context()
+    setup_logging(incremental=False)
+    get_settings.cache_clear()
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["--socket"]:
+        return launch(argv)
+    if len(argv) < 4 or argv[2] != "--":
+        raise SystemExit("usage: python -m flows.run_starter --socket PATH -- WORKER COMMAND …")
+    outcome = RunStarter(argv[1], argv[3:]).serve()
+    if isinstance(outcome, _Fork):
+        become_run(outcome)
+        return 0
+    return outcome if outcome >= 0 else 128 - outcome
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
