@@ -140,6 +140,21 @@ def wait_http(url: str, timeout: float, proc: Managed | None = None, *, ok_only:
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s" + (f":\n{proc.tail()}" if proc else ""))
 
 
+# A run starter imports for a few seconds before it listens; runs that come sooner start the slow way.
+STARTER_TIMEOUT_S = 90.0
+
+
+def _wait_for_starter(socket_path: Path, proc: Managed, timeout: float) -> None:
+    """Until the run starter listens, so the host's first runs fork too."""
+    deadline = time.monotonic() + timeout
+    while not socket_path.exists():
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+        if time.monotonic() > deadline or "run starter: not serving" in proc.tail():
+            return  # it still works: each run starts as a fresh process
+        time.sleep(0.2)
+
+
 def _prefect() -> list[str]:
     return [sys.executable, "-m", "prefect"]
 
@@ -201,6 +216,9 @@ def start_worker(
         argv.append("--with-healthcheck")
     if limit is not None:
         argv += ["--limit", str(limit)]
-    if run_starter is not None:
-        argv = [sys.executable, "-m", "flows.run_starter", "--socket", str(run_starter), "--", *argv]
-    return Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)
+    if run_starter is None:
+        return Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)
+    argv = [sys.executable, "-m", "flows.run_starter", "--socket", str(run_starter), "--", *argv]
+    worker = Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)
+    _wait_for_starter(Path(run_starter), worker, STARTER_TIMEOUT_S)
+    return worker

@@ -23,7 +23,8 @@ A launcher that dies (SIGKILL after a cancel's grace, or with its worker) takes 
 the starter sees its connection close and kills the run's process group. Forking is safe
 because the starter stays single-threaded (one `selectors` loop, no threads), never touches
 CUDA and holds no open client; the child sets Prefect's and our settings again from its own
-environment before the engine reads them.
+environment before the engine reads them (a run whose environment would change anything else
+a preloaded module read at import is started afresh: `REREAD`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,15 @@ import subprocess
 import sys
 import time
 
-__all__ = ["STARTER_ENV", "launch", "RunStarter", "main"]
+__all__ = ["STARTER_ENV", "REREAD", "launch", "RunStarter", "main"]
 
 STARTER_ENV = "HARVEST_RUN_STARTER"
 _LENGTH = struct.Struct("!I")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Variables a run may set differently from its worker and still fork: read again in the child
+# (Prefect's, ours, fsspec's; `_settings_from_environment`) or only when a client is made
+# (AWS_*). A run that sets any other (PYTHONPATH, HF_HOME, …) is started afresh instead.
+REREAD = ("PREFECT_", "HARVEST_", "FSSPEC_", "AWS_")
 
 
 # --- the launcher (standard library only) ----------------------------------------------------
@@ -122,9 +127,11 @@ def preload() -> None:
 class _Fork:
     """What the child of a fork carries out of the starter's loop: the run to become."""
 
-    def __init__(self, payload: dict, fds: list[int]):
+    def __init__(self, payload: dict, fds: list[int], worker_env: dict[str, str], set_by_preload: dict[str, str]):
         self.payload = payload
         self.fds = fds
+        self.worker_env = worker_env
+        self.set_by_preload = set_by_preload
 
 
 class RunStarter:
@@ -134,16 +141,20 @@ class RunStarter:
         self.runs: dict[int, socket.socket] = {}  # run pid -> its launcher's connection
         self.worker_status: int | None = None
         self.selector: selectors.BaseSelector | None = None
+        self.worker_env: dict[str, str] = {}
+        self.set_by_preload: dict[str, str] = {}
 
     def serve(self) -> int | _Fork:
         """The worker's exit status once it ends, or, in a forked child, the run to become."""
-        env = {**os.environ, STARTER_ENV: self.path}
-        worker = subprocess.Popen(self.worker_argv, env=env)
+        self.worker_env = {**os.environ, STARTER_ENV: self.path}
+        worker = subprocess.Popen(self.worker_argv, env=self.worker_env)
         for signum in _FORWARDED:
             signal.signal(signum, lambda s, f: _signal(worker.pid, s))
         selector = self.selector = selectors.DefaultSelector()
         try:
             preload()
+            # What the imports set themselves (a fresh run's imports would set the same).
+            self.set_by_preload = {k: v for k, v in os.environ.items() if self.worker_env.get(k) != v and k != STARTER_ENV}
             listener = self._listen()
             selector.register(listener, selectors.EVENT_READ, None)
             print(f"run starter: pid {os.getpid()}, worker pid {worker.pid}, socket {self.path}", flush=True)
@@ -197,7 +208,7 @@ class RunStarter:
             for other in [listener, conn, *self.runs.values()]:
                 other.close()
             self.selector.close()
-            return _Fork(payload, fds)
+            return _Fork(payload, fds, self.worker_env, self.set_by_preload)
         for fd in fds:
             os.close(fd)
         conn.settimeout(None)
@@ -275,8 +286,15 @@ def become_run(fork: _Fork) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(fork.payload["cwd"])
+    env = fork.payload["env"]
+    worker_env = fork.worker_env
+    stale = sorted(k for k in set(env) | set(worker_env) if env.get(k) != worker_env.get(k) and not k.startswith(REREAD))
+    if stale:  # the run's environment changes what a preloaded module read at import
+        changes = ", ".join(f"{k}={env.get(k)!r} (worker: {worker_env.get(k)!r})" for k in stale)
+        print(f"run starter: this run sets {changes}: started afresh", flush=True)
+        os.execve(sys.executable, [sys.executable, "-m", "prefect.engine", *fork.payload["argv"]], env)
     os.environ.clear()
-    os.environ.update(fork.payload["env"])
+    os.environ.update({**fork.set_by_preload, **env})
     _settings_from_environment()
     sys.argv = ["prefect.engine", *fork.payload["argv"]]
     # Preloaded, as intended: `-m` on an imported module is what this is for.
@@ -285,7 +303,9 @@ def become_run(fork: _Fork) -> None:
 
 
 def _settings_from_environment() -> None:
-    """Settings read at import in the starter, read again from the run's own environment."""
+    """Settings read at import in the starter, read again from the run's own environment:
+    every variable of the `REREAD` prefixes takes effect."""
+    import fsspec.config
     import prefect.context
     from prefect.logging.configuration import setup_logging
 
@@ -294,6 +314,9 @@ def _settings_from_environment() -> None:
     prefect.context.refresh_global_settings_context()
     setup_logging(incremental=False)
     get_settings.cache_clear()
+    fsspec.config.conf.clear()
+    fsspec.config.set_conf_files(os.environ.get("FSSPEC_CONFIG_DIR", fsspec.config.default_conf_dir), fsspec.config.conf)
+    fsspec.config.set_conf_env(fsspec.config.conf)
 
 
 def main(argv: list[str]) -> int:

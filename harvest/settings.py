@@ -125,6 +125,14 @@ class Settings(BaseSettings):
     """Models kept loaded per GPU group (a CPU host is one group); the least recently used
     idle one is evicted when another is asked for."""
 
+    engine_cobatch_shards: int = Field(default=4, ge=1)
+    """Shards of concurrent jobs run together in one engine call (shared forward passes) when
+    they capture the same layers and directions; 1 runs each shard alone."""
+
+    engine_cobatch_wait_s: float = Field(default=0.1, ge=0)
+    """How long an engine that comes free waits for the other jobs holding it to ask for their
+    next shards, so they share the call instead of alternating."""
+
     engine_start_timeout_s: float = Field(default=180.0, gt=0)
     """How long a run waits for its host's engine server to answer after starting it."""
 

@@ -9,24 +9,42 @@ the host's warm engine server beside the plain one, as any other engine would.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import time
+from pathlib import Path
 
 from harvest.engines.hf import HFEngine
+from harvest.settings import get_settings
 
-__all__ = ["SlowShards", "SlowLoad", "slow_shards", "slow_load"]
+__all__ = ["SlowShards", "SlowLoad", "slow_shards", "slow_load", "calls_file", "recorded_calls"]
+
+
+def calls_file(home: Path) -> Path:
+    return Path(home) / "slow-engine-calls.jsonl"
+
+
+def recorded_calls(home: Path) -> list[list[list[list[int]]]]:
+    """Each `SlowShards` call made under `home`: the token ids of every shard it ran."""
+    path = calls_file(home)
+    return [json.loads(line)["shards"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
 class SlowShards(HFEngine):
-    """Every shard's capture takes `shard_s` seconds more (class `ShardsTake<seconds>s`)."""
+    """Every engine call takes `shard_s` seconds more (class `ShardsTake<seconds>s`), and is
+    recorded, one JSON line with the prompts of each shard it ran, in `calls_file(home)`."""
 
     shard_s = 1.0
 
-    def capture(self, prompts, spec, *, batch_size=None):
-        capture = super().capture(prompts, spec, batch_size=batch_size)
+    def capture_together(self, shards, spec, *, batch_size=None):
+        answers = super().capture_together(shards, spec, batch_size=batch_size)
         time.sleep(self.shard_s)
-        capture.forward_s += self.shard_s
-        return capture
+        with open(calls_file(get_settings().home), "a") as log:
+            log.write(json.dumps({"pid": os.getpid(), "shards": shards}) + "\n")
+        for capture in answers:
+            capture.forward_s += self.shard_s
+        return answers
 
 
 class SlowLoad(HFEngine):

@@ -150,6 +150,30 @@ def test_activation_statistics_equal_reference(vllm_engine, prompts, reference):
     assert (np.abs(shard.stats.std.numpy() - counted.std(axis=1)) <= FP32_RTOL * scale).all()
 
 
+def test_shards_captured_together_run_in_one_generate_call_with_statistics_of_their_own(vllm_engine, prompts, reference, monkeypatch):
+    """Three shards (concurrent jobs on one warm engine) in one `generate` call: the long prompt
+    is chunked over steps shared with the others, so steps mix the shards' rows."""
+    calls = []
+    real_generate = vllm_engine.llm.generate
+    monkeypatch.setattr(vllm_engine.llm, "generate", lambda prompts, *a, **k: calls.append(len(prompts)) or real_generate(prompts, *a, **k))
+    groups = [[0, 2], [1], [3, 4]]  # prompt indices per shard
+    rng = np.random.default_rng(1)
+    raw = rng.standard_normal((4, 256)).astype(np.float32)
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    answers = vllm_engine.capture_together([[prompts[i] for i in g] for g in groups], CaptureSpec(layers=LAYERS, directions=unit))
+    assert calls == [len(prompts)]
+    for group, answer in zip(groups, answers):
+        projected = [reference[i] @ unit.T for i in group]
+        for ours, ref in zip(answer.values, projected):
+            _close_fp32(ours.numpy(), ref)
+        # Each shard's statistics cover its own prompts only: numpy float64 over them.
+        counted = np.concatenate([p[:, 1:] for p in projected], axis=1).astype(np.float64)
+        assert answer.stats.count == counted.shape[1] == sum(len(prompts[i]) - 1 for i in group)
+        scale = np.abs(counted).max()
+        np.testing.assert_allclose(answer.stats.mean.numpy(), counted.mean(axis=1), atol=FP32_RTOL * scale)
+        np.testing.assert_allclose(answer.stats.std.numpy(), counted.std(axis=1), atol=FP32_RTOL * scale)
+
+
 def test_a_missed_layer_fails_the_shard(vllm_engine, prompts, monkeypatch):
     """Fault at one seam: layer discovery loses block 3, so its hook is never installed."""
     real = vllm_worker_module._layer_modules

@@ -6,8 +6,9 @@ against what:
 
 - load once: the engine server's own counters (loads, evictions) and its pid, beside each
   manifest's `timings.load_s` and `engine.warm`;
-- sharing: two jobs on one engine, one cancelled, the other's values against each prompt run
-  alone through HF (`hidden_states`) within one bf16 rounding;
+- sharing: two jobs on one engine, their shards in shared engine calls (the engine's own
+  record of its calls), one cancelled, the other's values against each prompt run alone
+  through HF (`hidden_states`) within one bf16 rounding;
 - an engine server killed mid-job: the job ends done, every shard's sha256 against the bytes
   on disk and its values against HF;
 - each engine (`HARVEST_ENGINE=hf` and `vllm`) through the host and through `/v1/completions`;
@@ -40,7 +41,7 @@ from harvest.warm.client import engine_status
 from harvest.warm.protocol import GroupFiles, unix_socket_path
 from tests.prefect_fixtures import REPO, WORKER_ENV, deploy_pool
 from tests.reference import bf16_tolerance, hf_reference_layers
-from tests.slow_engine import slow_shards
+from tests.slow_engine import recorded_calls, slow_shards
 
 POOL = "warm-host"
 OTHER_MODEL = """
@@ -170,6 +171,11 @@ def test_two_jobs_share_one_engine_and_cancelling_one_leaves_the_other(host, hf_
     assert _wait(kept).status == "done"
     assert not cancelled_files.storage.exists(MANIFEST) and cancelled_files.shards_done() < 16
     _check_against_hf(kept_files, hf_engine.hf_model, tokenizer, kept_prompts, [2, 5])
+    # While both ran, their waiting shards went through the engine together: the engine's own
+    # record of its calls holds calls with a shard of each job.
+    kept_ids = {tuple(tokenizer(p)["input_ids"]) for p in kept_prompts}
+    jobs_per_call = [{tuple(shard[0]) in kept_ids for shard in call} for call in recorded_calls(host.home)]
+    assert {True, False} in jobs_per_call, jobs_per_call
 
 
 def test_an_engine_server_killed_mid_job_is_started_again_and_the_job_ends_done(host, hf_engine, tiny):
@@ -192,10 +198,18 @@ def _run_processes(host) -> tuple[list, list]:
     """The host's launchers (children of its Prefect worker) and the runs its run starter forked."""
     import psutil
 
+    def cmdline(process) -> list[str]:
+        try:
+            return process.cmdline()
+        except psutil.Error:  # ended (a zombie not yet reaped): not running anything
+            return []
+
     starter = psutil.Process(host.worker.pid)
-    worker, *forked = sorted(starter.children(), key=lambda p: "worker" not in " ".join(p.cmdline()))
-    launchers = [p for p in worker.children(recursive=True) if p.cmdline()[-2:] == ["-m", "flows.run_starter"]]
-    return launchers, [p for p in forked if p.status() != psutil.STATUS_ZOMBIE]
+    # The forked runs keep the starter's command line; the worker has its own.
+    worker = next(p for p in starter.children() if "flows.run_starter" not in cmdline(p))
+    forked = [p for p in starter.children() if p.pid != worker.pid and cmdline(p)]
+    launchers = [p for p in worker.children(recursive=True) if cmdline(p)[-2:] == ["-m", "flows.run_starter"]]
+    return launchers, forked
 
 
 def test_runs_fork_from_the_run_starter_and_a_killed_launcher_takes_its_run_along(host):
@@ -210,7 +224,7 @@ def test_runs_fork_from_the_run_starter_and_a_killed_launcher_takes_its_run_alon
     # asked for forked from the starter (not started by the worker).
     launchers, runs = _run_processes(host)
     assert len(launchers) == 1 and len(runs) == 1, (launchers, runs)
-    assert runs[0].cmdline()[:5] == psutil.Process(host.worker.pid).cmdline()[:5]
+    assert runs[0].cmdline() == psutil.Process(host.worker.pid).cmdline()
 
     launchers[0].kill()  # what the worker does to a run past its cancel grace
     psutil.wait_procs(runs, timeout=5)

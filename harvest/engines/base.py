@@ -70,6 +70,12 @@ class Engine(ABC):
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
         """Run every prompt (token ids, as given) and return one shard's values in prompt order."""
 
+    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None) -> list[ShardCapture]:
+        """Several shards of one spec (concurrent jobs on one warm engine) in shared forward
+        passes: one answer per shard, each with statistics of its own prompts only. An engine
+        that cannot batch across shards runs them one after another."""
+        return [self.capture(prompts, spec, batch_size=batch_size) for prompts in shards]
+
     def generate(self, prompts: list[list[int]], sampling: list[SamplingSpec], layers: list[int] | None) -> list[Generation]:
         """Complete every prompt in one batch, capturing `layers` (None: no capture)."""
         raise NotImplementedError(f"the {self.name} engine does not generate")

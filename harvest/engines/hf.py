@@ -76,8 +76,14 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
+        return self.capture_together([prompts], spec, batch_size=batch_size)[0]
+
+    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None) -> list[ShardCapture]:
+        """Every shard's prompts in one set of length-sorted batches; a reducer per shard."""
         started = time.perf_counter()
-        reducer = PromptReducer(spec, self.model.hidden_size, self.device)
+        reducers = [PromptReducer(spec, self.model.hidden_size, self.device) for _ in shards]
+        prompts = [p for shard in shards for p in shard]
+        owner = [k for k, shard in enumerate(shards) for _ in shard]
         values: list[torch.Tensor | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
         for batch in self._batches(lengths, batch_size):
@@ -94,8 +100,12 @@ class HFEngine(Engine):
             check_capture(captured, spec.layers, tuple(input_ids.shape))
             stacked = torch.stack([captured[layer] for layer in spec.layers])  # [L, batch, seq, hidden]
             for row, index in enumerate(batch):
-                values[index] = reducer.reduce(stacked[:, row, : lengths[index]])
-        return reducer.finish(values, started)
+                values[index] = reducers[owner[index]].reduce(stacked[:, row, : lengths[index]])
+        answers, first = [], 0
+        for reducer, shard in zip(reducers, shards):
+            answers.append(reducer.finish(values[first : first + len(shard)], started))
+            first += len(shard)
+        return answers
 
     def generate(self, prompts, sampling, layers):
         from harvest.engines.hf_generate import hf_generate  # batched decoding lives in its own module

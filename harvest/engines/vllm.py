@@ -273,7 +273,7 @@ class VLLMEngine(Engine):
         return outputs, result
 
     @staticmethod
-    def _plan(spec: CaptureSpec, n_prompts: int, keep: list[int] | None, stats: bool) -> CapturePlan:
+    def _plan(spec: CaptureSpec, n_prompts: int, keep: list[int] | None, stats: bool, parts: list[int] | None = None) -> CapturePlan:
         return CapturePlan(
             layers=list(spec.layers),
             directions=spec.directions,
@@ -281,21 +281,33 @@ class VLLMEngine(Engine):
             n_prompts=n_prompts,
             keep=keep,
             stats=stats,
+            parts=parts,
         )
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
-        """The whole shard in one `generate` call (vLLM batches it); `batch_size` is the HF engine's."""
+        return self.capture_together([prompts], spec, batch_size=batch_size)[0]
+
+    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None) -> list[ShardCapture]:
+        """Every shard in one `generate` call (vLLM batches them together), statistics kept per
+        shard by the worker; `batch_size` is the HF engine's."""
         from vllm import SamplingParams
 
         started = time.perf_counter()
-        plan = self._plan(spec, len(prompts), [len(p) for p in prompts], stats=True)
+        prompts = [p for shard in shards for p in shard]
+        parts = [k for k, shard in enumerate(shards) for _ in shard] if len(shards) > 1 else None
+        plan = self._plan(spec, len(prompts), [len(p) for p in prompts], stats=True, parts=parts)
         params = [
             SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={INDEX_KEY: i})
             for i in range(len(prompts))
         ]
         _, result = self._session(plan, prompts, params)
-        stats = RunningStats.from_state_dict(result["stats"])
-        return ShardCapture(values=result["values"], stats=stats, forward_s=time.perf_counter() - started)
+        forward_s = time.perf_counter() - started
+        answers, first = [], 0
+        for shard, stats in zip(shards, result["stats"], strict=True):
+            values = result["values"][first : first + len(shard)]
+            answers.append(ShardCapture(values=values, stats=RunningStats.from_state_dict(stats), forward_s=forward_s))
+            first += len(shard)
+        return answers
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingSpec], layers: list[int] | None) -> list[Generation]:
         """Complete every prompt in one batch; `residual` covers prompt + generated − 1 positions."""

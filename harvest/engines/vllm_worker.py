@@ -55,6 +55,16 @@ class CapturePlan:
     """Positions to keep per prompt (its length for a harvest); None keeps every position."""
     stats: bool
     """Fold statistics (all positions kept except each prompt's first)."""
+    parts: list[int] | None = None
+    """The shard each prompt belongs to, when several are captured together (concurrent jobs
+    on one engine): statistics are kept per shard. None: one shard."""
+
+    @property
+    def n_parts(self) -> int:
+        return 1 if self.parts is None else max(self.parts) + 1
+
+    def part(self, index: int) -> int:
+        return 0 if self.parts is None else self.parts[index]
 
 
 def _layer_modules(worker: Any) -> dict[int, torch.nn.Module]:
@@ -149,7 +159,7 @@ class _Session:
         self.n_features = n_features
         self.seen = {layer: [0] * plan.n_prompts for layer in plan.layers}
         self.chunks: dict[int, list[list[torch.Tensor]]] = {layer: [[] for _ in range(plan.n_prompts)] for layer in plan.layers}
-        self.stats: dict[int, RunningStats] = {}
+        self.stats: dict[tuple[int, int], RunningStats] = {}  # (part, layer) -> partial
         self.errors: list[str] = []
         self._cached: tuple[Any, list] | None = None  # (step's attn metadata, its segments)
         self._hidden_ptr = 0
@@ -218,19 +228,32 @@ class _Session:
             values = values.float() @ self.directions.T  # projected on the device
         values = values.to(self.stored_dtype)  # the statistics describe the stored values
         if self.plan.stats:
-            counted = values
-            if skip_first:
-                keep = torch.ones(offset, dtype=torch.bool)
-                keep[skip_first] = False
-                counted = values.index_select(0, keep.nonzero().squeeze(1).to(values.device, non_blocking=True))
-            if layer not in self.stats:
-                self.stats[layer] = RunningStats(1, values.shape[-1], device=values.device)
-            self.stats[layer].update(counted[None])
+            for part, rows in self._counted_rows(pieces, skip_first, offset).items():
+                if rows == []:
+                    continue
+                counted = values if rows is None else values.index_select(0, torch.tensor(rows).to(values.device, non_blocking=True))
+                if (part, layer) not in self.stats:
+                    self.stats[(part, layer)] = RunningStats(1, values.shape[-1], device=values.device)
+                self.stats[(part, layer)].update(counted[None])
         host = self._to_host(values)  # one copy per layer per step
         at = 0
         for index, _start, rows in pieces:
             self.chunks[layer][index].append(host[at : at + rows])
             at += rows
+
+    def _counted_rows(self, pieces: list[tuple[int, int, int]], skip_first: list[int], offset: int) -> dict[int, list[int] | None]:
+        """Per part, the rows of this step (offsets in the gathered values) its statistics
+        count: every row but a prompt's first position. None: all `offset` rows."""
+        skip = set(skip_first)
+        parts = {self.plan.part(index) for index, _, _ in pieces}
+        if len(parts) == 1:
+            return {parts.pop(): None if not skip else [r for r in range(offset) if r not in skip]}
+        rows: dict[int, list[int]] = {}
+        at = 0
+        for index, _start, n in pieces:
+            rows.setdefault(self.plan.part(index), []).extend(r for r in range(at, at + n) if r not in skip)
+            at += n
+        return rows
 
     def _to_host(self, values: torch.Tensor) -> torch.Tensor:
         if values.device.type == "cuda":
@@ -242,7 +265,7 @@ class _Session:
         return values.clone() if values.data_ptr() == self._hidden_ptr else values
 
     def result(self, hidden_size: int) -> dict:
-        """The reduced shard: per-prompt `[n_layers, n_tokens, n_features]` and one stats partial."""
+        """The reduced shard: per-prompt `[n_layers, n_tokens, n_features]` and a stats partial per part."""
         plan = self.plan
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the pinned copies have landed
@@ -260,21 +283,25 @@ class _Session:
                     errors.append(f"Prompt {index} ran {want} positions, but the capture holds {short} (layer: positions).")
                     break
                 values[index] = torch.stack([torch.cat(self.chunks[layer][index]) for layer in plan.layers])
-        stats_state = None
+        stats_states = None
         if plan.stats and not errors:
-            n_features = self.n_features or hidden_size
-            stacked = RunningStats(len(plan.layers), n_features)
-            parts = [self.stats.get(layer) or RunningStats(1, n_features) for layer in plan.layers]
-            counts = {layer: part.count for layer, part in zip(plan.layers, parts)}
-            if len(set(counts.values())) != 1:
-                errors.append(f"The layers' statistics cover different numbers of positions: {counts}.")
-            else:
-                stacked.count = parts[0].count
-                stacked.mean = torch.cat([p.mean.cpu() for p in parts])
-                stacked.m2 = torch.cat([p.m2.cpu() for p in parts])
-                stacked.norm_sum = torch.cat([p.norm_sum.cpu() for p in parts])
-                stats_state = stacked.state_dict()
-        return {"values": values if not errors else None, "stats": stats_state, "errors": errors}
+            stats_states = [self._stacked_stats(part, hidden_size, errors) for part in range(plan.n_parts)]
+        return {"values": values if not errors else None, "stats": stats_states if not errors else None, "errors": errors}
+
+    def _stacked_stats(self, part: int, hidden_size: int, errors: list[str]) -> dict | None:
+        """One part's per-layer partials as one `[n_layers, …]` partial's state."""
+        n_features = self.n_features or hidden_size
+        stacked = RunningStats(len(self.plan.layers), n_features)
+        layers = [self.stats.get((part, layer)) or RunningStats(1, n_features) for layer in self.plan.layers]
+        counts = {layer: partial.count for layer, partial in zip(self.plan.layers, layers)}
+        if len(set(counts.values())) != 1:
+            errors.append(f"The layers' statistics cover different numbers of positions: {counts}.")
+            return None
+        stacked.count = layers[0].count
+        stacked.mean = torch.cat([p.mean.cpu() for p in layers])
+        stacked.m2 = torch.cat([p.m2.cpu() for p in layers])
+        stacked.norm_sum = torch.cat([p.norm_sum.cpu() for p in layers])
+        return stacked.state_dict()
 
 
 try:  # subclassing vllm-lens keeps its own features working on our engine (see harvest.engines.vllm)

@@ -9,7 +9,8 @@ when another is asked for) and runs every forward pass of every job on that grou
 
 - `server`: the engine server (`python -m harvest.warm.server --group G`). It answers on a
   Unix socket under `$HARVEST_HOME/engines/` with an owner-only authentication key beside it,
-  runs one capture at a time per engine (two jobs on one engine take turns shard by shard),
+  runs one engine call at a time per engine, the waiting shards of concurrent jobs together
+  in shared forward passes (`batching`),
   and exits after `HARVEST_ENGINE_IDLE_S` without a client, or when its worker stops.
 - `client`: what a run uses. `open_engine` connects to its group's server, starting it
   (detached, in its own session, so it outlives the run) when none answers, and returns an

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Loaded", "EngineCache"]
@@ -20,8 +20,6 @@ class Loaded:
     engine: Any
     load_s: float
     users: int = 0
-    turn: threading.Lock = field(default_factory=threading.Lock)
-    """Held for each forward pass: one capture at a time on one engine."""
 
 
 class EngineCache:
@@ -84,9 +82,13 @@ class EngineCache:
                 return True
         return False
 
-    def describe(self) -> list[dict]:
+    def describe(self, extra: Callable[[Any], dict] = lambda engine: {}) -> list[dict]:
+        """Each loaded engine: its key, users and load time, and `extra(engine)`."""
         with self._changed:
-            return [{"key": list(k) if isinstance(k, tuple) else k, "users": e.users, "load_s": round(e.load_s, 3)} for k, e in self._entries.items()]
+            return [
+                {"key": list(k) if isinstance(k, tuple) else k, "users": e.users, "load_s": round(e.load_s, 3), **extra(e.engine)}
+                for k, e in self._entries.items()
+            ]
 
     def close(self) -> None:
         with self._changed:

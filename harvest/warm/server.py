@@ -3,8 +3,8 @@
 It listens on the group's Unix socket (`harvest.warm.protocol`) and serves each client (a
 job's run) in a thread of its own. A client first asks for a model (`load`: which engine and
 why, whether it was warm, the load time), then for shards (`capture`), one at a time. The
-engines are an `EngineCache`: one capture at a time per engine, so two jobs on one engine take
-turns shard by shard, each a whole forward batch of its own.
+engines are an `EngineCache` of `SharedEngine`s: the shards of jobs on one engine that wait
+together run together, in shared forward passes (`harvest.warm.batching`).
 
 A client that goes away (its run was cancelled and its process ended) is noticed when its
 connection reads EOF or refuses the answer; only its own work is dropped. The server exits
@@ -26,6 +26,7 @@ from harvest.capture import CaptureSpec
 from harvest.engines.base import EngineChoice, choose_engine, load_engine
 from harvest.registry import load_registry
 from harvest.settings import get_settings
+from harvest.warm.batching import Abandoned, SharedEngine
 from harvest.warm.cache import EngineCache, Loaded
 from harvest.warm.protocol import GroupFiles, error_reply, receive, send
 
@@ -33,9 +34,10 @@ __all__ = ["EngineServer", "main"]
 
 
 class EngineServer:
-    def __init__(self, files: GroupFiles, capacity: int, idle_s: float):
+    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (4, 0.1)):
         self.files = files
         self.idle_s = idle_s
+        self.cobatch = cobatch  # SharedEngine's max_shards and wait_s
         self.registry = load_registry()
         self.cache = EngineCache(capacity, self._load)
         self.clients = 0
@@ -43,9 +45,9 @@ class EngineServer:
         self.lock = threading.Lock()
         self.listener: Listener | None = None
 
-    def _load(self, key: tuple[str, str]):
+    def _load(self, key: tuple[str, str]) -> SharedEngine:
         model, engine = key
-        return load_engine(self.registry.get(model), EngineChoice(engine, ""))
+        return SharedEngine(load_engine(self.registry.get(model), EngineChoice(engine, "")), *self.cobatch)
 
     # -- one client -----------------------------------------------------------------------
 
@@ -70,11 +72,11 @@ class EngineServer:
                         held, warm = self.cache.acquire((model, choice.name))
                         reason = choice.reason
                         reply = {
-                            "engine": held.engine.name,
+                            "engine": held.engine.engine.name,
                             "reason": reason,
                             "warm": warm,
                             "load_s": held.load_s,
-                            "versions": held.engine.versions(),
+                            "versions": held.engine.engine.versions(),
                             "group": self.files.group,
                         }
                     elif op == "capture":
@@ -82,14 +84,17 @@ class EngineServer:
                             raise RuntimeError("capture before load")
                         prompts, layers, directions, batch_size = args
                         spec = CaptureSpec(layers=list(layers), directions=directions)
-                        with held.turn:
-                            reply = held.engine.capture(prompts, spec, batch_size=batch_size)
+                        # conn.poll: nothing is sent while a shard waits, so readable means closed.
+                        reply = held.engine.capture(prompts, spec, batch_size, gone=lambda: conn.poll(0), peers=held.users)
                     elif op == "status":
                         reply = {"pid": os.getpid(), "group": self.files.group, "clients": self.clients - 1,  # not the asker
-                                 "loaded": self.cache.describe(), "loads": self.cache.loads, "evictions": self.cache.evictions}
+                                 "loaded": self.cache.describe(SharedEngine.counters), "loads": self.cache.loads,
+                                 "evictions": self.cache.evictions}
                     else:
                         raise ValueError(f"unknown request {op!r}")
                     answer = ("ok", reply)
+                except Abandoned:
+                    return  # cancelled while its shard waited: it never ran
                 except Exception as exc:  # the client raises it; the server goes on
                     answer = error_reply(exc)
                 try:
@@ -143,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", required=True, help="the GPU group's name (harvest.warm.protocol.group_name)")
     args = parser.parse_args(argv)
     settings = get_settings()
-    server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s)
+    server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s,
+                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s))
 
     def stop(signum, frame):
         raise SystemExit(0)

@@ -1,0 +1,126 @@
+"""One warm engine's forward passes, shared by the jobs using it.
+
+Each job asks for one shard at a time. While the engine runs one call, the shards that arrive
+wait; when it comes free (and after at most `wait_s` for the other jobs holding the engine to
+ask again), the oldest waiting shard goes next together with every other waiting shard of the
+same capture (layers, directions, batch size), up to `max_shards`, in one
+`Engine.capture_together` call: their prompts share forward passes (vLLM schedules them as one
+batch; HF sorts them into one set of batches), and each job gets its own values and statistics
+back. The oldest waiting shard always goes next, so no job is passed over.
+
+A job that goes away while its shard waits (its run cancelled) is dropped before its shard
+runs; one that goes while its shard runs only loses the answer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from harvest.capture import CaptureSpec, ShardCapture
+from harvest.engines.base import Engine
+
+__all__ = ["SharedEngine", "Abandoned"]
+
+
+class Abandoned(Exception):
+    """The job left while its shard was waiting; the shard never ran."""
+
+
+@dataclass
+class _Shard:
+    prompts: list[list[int]]
+    spec: CaptureSpec
+    batch_size: int | None
+    answer: ShardCapture | None = None
+    error: BaseException | None = None
+    done: bool = False
+    taken: bool = False
+
+    def key(self) -> tuple:
+        directions = self.spec.directions
+        return (tuple(self.spec.layers), None if directions is None else (directions.shape, directions.tobytes()), self.batch_size)
+
+
+class SharedEngine:
+    """An engine and the shards waiting for it (the warm engine server's cache holds these)."""
+
+    def __init__(self, engine: Engine, max_shards: int = 4, wait_s: float = 0.1):
+        self.engine = engine
+        self.max_shards = max(1, max_shards)
+        self.wait_s = wait_s
+        self.peers = 1
+        self._waiting: list[_Shard] = []
+        self._busy = False
+        self._changed = threading.Condition()
+        self.calls = 0
+        self.shards = 0
+
+    def capture(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None,
+                gone: Callable[[], bool] = lambda: False, peers: int = 1) -> ShardCapture:
+        """This shard's answer, run with whatever else is waiting; `gone` says whether the asker
+        left (checked while the shard waits); `peers`: the jobs now holding this engine."""
+        shard = _Shard(prompts, spec, batch_size)
+        with self._changed:
+            self.peers = peers
+            self._waiting.append(shard)
+            while not shard.done:
+                if not self._busy:
+                    self._busy = True
+                    self._wait_for_peers()
+                    group = self._take()
+                    self._changed.release()
+                    try:
+                        self._run(group)
+                    finally:
+                        self._changed.acquire()
+                        self._busy = False
+                        self._changed.notify_all()
+                    continue
+                self._changed.wait(0.2)
+                if not shard.taken and not shard.done and gone():
+                    self._waiting.remove(shard)
+                    raise Abandoned("the job left before its shard ran")
+        if shard.error is not None:
+            raise shard.error
+        return shard.answer
+
+    def _wait_for_peers(self) -> None:
+        """Give the other jobs on this engine up to `wait_s` to ask (under the lock). Each job
+        asks for its next shard right after its last answer, so without this wait two jobs
+        would only ever alternate, one alone per call."""
+        deadline = time.monotonic() + self.wait_s
+        while len(self._waiting) < min(self.peers, self.max_shards) and (left := deadline - time.monotonic()) > 0:
+            self._changed.wait(left)
+
+    def _take(self) -> list[_Shard]:
+        """The oldest waiting shard and the waiting shards of the same capture (under the lock)."""
+        key = self._waiting[0].key()
+        group = [s for s in self._waiting if s.key() == key][: self.max_shards]
+        for shard in group:
+            shard.taken = True
+            self._waiting.remove(shard)
+        return group
+
+    def _run(self, group: list[_Shard]) -> None:
+        first = group[0]
+        try:
+            answers = self.engine.capture_together([s.prompts for s in group], first.spec, batch_size=first.batch_size)
+            for shard, answer in zip(group, answers, strict=True):
+                shard.answer = answer
+        except Exception as exc:  # every shard of the call gets the error (the server sends it on)
+            for shard in group:
+                shard.error = exc
+        for shard in group:
+            shard.done = True
+        self.calls += 1
+        self.shards += len(group)
+
+    def counters(self) -> dict:
+        """Engine calls made and shards they answered (more shards than calls: shared passes)."""
+        return {"calls": self.calls, "shards": self.shards}
+
+    def close(self) -> None:
+        self.engine.close()

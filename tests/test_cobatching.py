@@ -1,0 +1,165 @@
+"""Shards of concurrent jobs in shared forward passes (`harvest.warm.batching.SharedEngine` over
+the HF engine), in one process.
+
+Checked against what the model itself saw (a forward pre-hook recording the rows of every
+forward pass), each prompt run alone through HF `hidden_states`, and numpy float64 statistics
+over each shard's own stored values.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from harvest.capture import CaptureSpec
+from harvest.tokenize import load_tokenizer
+from harvest.warm.batching import Abandoned, SharedEngine
+from tests.reference import bf16_tolerance, hf_reference_layers
+
+LAYERS = [1, 4]
+
+
+@pytest.fixture(scope="module")
+def shards(tiny) -> list[list[list[int]]]:
+    tokenizer = load_tokenizer(tiny.path)
+    texts = [["job a, one", "job a, the second prompt is longer"], ["job b alone"], ["job c, one", "job c, two", "c3"]]
+    return [[tokenizer(t)["input_ids"] for t in shard] for shard in texts]
+
+
+class ForwardLog:
+    """The batch rows of every forward pass the HF model runs (a pre-hook on the decoder)."""
+
+    def __init__(self, hf_model):
+        self.rows: list[int] = []
+        self.handle = hf_model.model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        self.rows.append(int(kwargs["input_ids"].shape[0]))
+
+    def close(self):
+        self.handle.remove()
+
+
+class Gate:
+    """An engine wrapper whose first call waits for `open`: shards arriving meanwhile queue up."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.opened = threading.Event()
+        self.first = True
+
+    def capture_together(self, shards, spec, *, batch_size=None):
+        if self.first:
+            self.first = False
+            self.opened.wait(10)
+        return self.engine.capture_together(shards, spec, batch_size=batch_size)
+
+    def close(self):
+        pass
+
+
+def _ask(shared, prompts, spec, results, key, gone=lambda: False):
+    def run():
+        try:
+            results[key] = shared.capture(prompts, spec, None, gone=gone)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[key] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _stats_of(values: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """numpy float64 mean and population variance over every position but each prompt's first."""
+    rows = np.concatenate([v.float().numpy()[:, 1:].astype(np.float64) for v in values], axis=1)
+    return rows.mean(axis=1), rows.var(axis=1)
+
+
+def test_waiting_shards_share_forward_passes_and_keep_their_own_values_and_statistics(hf_engine, shards):
+    gate = Gate(hf_engine)
+    shared = SharedEngine(gate, max_shards=4)
+    spec = CaptureSpec(layers=LAYERS)
+    log = ForwardLog(hf_engine.hf_model)
+    results: dict = {}
+    try:
+        threads = [_ask(shared, [[1, 2, 3]], spec, results, "first")]  # holds the engine at the gate
+        time.sleep(0.3)
+        threads += [_ask(shared, shard, spec, results, k) for k, shard in enumerate(shards)]
+        time.sleep(0.3)
+        gate.opened.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        log.close()
+    # The model ran two passes: the gated shard alone, then all three waiting shards at once.
+    assert log.rows == [1, sum(len(s) for s in shards)], log.rows
+    assert shared.counters() == {"calls": 2, "shards": 4}
+    for k, shard in enumerate(shards):
+        answer = results[k]
+        assert len(answer.values) == len(shard)
+        for ids, got in zip(shard, answer.values):
+            reference = hf_reference_layers(hf_engine.hf_model, ids, LAYERS)
+            assert got.shape == reference.shape
+            assert (np.abs(got.float().numpy() - reference) <= 2 * bf16_tolerance(reference)).all()
+        mean, var = _stats_of(answer.values)
+        assert answer.stats.count == sum(len(ids) - 1 for ids in shard)
+        np.testing.assert_allclose(answer.stats.mean.double().numpy(), mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose((answer.stats.m2.double() / answer.stats.count).numpy(), var, rtol=1e-4, atol=1e-6)
+
+
+def test_different_captures_do_not_share_a_call_and_the_oldest_goes_first(hf_engine, shards):
+    gate = Gate(hf_engine)
+    shared = SharedEngine(gate)
+    results: dict = {}
+    log = ForwardLog(hf_engine.hf_model)
+    try:
+        threads = [_ask(shared, [[1, 2]], CaptureSpec(layers=[0]), results, "first")]
+        time.sleep(0.3)
+        threads.append(_ask(shared, shards[0], CaptureSpec(layers=[2]), results, "other layers"))
+        time.sleep(0.1)
+        threads.append(_ask(shared, shards[1], CaptureSpec(layers=[0]), results, "same as first"))
+        time.sleep(0.3)
+        gate.opened.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        log.close()
+    assert log.rows == [1, 2, 1]  # the other layers' shard was older than the matching one
+    assert results["other layers"].values[0].shape[0] == 1 and results["same as first"].values[0].shape[0] == 1
+
+
+def test_a_shard_whose_job_left_while_it_waited_never_runs(hf_engine, shards):
+    gate = Gate(hf_engine)
+    shared = SharedEngine(gate)
+    spec = CaptureSpec(layers=LAYERS)
+    left = threading.Event()
+    results: dict = {}
+    log = ForwardLog(hf_engine.hf_model)
+    try:
+        threads = [_ask(shared, [[1, 2, 3]], spec, results, "first")]
+        time.sleep(0.3)
+        threads.append(_ask(shared, shards[2], spec, results, "cancelled", gone=left.is_set))
+        threads.append(_ask(shared, shards[1], spec, results, "kept"))
+        time.sleep(0.3)
+        left.set()
+        time.sleep(0.5)  # the waiting shard notices within one 0.2 s wait
+        gate.opened.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        log.close()
+    assert isinstance(results["cancelled"], Abandoned)
+    assert log.rows == [1, len(shards[1])]  # the cancelled job's three prompts never ran
+    assert len(results["kept"].values) == len(shards[1])
+
+
+def test_an_engine_error_reaches_its_asker_and_the_engine_goes_on(hf_engine, shards):
+    shared = SharedEngine(hf_engine)
+    with pytest.raises(Exception, match="out of range|index"):
+        shared.capture([[10**9]], CaptureSpec(layers=LAYERS), None)  # a token id past the vocabulary
+    assert shared.capture(shards[1], CaptureSpec(layers=LAYERS), None).stats.count == len(shards[1][0]) - 1
