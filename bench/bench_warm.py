@@ -3,9 +3,10 @@
 Sections (all by default; `--section latency|process|overlap` for one):
 
 - latency: submit-to-done of sequential 2-prompt `llama-tiny` jobs through a real Prefect
-  server and process workers, on two pools side by side: "cold", a worker whose runs load the
-  model themselves (the path before warm engines), and "warm", a worker host whose runs use
-  its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`;
+  server and process workers, on two pools side by side: "cold", a worker whose runs start as
+  fresh processes and load the model themselves (the path before warm engines), and "warm", a
+  worker host as `harvest worker` runs one: its runs forked from its run starter
+  (`flows.run_starter`) and using its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`;
   once per engine (`--engine hf|vllm`, default both: HF loads `llama-tiny` in a tenth of a
   second, vLLM in seconds, as a big model would on a GPU).
 - process: `harvest run` as a whole process (imports, tokenizer, engine choice, files) against

@@ -8,7 +8,8 @@ requests, then pass them through again:
   without forwarding, as a failing object store would;
 - ``hang``: read the request, say nothing for `hold_s` seconds, then close the connection (a
   client's read timeout fires first);
-- ``hold``: forward the request, then keep the answer from the client until the rule is
+- ``hold``: forward the request, then keep the answer (a success: an upstream 5xx passes
+  through and the rule waits for the next) from the client until the rule is
   released (`Rule.reached` is set once the upstream has answered): the moment between "the
   server did it" and "the client heard it", where a test kills the client.
 
@@ -98,7 +99,10 @@ class FaultProxy:
                     status, headers, payload = proxy._forward(self.command, self.path, dict(self.headers), body)
                 except OSError:  # the upstream is down (a restart): what a load balancer answers
                     status, headers, payload = 502, [("Content-Type", "text/plain")], b"upstream unreachable"
-                if action == "hold":
+                if action == "hold" and status >= 500:
+                    with proxy.lock:  # the upstream refused it (busy): not the answer to hold
+                        rule.hits -= 1
+                elif action == "hold":
                     rule.reached.set()
                     rule.released.wait(600)
                 self.send_response(status)
