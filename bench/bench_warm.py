@@ -12,6 +12,9 @@ Sections (all by default; `--section latency|process|overlap` for one):
 - process: `harvest run` as a whole process (imports, tokenizer, engine choice, files) against
   a bare HF forward script (imports, `from_pretrained`, the same batches, nothing written),
   192 prompts, alternating, `--rounds` each.
+- share: 4 jobs at once on one warm engine (`harvest.warm.batching.SharedEngine`, as in the
+  engine server), each asking for its 6 shards one after another: every shard alone against
+  the waiting shards run together, per engine.
 - overlap: every layer of 96 prompts of ~200 tokens to moto's S3 server in one process: the
   pipeline with writes behind the forward passes, the same without, and the forward passes
   alone (no files), median of `--rounds`.
@@ -38,6 +41,15 @@ PY = sys.executable
 
 def _median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def _table(title: str, header: list[str], rows: list[list]) -> None:
+    """A markdown table as bench/RESULTS.md holds them (first column left, numbers right)."""
+    print(f"\n{title}")
+    print("| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (len(header) - 1))
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
 
 
 # --- latency -------------------------------------------------------------------------------
@@ -102,13 +114,13 @@ def latency(jobs: int, engine: str) -> None:
         server.stop()
 
     cold = _median([t for t, _ in times["cold"]])
-    print(f"\nSubmit-to-done on the {engine} engine, {jobs} sequential 2-prompt jobs per path, alternating (seconds):")
-    print("| path | median s | min s | max s | median load_s | vs cold |")
-    print("|---|---:|---:|---:|---:|---:|")
+    rows = []
     for pool in ("cold", "warm"):
         values = [t for t, _ in times[pool]]
         med = _median(values)
-        print(f"| {pool} | {med:.2f} | {min(values):.2f} | {max(values):.2f} | {_median([l for _, l in times[pool]]):.3f} | {med / cold:.2f} |")
+        rows.append([pool, f"{med:.2f}", f"{min(values):.2f}", f"{max(values):.2f}", f"{_median([l for _, l in times[pool]]):.3f}", f"{med / cold:.2f}"])
+    _table(f"Submit-to-done on the {engine} engine, {jobs} sequential 2-prompt jobs per path, alternating (seconds):",
+           ["path", "median s", "min s", "max s", "median load_s", "vs cold"], rows)
 
 
 # --- process -------------------------------------------------------------------------------
@@ -161,13 +173,9 @@ def process(rounds: int) -> None:
             times[name].append(arm(r))
     engine = json.loads((work / "out-0" / "manifest.json").read_text())["engine"]
     bare = _median(times["bare HF forward script"])
-    print(f"\nWhole process, 192 prompts of llama-tiny, {rounds} rounds alternating (median); harvest's engine: "
-          f"{engine['engine']} ({engine['reason']}):")
-    print("| arm | median s | bare / arm |")
-    print("|---|---:|---:|")
-    for name in arms:
-        med = _median(times[name])
-        print(f"| {name} | {med:.2f} | {bare / med:.2f} |")
+    _table(f"Whole process, 192 prompts of llama-tiny, {rounds} rounds alternating (median); harvest's engine: "
+           f"{engine['engine']} ({engine['reason']}):", ["arm", "median s", "bare / arm"],
+           [[name, f"{_median(times[name]):.2f}", f"{bare / _median(times[name]):.2f}"] for name in arms])
 
 
 # --- overlap -------------------------------------------------------------------------------
@@ -237,27 +245,76 @@ def overlap(rounds: int) -> None:
         get_settings.cache_clear()
     tokens = sum(len(t.ids) for t in tokenized)
     base = _median(times["forward only (no files)"])
-    print(f"\nEvery layer of {len(prompts)} prompts ({tokens:,} tokens, {n_shards} shards of ~{size / 2**20:.1f} MiB) to moto S3, "
-          f"{rounds} rounds (median):")
-    print("| arm | median s | tokens/s | forward-only / arm |")
-    print("|---|---:|---:|---:|")
-    for name in arms:
-        med = _median(times[name])
-        print(f"| {name} | {med:.2f} | {tokens / med:,.0f} | {base / med:.2f} |")
+    _table(f"Every layer of {len(prompts)} prompts ({tokens:,} tokens, {n_shards} shards of ~{size / 2**20:.1f} MiB) to moto S3, "
+           f"{rounds} rounds (median):", ["arm", "median s", "tokens/s", "forward-only / arm"],
+           [[name, f"{_median(times[name]):.2f}", f"{tokens / _median(times[name]):,.0f}", f"{base / _median(times[name]):.2f}"] for name in arms])
+
+
+# --- share ---------------------------------------------------------------------------------
+
+
+def share(rounds: int, engine_name: str) -> None:
+    import threading
+
+    from harvest.capture import CaptureSpec
+    from harvest.engines.base import load_engine
+    from harvest.registry import load_registry
+    from harvest.tokenize import load_tokenizer
+    from harvest.warm.batching import SharedEngine
+
+    tiny = load_registry().get("llama-tiny")
+    engine = load_engine(tiny, engine_name)
+    tokenizer = load_tokenizer(tiny.path)
+    words = "the river runs past old stone walls toward a quiet harbour where boats wait".split()
+    n_jobs, n_shards, per_shard = 4, 6, 8
+    jobs = [[[tokenizer(" ".join(words[(j + k + p + i) % len(words)] for i in range(40 + 7 * p)))["input_ids"] for p in range(per_shard)]
+             for k in range(n_shards)] for j in range(n_jobs)]
+    tokens = sum(len(ids) for job in jobs for shard in job for ids in shard)
+    spec = CaptureSpec(layers=[1, 3, 5])
+
+    def run(max_shards: int) -> tuple[float, int]:
+        shared = SharedEngine(engine, max_shards=max_shards)
+
+        def one_job(shards):
+            for prompts in shards:
+                shared.capture(prompts, spec, None, peers=n_jobs)
+
+        threads = [threading.Thread(target=one_job, args=(job,)) for job in jobs]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - started, shared.calls
+
+    arms = {"each shard alone (HARVEST_ENGINE_COBATCH_SHARDS=1)": 1, "waiting shards together (=4)": 4}
+    run(4)  # warm-up
+    times: dict[str, list[tuple[float, int]]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, max_shards in arms.items():
+            times[name].append(run(max_shards))
+    alone = _median([t for t, _ in times[next(iter(arms))]])
+    _table(f"{n_jobs} jobs at once on one warm {engine.name} engine, {n_shards} shards of {per_shard} prompts each ({tokens:,} tokens), "
+           f"{rounds} rounds (median):", ["arm", "median s", "engine calls", "tokens/s", "alone / arm"],
+           [[name, f"{_median([t for t, _ in times[name]]):.2f}", times[name][0][1], f"{tokens / _median([t for t, _ in times[name]]):,.0f}",
+             f"{alone / _median([t for t, _ in times[name]]):.2f}"] for name in arms])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=["latency", "process", "overlap"], action="append")
+    parser.add_argument("--section", choices=["latency", "process", "overlap", "share"], action="append")
     parser.add_argument("--jobs", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engine", action="append", choices=["hf", "vllm"], help="latency: engine(s) (default both)")
+    parser.add_argument("--engine", action="append", choices=["hf", "vllm"], help="latency, share: engine(s) (default both)")
     args = parser.parse_args()
-    sections = args.section or ["overlap", "process", "latency"]
+    sections = args.section or ["overlap", "process", "share", "latency"]
     if "overlap" in sections:
         overlap(args.rounds)
     if "process" in sections:
         process(args.rounds)
+    if "share" in sections:
+        for engine in args.engine or ["hf", "vllm"]:
+            share(args.rounds, engine)
     if "latency" in sections:
         for engine in args.engine or ["hf", "vllm"]:
             latency(args.jobs, engine)

@@ -125,9 +125,10 @@ class Settings(BaseSettings):
     """Models kept loaded per GPU group (a CPU host is one group); the least recently used
     idle one is evicted when another is asked for."""
 
-    engine_cobatch_shards: int = Field(default=4, ge=1)
+    engine_cobatch_shards: int | None = Field(default=None, ge=1)
     """Shards of concurrent jobs run together in one engine call (shared forward passes) when
-    they capture the same layers and directions; 1 runs each shard alone."""
+    they capture the same layers and directions; 1 runs each shard alone. Unset: 4 where CUDA
+    is present, 1 on the CPU, where sharing measured slower (`harvest.warm.batching`)."""
 
     engine_cobatch_wait_s: float = Field(default=0.1, ge=0)
     """How long an engine that comes free waits for the other jobs holding it to ask for their

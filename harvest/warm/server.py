@@ -26,7 +26,7 @@ from harvest.capture import CaptureSpec
 from harvest.engines.base import EngineChoice, choose_engine, load_engine
 from harvest.registry import load_registry
 from harvest.settings import get_settings
-from harvest.warm.batching import Abandoned, SharedEngine
+from harvest.warm.batching import Abandoned, SharedEngine, shards_per_call
 from harvest.warm.cache import EngineCache, Loaded
 from harvest.warm.protocol import GroupFiles, error_reply, receive, send
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = get_settings()
     server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s,
-                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s))
+                          (shards_per_call(settings.engine_cobatch_shards), settings.engine_cobatch_wait_s))
 
     def stop(signum, frame):
         raise SystemExit(0)
