@@ -11,8 +11,9 @@ The pure parts (slot tables, claims, the policy's arithmetic) are `harvest.place
 - `choose_workers`: the automatic scale-out policy of the `harvest` flow (its docstring says
   it); an explicit `workers` wins, and a rescheduled run keeps the count it chose the first
   time (its `harvest.workers` label), so it re-attaches to the same helpers.
-- `place_run`: the run's claim on a slot of its host (`harvest.placement.claim`), returned as
-  what the run saw, which the flow writes to its labels (`harvest.*`, beside Prefect's own
+- `place_run`: the run's claim on a slot of its host (`harvest.placement.claim`), a slot whose
+  GPU group already holds the job's model first (`warm_first`), returned as what the run saw,
+  which the flow writes to its labels (`harvest.*`, beside Prefect's own
   `prefect.worker.name`), progress and summary.
 """
 
@@ -44,6 +45,8 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from harvest.placement import auto_workers, check_fits, claim, free_slots, what_the_run_sees
 from harvest.registry import ModelInfo
 from harvest.settings import Settings
+from harvest.warm.client import groups_holding
+from harvest.warm.protocol import group_name
 
 __all__ = [
     "WORKERS_LABEL",
@@ -160,5 +163,13 @@ def place_run(model: ModelInfo, settings: Settings, on_wait: Callable[[], None] 
     if settings.slots is None:
         return None
     check_fits(model.name, model.tensor_parallel_size, settings.slots)
-    held = claim(settings.slots, settings.home / "slots", model.lane, on_wait=on_wait)
+    held = claim(settings.slots, settings.home / "slots", model.lane, on_wait=on_wait, order=warm_first(model, settings))
     return {"host": socket.gethostname(), **what_the_run_sees(held)}
+
+
+def warm_first(model: ModelInfo, settings: Settings) -> list[int]:
+    """The host's slots, those whose GPU group's engine server holds `model` first (a free one
+    of them starts the job warm), then the rest, each in table order."""
+    groups = [group_name(",".join(devices)) for devices in settings.slots]
+    warm = groups_holding(settings.home, model.name, set(groups))
+    return sorted(range(len(groups)), key=lambda k: groups[k] not in warm)

@@ -159,8 +159,9 @@ def _lock(path: Path) -> int | None:
     return fd
 
 
-def try_claim(table: list[list[str]], lock_dir: Path, lane: str) -> Claim | None:
-    """Claim the first slot whose every lock is free, for the rest of this process's life.
+def try_claim(table: list[list[str]], lock_dir: Path, lane: str, order: list[int] | None = None) -> Claim | None:
+    """Claim the first slot whose every lock is free, for the rest of this process's life;
+    `order`: the slots to try, best first (default the table's order).
 
     Idempotent: a process that holds a slot gets the same one again. Returns None when every
     slot is taken (the caller waits and tries again). Never blocks, so it cannot deadlock.
@@ -169,7 +170,8 @@ def try_claim(table: list[list[str]], lock_dir: Path, lane: str) -> Claim | None
     if _HELD is not None:
         return _HELD
     lock_dir.mkdir(parents=True, exist_ok=True)
-    for k, devices in enumerate(table):
+    for k in order if order is not None else range(len(table)):
+        devices = table[k]
         names = [_lock_name(lane, k, d) for d in devices] or [_lock_name(lane, k, None)]
         fds: list[int] = []
         for name in names:
@@ -190,21 +192,21 @@ def held_claim() -> Claim | None:
     return _HELD
 
 
-def claim(table: list[list[str]], lock_dir: Path, lane: str, *, on_wait=None, poll_s: float = 1.0) -> Claim:
+def claim(table: list[list[str]], lock_dir: Path, lane: str, *, on_wait=None, poll_s: float = 1.0, order: list[int] | None = None) -> Claim:
     """Claim a slot (waiting while every one is taken) and point CUDA at its GPUs.
 
     A run normally finds a slot at once: its worker's `--limit` is the slot count. It waits
     only while a process that outlived its run (an orphan of a dead worker, another lane's run
     on the same GPUs) still holds one; a cancel's SIGTERM ends the wait like any other.
-    `on_wait()` is called once, when the wait begins.
+    `on_wait()` is called once, when the wait begins. `order`: as `try_claim`'s.
     """
-    held = try_claim(table, lock_dir, lane)
+    held = try_claim(table, lock_dir, lane, order)
     while held is None:
         if on_wait is not None:
             on_wait()
             on_wait = None
         time.sleep(poll_s)
-        held = try_claim(table, lock_dir, lane)
+        held = try_claim(table, lock_dir, lane, order)
     if held.devices:
         _point_cuda_at(held.devices)
     return held

@@ -19,7 +19,7 @@ import textwrap
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -74,7 +74,8 @@ _CLAIMER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from harvest.placement import try_claim
-    held = try_claim([["0"], ["1"]], Path(sys.argv[1]), "lane")
+    order = [int(k) for k in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
+    held = try_claim([["0"], ["1"]], Path(sys.argv[1]), "lane", order)
     print(held.slot if held else "none", flush=True)
     time.sleep(float(sys.argv[2]))
 """)
@@ -320,3 +321,27 @@ def test_a_corpus_refresh_spreads_its_parts_over_the_lanes_hosts(lanes, two_host
     for i in range(2):
         manifest = json.loads(folder.child(f"part-{i:04d}").read_bytes(MANIFEST))
         assert manifest["n_prompts"] == 4 and len(manifest["shards"]) == 2 and manifest["layer_indices"] == [1, 3]
+
+
+def test_a_slot_whose_gpu_group_holds_the_model_is_claimed_first(tmp_path, tiny):
+    """A real engine server of group gpu-1 (on the CPU: the group is only a name here) with
+    llama-tiny loaded: the slot on GPU 1 comes first for llama-tiny, and is the one claimed."""
+    from flows.placement import warm_first
+    from harvest.settings import Settings
+    from harvest.warm.client import open_engine
+    from harvest.warm.protocol import stop_engine_servers
+
+    settings = Settings(home=tmp_path, slots=[["0"], ["1"]], engine="hf")
+    assert warm_first(tiny, settings) == [0, 1]  # nothing loaded anywhere: the table's order
+    engine, load = open_engine(tiny, {"devices": "1"}, settings)
+    try:
+        assert (load.group, load.warm) == ("gpu-1", False)
+        assert warm_first(tiny, settings) == [1, 0]
+        other = replace(tiny, name="another-model")
+        assert warm_first(other, settings) == [0, 1]
+        claimer = subprocess.run([sys.executable, "-c", _CLAIMER, str(tmp_path / "slots"), "0", "1,0"], cwd=REPO,
+                                 capture_output=True, text=True, check=True)
+        assert claimer.stdout.strip() == "1"
+    finally:
+        engine.close()
+        stop_engine_servers(tmp_path)
