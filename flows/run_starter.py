@@ -38,6 +38,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 __all__ = ["STARTER_ENV", "REREAD", "launch", "RunStarter", "main"]
 
@@ -73,7 +74,10 @@ def launch(argv: list[str]) -> int:
     socket.send_fds(sock, [_LENGTH.pack(len(payload))], [0, 1, 2])
     sock.sendall(payload)
     answers = sock.makefile("rb")
-    pid = int(answers.readline().split()[1])
+    first = answers.readline()
+    if not first.startswith(b"pid "):  # refused, or the starter went away before forking
+        os.execv(sys.executable, [sys.executable, "-m", "prefect.engine", *argv])
+    pid = int(first.split()[1])
 
     def forward(signum, frame):
         try:
@@ -124,17 +128,19 @@ def preload() -> None:
                 print(f"run starter: no preload of {model.name}'s tokenizer: {exc}", flush=True)
 
 
+@dataclass
 class _Fork:
     """What the child of a fork carries out of the starter's loop: the run to become."""
 
-    def __init__(self, payload: dict, fds: list[int], worker_env: dict[str, str], set_by_preload: dict[str, str]):
-        self.payload = payload
-        self.fds = fds
-        self.worker_env = worker_env
-        self.set_by_preload = set_by_preload
+    payload: dict  # the launcher's env, cwd and argv
+    fds: list[int]  # its stdin, stdout, stderr
+    worker_env: dict[str, str]
+    set_by_preload: dict[str, str]
 
 
 class RunStarter:
+    """The worker's parent on a worker host: preloads, then forks a run per launcher."""
+
     def __init__(self, path: str, worker_argv: list[str]):
         self.path = path
         self.worker_argv = worker_argv
@@ -189,7 +195,11 @@ class RunStarter:
         return listener
 
     def _start(self, listener: socket.socket) -> _Fork | None:
+        """Fork a run for the launcher that connected; None in the starter itself. A launch
+        refused here closes the connection before any pid is sent: the launcher then starts
+        its run itself."""
         conn, _ = listener.accept()
+        fds: list[int] = []
         try:
             uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
             if uid != os.getuid():
@@ -197,13 +207,15 @@ class RunStarter:
             conn.settimeout(10)
             message, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 3)
             payload = json.loads(_read_exactly(conn, _LENGTH.unpack(message)[0]))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
         except (OSError, ValueError, struct.error) as exc:
             print(f"run starter: refused a launch: {exc!r}", flush=True)
+            for fd in fds:
+                os.close(fd)
             conn.close()
             return None
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
         if pid == 0:
             for other in [listener, conn, *self.runs.values()]:
                 other.close()

@@ -61,6 +61,17 @@ gpus_per_run = 8
 description = "an added lane (tests)"
 """
 
+# The same weights as a second model of the small lane (only declared lanes): it evicts
+# llama-tiny from a one-model warm engine (tests/test_warm_engines.py).
+SECOND_SMALL_MODEL = """
+[models.llama-tiny-b]
+weights = "models/llama-tiny"
+builtin = true
+lane = "small"
+max_model_len = 2048
+max_activation_prompt_tokens = 512
+"""
+
 TEST_MODELS = """
 [models.llama-tiny-large]
 weights = "models/llama-tiny"

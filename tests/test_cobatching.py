@@ -62,7 +62,7 @@ class Gate:
         pass
 
 
-def _ask(shared, prompts, spec, results, key, gone=lambda: False):
+def _ask(shared, prompts, spec, results, key, gone):
     def run():
         try:
             results[key] = shared.capture(prompts, spec, None, gone=gone)
@@ -80,24 +80,39 @@ def _stats_of(values: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return rows.mean(axis=1), rows.var(axis=1)
 
 
-def test_waiting_shards_share_forward_passes_and_keep_their_own_values_and_statistics(hf_engine, shards):
+def _held_then_released(hf_engine, asks: list[tuple], before_release=lambda: None) -> tuple[dict, list[int], SharedEngine]:
+    """`asks` [(key, prompts, spec, gone)] as concurrent jobs on one SharedEngine: the first
+    holds the engine (at a gate) while the others arrive in order, then the gate opens.
+    Returns the answers by key, the rows of every forward pass, and the SharedEngine."""
     gate = Gate(hf_engine)
     shared = SharedEngine(gate, max_shards=4)
-    spec = CaptureSpec(layers=LAYERS)
     log = ForwardLog(hf_engine.hf_model)
     results: dict = {}
     try:
-        threads = [_ask(shared, [[1, 2, 3]], spec, results, "first")]  # holds the engine at the gate
-        time.sleep(0.3)
-        threads += [_ask(shared, shard, spec, results, k) for k, shard in enumerate(shards)]
-        time.sleep(0.3)
+        threads = []
+        for n, (key, prompts, spec, gone) in enumerate(asks):
+            threads.append(_ask(shared, prompts, spec, results, key, gone))
+            time.sleep(0.3 if n == 0 else 0.1)
+        time.sleep(0.2)
+        before_release()
         gate.opened.set()
         for thread in threads:
             thread.join(30)
     finally:
         log.close()
+    return results, log.rows, shared
+
+
+def _never_gone() -> bool:
+    return False
+
+
+def test_waiting_shards_share_forward_passes_and_keep_their_own_values_and_statistics(hf_engine, shards):
+    spec = CaptureSpec(layers=LAYERS)
+    asks = [("first", [[1, 2, 3]], spec, _never_gone)] + [(k, shard, spec, _never_gone) for k, shard in enumerate(shards)]
+    results, rows, shared = _held_then_released(hf_engine, asks)
     # The model ran two passes: the gated shard alone, then all three waiting shards at once.
-    assert log.rows == [1, sum(len(s) for s in shards)], log.rows
+    assert rows == [1, sum(len(s) for s in shards)], rows
     assert shared.counters() == {"calls": 2, "shards": 4}
     for k, shard in enumerate(shards):
         answer = results[k]
@@ -113,48 +128,30 @@ def test_waiting_shards_share_forward_passes_and_keep_their_own_values_and_stati
 
 
 def test_different_captures_do_not_share_a_call_and_the_oldest_goes_first(hf_engine, shards):
-    gate = Gate(hf_engine)
-    shared = SharedEngine(gate)
-    results: dict = {}
-    log = ForwardLog(hf_engine.hf_model)
-    try:
-        threads = [_ask(shared, [[1, 2]], CaptureSpec(layers=[0]), results, "first")]
-        time.sleep(0.3)
-        threads.append(_ask(shared, shards[0], CaptureSpec(layers=[2]), results, "other layers"))
-        time.sleep(0.1)
-        threads.append(_ask(shared, shards[1], CaptureSpec(layers=[0]), results, "same as first"))
-        time.sleep(0.3)
-        gate.opened.set()
-        for thread in threads:
-            thread.join(30)
-    finally:
-        log.close()
-    assert log.rows == [1, 2, 1]  # the other layers' shard was older than the matching one
+    results, rows, _ = _held_then_released(hf_engine, [
+        ("first", [[1, 2]], CaptureSpec(layers=[0]), _never_gone),
+        ("other layers", shards[0], CaptureSpec(layers=[2]), _never_gone),
+        ("same as first", shards[1], CaptureSpec(layers=[0]), _never_gone),
+    ])
+    assert rows == [1, 2, 1]  # the other layers' shard was older than the matching one
     assert results["other layers"].values[0].shape[0] == 1 and results["same as first"].values[0].shape[0] == 1
 
 
 def test_a_shard_whose_job_left_while_it_waited_never_runs(hf_engine, shards):
-    gate = Gate(hf_engine)
-    shared = SharedEngine(gate)
     spec = CaptureSpec(layers=LAYERS)
     left = threading.Event()
-    results: dict = {}
-    log = ForwardLog(hf_engine.hf_model)
-    try:
-        threads = [_ask(shared, [[1, 2, 3]], spec, results, "first")]
-        time.sleep(0.3)
-        threads.append(_ask(shared, shards[2], spec, results, "cancelled", gone=left.is_set))
-        threads.append(_ask(shared, shards[1], spec, results, "kept"))
-        time.sleep(0.3)
+
+    def leave():
         left.set()
         time.sleep(0.5)  # the waiting shard notices within one 0.2 s wait
-        gate.opened.set()
-        for thread in threads:
-            thread.join(30)
-    finally:
-        log.close()
+
+    results, rows, _ = _held_then_released(hf_engine, [
+        ("first", [[1, 2, 3]], spec, _never_gone),
+        ("cancelled", shards[2], spec, left.is_set),
+        ("kept", shards[1], spec, _never_gone),
+    ], before_release=leave)
     assert isinstance(results["cancelled"], Abandoned)
-    assert log.rows == [1, len(shards[1])]  # the cancelled job's three prompts never ran
+    assert rows == [1, len(shards[1])]  # the cancelled job's three prompts never ran
     assert len(results["kept"].values) == len(shards[1])
 
 

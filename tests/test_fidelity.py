@@ -25,22 +25,11 @@ from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage
 from harvest.tokenize import load_tokenizer
 from tests.reference import hf_reference_layers
+from tests.test_pipeline import RecordingStorage
 
 pytest_plugins = ["tests.faults_fixtures"]
 
 PROMPTS = ["The sky is", "Grass is green and the sky is blue.", "A shard is a file.", "Bread needs flour.", "Stop."]
-
-
-class RecordingStorage(Storage):
-    """Real in-memory storage that remembers which files were written."""
-
-    def __init__(self, url: str):
-        super().__init__(url)
-        self.writes: list[str] = []
-
-    def write_bytes(self, name: str, data: bytes) -> int:
-        self.writes.append(name)
-        return super().write_bytes(name, data)
 
 
 def test_a_shard_corrupted_without_changing_its_size_is_caught_by_sha256_and_rewritten(registry, hf_engine):

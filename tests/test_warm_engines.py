@@ -39,19 +39,12 @@ from harvest.request import HarvestRequest
 from harvest.tokenize import load_tokenizer
 from harvest.warm.client import engine_status
 from harvest.warm.protocol import GroupFiles, unix_socket_path
+from tests.api_fixtures import SECOND_SMALL_MODEL
 from tests.prefect_fixtures import REPO, WORKER_ENV, deploy_pool
 from tests.reference import bf16_tolerance, hf_reference_layers
 from tests.slow_engine import recorded_calls, slow_shards
 
 POOL = "warm-host"
-OTHER_MODEL = """
-[models.llama-tiny-b]
-weights = "models/llama-tiny"
-builtin = true
-lane = "small"
-max_model_len = 2048
-max_activation_prompt_tokens = 512
-"""
 
 
 class Host:
@@ -79,7 +72,7 @@ def host(prefect_deployments, prefect_server, tmp_path_factory):
 
     home = tmp_path_factory.mktemp("warm-host")
     models = home / "models.toml"
-    models.write_text((REPO / "infra" / "models.toml").read_text() + OTHER_MODEL)
+    models.write_text((REPO / "infra" / "models.toml").read_text() + SECOND_SMALL_MODEL)
     deploy_pool(POOL)
     env = {
         **WORKER_ENV,
