@@ -229,9 +229,9 @@ class _Session:
         values = values.to(self.stored_dtype)  # the statistics describe the stored values
         if self.plan.stats:
             for part, rows in self._counted_rows(pieces, skip_first, offset).items():
-                if rows == []:
+                if rows is not None and rows.numel() == 0:
                     continue
-                counted = values if rows is None else values.index_select(0, torch.tensor(rows).to(values.device, non_blocking=True))
+                counted = values if rows is None else values.index_select(0, rows.to(values.device, non_blocking=True))
                 if (part, layer) not in self.stats:
                     self.stats[(part, layer)] = RunningStats(1, values.shape[-1], device=values.device)
                 self.stats[(part, layer)].update(counted[None])
@@ -241,19 +241,16 @@ class _Session:
             self.chunks[layer][index].append(host[at : at + rows])
             at += rows
 
-    def _counted_rows(self, pieces: list[tuple[int, int, int]], skip_first: list[int], offset: int) -> dict[int, list[int] | None]:
-        """Per part, the rows of this step (offsets in the gathered values) its statistics
-        count: every row but a prompt's first position. None: all `offset` rows."""
-        skip = set(skip_first)
-        parts = {self.plan.part(index) for index, _, _ in pieces}
-        if len(parts) == 1:
-            return {parts.pop(): None if not skip else [r for r in range(offset) if r not in skip]}
-        rows: dict[int, list[int]] = {}
-        at = 0
-        for index, _start, n in pieces:
-            rows.setdefault(self.plan.part(index), []).extend(r for r in range(at, at + n) if r not in skip)
-            at += n
-        return rows
+    def _counted_rows(self, pieces: list[tuple[int, int, int]], skip_first: list[int], offset: int) -> dict[int, torch.Tensor | None]:
+        """Per part, the rows of this step (host indices into the gathered values) its
+        statistics count: every row but a prompt's first position. None: all `offset` rows."""
+        keep = torch.ones(offset, dtype=torch.bool)
+        keep[skip_first] = False
+        parts = [self.plan.part(index) for index, _, _ in pieces]
+        if len(set(parts)) == 1:
+            return {parts[0]: None if not skip_first else keep.nonzero().squeeze(1)}
+        owner = torch.repeat_interleave(torch.tensor(parts), torch.tensor([n for _, _, n in pieces]))
+        return {part: (keep & (owner == part)).nonzero().squeeze(1) for part in set(parts)}
 
     def _to_host(self, values: torch.Tensor) -> torch.Tensor:
         if values.device.type == "cuda":

@@ -121,13 +121,14 @@ class SharedEngine:
             answers = self.engine.capture_together([s.prompts for s in group], first.spec, batch_size=first.batch_size)
             for shard, answer in zip(group, answers, strict=True):
                 shard.answer = answer
-        except Exception as exc:  # every shard of the call gets the error (the server sends it on)
+        except BaseException as exc:  # every shard of the call gets the error (the server sends it on)
             for shard in group:
                 shard.error = exc
-        for shard in group:
-            shard.done = True
-        self.calls += 1
-        self.shards += len(group)
+        finally:  # never left taken and not done: its asker would wait for ever
+            for shard in group:
+                shard.done = True
+            self.calls += 1
+            self.shards += len(group)
 
     def counters(self) -> dict:
         """Engine calls made and shards they answered (more shards than calls: shared passes)."""
