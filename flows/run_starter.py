@@ -149,6 +149,7 @@ class RunStarter:
         self.selector: selectors.BaseSelector | None = None
         self.worker_env: dict[str, str] = {}
         self.set_by_preload: dict[str, str] = {}
+        self.wake: tuple[socket.socket, socket.socket] | None = None
 
     def serve(self) -> int | _Fork:
         """The worker's exit status once it ends, or, in a forked child, the run to become."""
@@ -157,6 +158,14 @@ class RunStarter:
         for signum in _FORWARDED:
             signal.signal(signum, lambda s, f: _signal(worker.pid, s))
         selector = self.selector = selectors.DefaultSelector()
+        # A run that ends wakes the loop at once (SIGCHLD through a wakeup socket), so its
+        # launcher, and the worker's slot, are freed without waiting for the next tick.
+        self.wake = socket.socketpair()
+        for end in self.wake:
+            end.setblocking(False)
+        signal.set_wakeup_fd(self.wake[1].fileno(), warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda s, f: None)
+        selector.register(self.wake[0], selectors.EVENT_READ, "wake")
         try:
             preload()
             # What the imports set themselves (a fresh run's imports would set the same).
@@ -173,6 +182,8 @@ class RunStarter:
                     fork = self._start(listener)
                     if fork is not None:
                         return fork
+                elif key.data == "wake":
+                    _drain(self.wake[0])
                 else:
                     self._launcher_left(key.fileobj, key.data)
             self._reap(worker.pid)
@@ -217,7 +228,8 @@ class RunStarter:
             conn.close()
             return None
         if pid == 0:
-            for other in [listener, conn, *self.runs.values()]:
+            signal.set_wakeup_fd(-1)
+            for other in [listener, conn, *self.wake, *self.runs.values()]:
                 other.close()
             self.selector.close()
             return _Fork(payload, fds, self.worker_env, self.set_by_preload)
@@ -272,6 +284,14 @@ def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
     except ProcessLookupError:
+        pass
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
         pass
 
 

@@ -81,6 +81,7 @@ def host(prefect_deployments, prefect_server, tmp_path_factory):
         "HARVEST_SLOTS": json.dumps([[], []]),
         "HARVEST_ENGINE_MODELS_PER_GROUP": "1",  # one model per group: another one evicts
         "HARVEST_ENGINE_COBATCH_SHARDS": "4",  # shared calls, as on a GPU host (the CPU default is 1)
+        "HARVEST_ENGINE_COBATCH_WAIT_S": "1",  # a run's turnaround between shards on a loaded CI box
     }
     worker = start_worker(POOL, prefect_server.api_url, home / "worker.log", env, name=f"warm-{uuid.uuid4().hex[:6]}",
                           run_starter=unix_socket_path(home / "engines", "runs"))
@@ -215,7 +216,11 @@ def test_runs_fork_from_the_run_starter_and_a_killed_launcher_takes_its_run_alon
         assert time.monotonic() < deadline
         time.sleep(0.1)
     # The process tree, as the kernel has it: one launcher under the worker, and the run it
-    # asked for forked from the starter (not started by the worker).
+    # asked for forked from the starter (not started by the worker). The previous test's run
+    # may still be on its way out (its final state is written before its process ends).
+    deadline = time.monotonic() + 15
+    while tuple(map(len, _run_processes(host))) != (1, 1) and time.monotonic() < deadline:
+        time.sleep(0.2)
     launchers, runs = _run_processes(host)
     assert len(launchers) == 1 and len(runs) == 1, (launchers, runs)
     assert runs[0].cmdline() == psutil.Process(host.worker.pid).cmdline()
