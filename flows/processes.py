@@ -117,6 +117,11 @@ class Managed:
                 pass
         psutil.wait_procs(tree, timeout=5)
 
+    def check_running(self) -> None:
+        """Raise, with its log's tail, if the process has exited (a start that failed)."""
+        if not self.alive():
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+
     def tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -128,8 +133,8 @@ def wait_http(url: str, timeout: float, proc: Managed | None = None, *, ok_only:
     """Wait until `url` answers HTTP (any status below 500; with `ok_only`, a 2xx)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc is not None and not proc.alive():
-            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+        if proc is not None:
+            proc.check_running()
         try:
             status = httpx.get(url, timeout=2).status_code
             if status < 300 or (status < 500 and not ok_only):
@@ -148,8 +153,7 @@ def _wait_for_starter(socket_path: Path, proc: Managed, timeout: float) -> None:
     """Until the run starter listens, so the host's first runs fork too."""
     deadline = time.monotonic() + timeout
     while not socket_path.exists():
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+        proc.check_running()
         if time.monotonic() > deadline or "run starter: not serving" in proc.tail():
             return  # it still works: each run starts as a fresh process
         time.sleep(0.2)

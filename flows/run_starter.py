@@ -64,29 +64,27 @@ def _connect(path: str) -> socket.socket | None:
         return None
 
 
+def _engine_argv(argv: list[str]) -> list[str]:
+    """The command a run is without a starter: Prefect's own."""
+    return [sys.executable, "-m", "prefect.engine", *argv]
+
+
 def launch(argv: list[str]) -> int:
     """Run this flow run in the host's starter; returns its exit status."""
     path = os.environ.get(STARTER_ENV)
     sock = _connect(path) if path else None
     if sock is None:
-        os.execv(sys.executable, [sys.executable, "-m", "prefect.engine", *argv])
+        os.execv(sys.executable, _engine_argv(argv))
     payload = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "argv": argv}).encode()
     socket.send_fds(sock, [_LENGTH.pack(len(payload))], [0, 1, 2])
     sock.sendall(payload)
     answers = sock.makefile("rb")
     first = answers.readline()
     if not first.startswith(b"pid "):  # refused, or the starter went away before forking
-        os.execv(sys.executable, [sys.executable, "-m", "prefect.engine", *argv])
+        os.execv(sys.executable, _engine_argv(argv))
     pid = int(first.split()[1])
-
-    def forward(signum, frame):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
     for signum in _FORWARDED:
-        signal.signal(signum, forward)
+        signal.signal(signum, lambda s, f: _signal(pid, s))
     line = answers.readline()
     if not line:  # the starter itself died; the run may go on (an orphan): wait it out
         while _alive(pid):
@@ -105,6 +103,13 @@ def _alive(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 # --- the starter -----------------------------------------------------------------------------
@@ -280,13 +285,6 @@ class RunStarter:
         self._reap(-1)
 
 
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
-
-
 def _drain(sock: socket.socket) -> None:
     try:
         while sock.recv(4096):
@@ -324,7 +322,7 @@ def become_run(fork: _Fork) -> None:
     if stale:  # the run's environment changes what a preloaded module read at import
         changes = ", ".join(f"{k}={env.get(k)!r} (worker: {worker_env.get(k)!r})" for k in stale)
         print(f"run starter: this run sets {changes}: started afresh", flush=True)
-        os.execve(sys.executable, [sys.executable, "-m", "prefect.engine", *fork.payload["argv"]], env)
+        os.execve(sys.executable, _engine_argv(fork.payload["argv"]), env)
     os.environ.clear()
     os.environ.update({**fork.set_by_preload, **env})
     _settings_from_environment()

@@ -244,11 +244,13 @@ class _Session:
     def _counted_rows(self, pieces: list[tuple[int, int, int]], skip_first: list[int], offset: int) -> dict[int, torch.Tensor | None]:
         """Per part, the rows of this step (host indices into the gathered values) its
         statistics count: every row but a prompt's first position. None: all `offset` rows."""
+        parts = [self.plan.part(index) for index, _, _ in pieces]
+        if len(set(parts)) == 1 and not skip_first:
+            return {parts[0]: None}
         keep = torch.ones(offset, dtype=torch.bool)
         keep[skip_first] = False
-        parts = [self.plan.part(index) for index, _, _ in pieces]
         if len(set(parts)) == 1:
-            return {parts[0]: None if not skip_first else keep.nonzero().squeeze(1)}
+            return {parts[0]: keep.nonzero().squeeze(1)}
         owner = torch.repeat_interleave(torch.tensor(parts), torch.tensor([n for _, _, n in pieces]))
         return {part: (keep & (owner == part)).nonzero().squeeze(1) for part in set(parts)}
 
