@@ -125,7 +125,7 @@ async def create_completion(request: Request, key: ApiKey = Depends(submit_key))
     raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested too deep (`[[[[…`)
         raise InvalidRequest("The request body is not valid JSON.") from None
     parsed = parse_completion_request(body)
     # Tokenizing (and, the first time, reading the model's files) is blocking work.

@@ -1,8 +1,11 @@
 """The bulk harvest routes: submit, read (with long-poll), cancel, list (SPEC §2, §3).
 
-The route is a thin facade: validate and estimate tokens (core), admit under the caps (job
-store), write the request next to the job's files, start the lane's run (run backend), and
-answer the harvest object. Status changes come from the watcher.
+The route is a thin facade: take a place in the replica's admission budget (`api.admission`)
+before reading the body, parse it and learn what the job costs off the event loop, cheapest
+facts first (`harvest.cost`: refused with a 400 before any tokenizer runs when the prompts'
+characters already say it is too big), admit under the caps (job store), write the request
+next to the job's files, start the lane's run (run backend), and answer the harvest object.
+Status changes come from the watcher.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import deps
+from api.admission import admission, declared_bytes
 from api.auth import ApiKey
 from api.openapi import KEYED, errors, request_body
 from api.ratelimit import read_key, submit_key
 from api.schemas import Harvest, HarvestList, render
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, run_stopped
+from harvest.cost import check_before_tokenizing, check_counts
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles, n_shards
 from harvest.lanes import load_lanes
-from harvest.pipeline import tokenize_job
 from harvest.request import HarvestRequest, resolve_job
+from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
 __all__ = ["router"]
 
@@ -40,9 +45,18 @@ router = APIRouter(prefix="/v1", tags=["harvest"])
 
 
 def _prepare(request: HarvestRequest) -> dict:
-    """Check the request against its model and estimate its tokens (400s come from here)."""
+    """Check the request against its model and learn its cost, cheapest facts first (every
+    400 comes from here); the job's row, its tokens counted."""
     job = resolve_job(request, deps.registry())
-    tokens = sum(len(t.ids) for t in tokenize_job(job))  # also refuses over 2,000,000
+    lane = load_lanes()[job.model.lane]
+    path = job.model.require_path()
+    chars_per_token = max_token_chars(path)
+    check_before_tokenizing(job, lane, chars_per_token=chars_per_token)
+    counts = count_tokens(
+        load_tokenizer(path), request.prompts, add_special_tokens=request.add_special_tokens,
+        max_len=job.model.max_model_len, chars_per_token=chars_per_token,
+    )
+    cost = check_counts(job, counts, lane)
     job_id = str(uuid.uuid4())
     files = JobFiles.for_job(job_id, deps.storage())
     return {
@@ -55,7 +69,7 @@ def _prepare(request: HarvestRequest) -> dict:
         "n_shards": n_shards(len(request.prompts), request.shard_size),
         "add_special_tokens": request.add_special_tokens,
         "contents": job.contents,
-        "reserved_tokens": tokens,
+        "reserved_tokens": cost.tokens,
         "request_url": files.request_url,
     }
 
@@ -116,10 +130,13 @@ _FOLLOW = {
 )
 async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
     """Submit a harvest: 202 with the harvest object, status pending."""
-    body = await deps.read_body(request)
-    # Strict: a JSON string is not a number nor a bool here, as the published schema says.
-    harvest_request = deps.parse(HarvestRequest, body, strict=True)
-    row = await run_in_threadpool(_submit, key, harvest_request)
+    async with admission(request.app).hold(key.id, declared_bytes(request, deps.MAX_BODY_BYTES)):
+        body = await deps.read_body(request)
+        # Parsed in a worker thread: 50 MB of JSON holds a thread for a while, never the loop.
+        # Strict: a JSON string is not a number nor a bool here, as the published schema says.
+        harvest_request = await run_in_threadpool(deps.parse, HarvestRequest, body, strict=True)
+        del body  # the parsed prompts are all that is kept
+        row = await run_in_threadpool(_submit, key, harvest_request)
     request.app.state.watcher.kick()
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)
 

@@ -23,6 +23,7 @@
     │   ├── CapacityExceeded              429 harvest_capacity_exceeded
     │   └── ActivationQuotaExceeded       429 activation_quota_exceeded
     ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs not startable)
+    ├── ReplicaBusy                       503 replica_busy (this API replica's budget is spent; Retry-After)
     └── CaptureFailed                     500 capture_failed (a hook missed a layer)
 
 Each class fixes its HTTP status, `type` and `code` (a raise site cannot invent a code), so
@@ -61,6 +62,7 @@ __all__ = [
     "CapacityExceeded",
     "ActivationQuotaExceeded",
     "ModelUnavailable",
+    "ReplicaBusy",
     "CaptureFailed",
     "invalid_from_pydantic",
 ]
@@ -243,6 +245,20 @@ class ModelUnavailable(HarvestError):
     status = 503
     type = "server_error"
     code = "harvest_unavailable"
+
+
+class ReplicaBusy(HarvestError):
+    """This API replica is spending its whole budget for this kind of work (e.g. submits
+    being read and tokenized at once, `api.admission`); `retry_after` (seconds) becomes the
+    Retry-After header. Another replica, or this one a moment later, takes the request."""
+
+    status = 503
+    type = "server_error"
+    code = "replica_busy"
+
+    def __init__(self, message: str, *, retry_after: int):
+        super().__init__(message)
+        self.headers["Retry-After"] = str(retry_after)
 
 
 class CaptureFailed(HarvestError):

@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from harvest.engines.base import Generation, SamplingSpec
 from harvest.errors import (
@@ -38,6 +38,7 @@ from harvest.errors import (
 )
 from harvest.layers import resolve_layers
 from harvest.registry import ModelInfo, Registry
+from harvest.request import WholeInt
 from harvest.residual_codec import encode_residual
 from harvest.tokenize import load_tokenizer
 
@@ -68,27 +69,27 @@ class CompletionRequest(BaseModel):
 
     model: str
     """Served model name, as listed by `GET /v1/models`."""
-    prompt: str | list[StrictInt]
+    prompt: str | list[WholeInt]
     """Text (tokenized with BOS) or token ids (run verbatim)."""
-    max_tokens: StrictInt = Field(default=16, ge=1)
+    max_tokens: WholeInt = Field(default=16, ge=1)
     """Tokens to generate; prompt + max_tokens must fit in max_model_len."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """0 is greedy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    seed: StrictInt | None = None
+    seed: WholeInt | None = None
     """The same seed on the same engine reproduces the same draw."""
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     """Up to 4 strings; the completion ends before the first of them and leaves it out."""
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: WholeInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Log-probabilities of the sampled tokens plus this many most likely alternatives."""
-    output_residual_stream: StrictBool | list[StrictInt] = False
+    output_residual_stream: StrictBool | list[WholeInt] = False
     """true: every decoder layer; a list: those layers (returned ascending, deduplicated)."""
     # OpenAI fields accepted at their neutral values only.
-    n: StrictInt = 1
+    n: WholeInt = 1
     stream: StrictBool = False
     echo: StrictBool = False
-    best_of: StrictInt | None = None
+    best_of: WholeInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None

@@ -170,6 +170,28 @@ class Settings(BaseSettings):
     rate_read_burst: int = Field(default=500, ge=1)
     """Per key: reads allowed at once before the sustained rate applies."""
 
+    # --- admission (per API replica): what a submit may cost before its cost is known ---
+    admission_concurrency: int = Field(default=2, ge=1)
+    """Submits (POST /v1/harvest) this replica reads, parses and tokenizes at once (each in a
+    worker thread, off the event loop); more wait their turn (`api.admission`)."""
+
+    admission_bytes: int = Field(default=128 << 20, ge=1 << 20)
+    """Request bodies, in bytes, that submits being admitted hold at once on this replica: a
+    submit counts its Content-Length (the route's 50 MB cap when it sends none) from before
+    its body is read until it is answered. One body bigger than this is admitted only alone."""
+
+    admission_key_share: int = Field(default=1, ge=1)
+    """Submits of one key this replica admits at once: a key's burst of large bodies queues
+    behind itself, and other keys' submits take the other places."""
+
+    admission_queue: int = Field(default=64, ge=0)
+    """Submits waiting for a place on this replica; one more is answered at once with 503
+    `replica_busy` and Retry-After."""
+
+    admission_wait_s: float = Field(default=20.0, gt=0)
+    """How long a submit waits for a place before it is answered 503 `replica_busy` with
+    Retry-After (its body still unread: the client sends it again later, or to another replica)."""
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
