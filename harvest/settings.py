@@ -150,6 +150,15 @@ class Settings(BaseSettings):
     """Automatic scale-out gives every run at least this many shards: a job is spread over more
     runs only when each would still do this much (every run loads the model once)."""
 
+    # --- supervision: `harvest up` and the roles restart a child process that dies ---
+    restart_limit: int = Field(default=5, ge=0)
+    """Restarts of one child (an API replica, a worker, the Prefect server) within
+    `restart_window_s`; one more death and the supervisor stops everything and exits 1 (a
+    child that cannot stay up). 0: never restart, stop at the first death."""
+
+    restart_window_s: float = Field(default=300.0, gt=0)
+    """The window `restart_limit` counts restarts in, seconds."""
+
 
     # --- API hardening (issue 12): links, request rates, request ids ---
     trust_host_header: bool = False
