@@ -43,6 +43,7 @@ import threading
 from contextlib import asynccontextmanager
 from functools import lru_cache
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -235,11 +236,13 @@ async def create_completion(request: Request, key: ApiKey = Depends(submit_key))
             threads = -1 if raw_bytes > _THREADED_ZSTD_BYTES else 0  # -1: zstd uses every core
             answer = await run_in_threadpool(completion_response, prepared, generation, zstd_threads=threads)
         except BaseException:
-            if month is not None:
-                await run_in_threadpool(settle_activations, key, month, prepared.max_positions, 0)
+            if month is not None:  # shielded: a client that left cancels the request, not this
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(settle_activations, key, month, prepared.max_positions, 0)
             raise
         if month is not None:
-            await run_in_threadpool(settle_activations, key, month, prepared.max_positions, answer.positions)
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(settle_activations, key, month, prepared.max_positions, answer.positions)
         hold.shrink(raw_bytes)
     except BaseException:
         hold.release()

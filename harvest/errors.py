@@ -27,6 +27,7 @@
     ├── ReplicaBusy                       503 replica_busy (response bytes in flight over budget; Retry-After)
     ├── EngineFailed                      500 engine_failed (a job's engine died or erred; details in the logs)
     └── StorageFailed                     500 storage_failed (a job's files could not be read or written)
+        └── StorageFull                   500 storage_full (no space left for a job's files)
 
 A job's `error` never carries an exception's own text (it can hold host paths, socket names,
 memory figures): `job_error` turns any exception into a sentence of this vocabulary plus a
@@ -42,6 +43,7 @@ that names the offending field: the API's routes, the inline route and the CLI a
 
 from __future__ import annotations
 
+import errno
 import re
 import secrets
 from typing import Iterable, Mapping
@@ -75,6 +77,7 @@ __all__ = [
     "ReplicaBusy",
     "EngineFailed",
     "StorageFailed",
+    "StorageFull",
     "JOB_ERROR",
     "new_reference",
     "job_error",
@@ -327,7 +330,14 @@ class StorageFailed(HarvestError):
     code = "storage_failed"
 
 
+class StorageFull(StorageFailed):
+    """The storage had no space left for a job's files."""
+
+    code = "storage_full"
+
+
 _SENTENCES = {
+    StorageFull.code: "The storage had no space left for the harvest's files.",
     EngineFailed.code: "The engine running this harvest failed.",
     StorageFailed.code: "The harvest's files could not be read or written.",
     HarvestError.code: "The harvest failed on our side.",
@@ -342,6 +352,8 @@ def new_reference() -> str:
 
 
 def _kind(exc: BaseException) -> type[HarvestError]:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return StorageFull
     if isinstance(exc, OSError) and not isinstance(exc, (ConnectionError, TimeoutError)):
         return StorageFailed  # fsspec and s3fs raise OSError subclasses (FileNotFoundError, PermissionError)
     if isinstance(exc, (RuntimeError, MemoryError, ConnectionError, TimeoutError, EOFError)):

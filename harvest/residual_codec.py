@@ -59,7 +59,7 @@ def _le_int16_view(residual: torch.Tensor) -> memoryview:
 
 
 def encode_residual_chunks(
-    residual: torch.Tensor, *, level: int = ZSTD_LEVEL, threads: int = 0, piece_bytes: int = 4 << 20
+    residual: torch.Tensor, *, level: int = ZSTD_LEVEL, threads: int = 0, piece_bytes: int = 256 << 10
 ) -> Iterator[bytes]:
     """The base64 text of `encode_residual(residual)["data"]`, as ASCII bytes in pieces.
 
@@ -74,10 +74,11 @@ def encode_residual_chunks(
 
     def encoded(block: bytes) -> bytes | None:
         nonlocal carry
-        block = carry + block
+        if carry:
+            block = carry + block
         cut = len(block) - len(block) % 3
         carry = block[cut:]
-        return base64.b64encode(block[:cut]) if cut else None
+        return base64.b64encode(memoryview(block)[:cut]) if cut else None
 
     for start in range(0, len(raw), piece_bytes):
         for block in chunker.compress(raw[start : start + piece_bytes]):
