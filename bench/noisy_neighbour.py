@@ -23,8 +23,9 @@ activation usage equal to the positions its responses carried. Exits 1 on a fail
 
     .venv/bin/python bench/noisy_neighbour.py [--seconds 60] [--scale 1.0]
 
-`--scale` < 1 shrinks the attacker's bodies and shard bytes (prompt count and lengths) for
-a shared machine; the report says what ran. Prefect workers poll every second here
+`--scale` < 1 shrinks the attacker's refused bodies, `--shard-scale` < 1 its largest shard
+(on a shared machine: at 1.0 a single shard is ~8 GB, and on a branch without bounded
+shards its engine server needs several times that); the report says what ran. Prefect workers poll every second here
 (`PREFECT_WORKER_QUERY_SECONDS=1`, as in bench/load_api.py), so submit-to-done is not
 masked by the shipped 10 s poll; both phases run with the same setting.
 """
@@ -253,14 +254,19 @@ def _text(chars: int, rng: random.Random) -> str:
     return " ".join(words)[:chars]
 
 
-def attack_bodies(scale: float, rng: random.Random) -> dict[str, bytes]:
-    """The attacker's request bodies, made once (JSON bytes)."""
+def attack_bodies(scale: float, shard_scale: float, rng: random.Random) -> dict[str, bytes]:
+    """The attacker's request bodies, made once (JSON bytes).
+
+    `scale` shrinks the characters of the refused bodies' prompts (at 0.21 and more they are
+    still over the 2,000,000-token cap); `shard_scale` the number of prompts of the largest
+    shard (1.0: 976 prompts cut to the 2,048-token context, all 8 layers: ~8 GB in one shard).
+    """
     big_prompt = _text(int(12_000 * scale) or 1, rng)
-    too_many_tokens = {"model": "llama-tiny", "prompts": [big_prompt] * max(1, int(4000 * scale)), "layers": "all"}
-    # Prompts at the model's context (2,048 tokens; ~5 characters a token here), as many as fit
-    # under the 2,000,000-token cap, all layers, every prompt in one shard.
-    at_context = _text(int(2048 * 6 * scale) or 1, rng)
-    largest_shard = {"model": "llama-tiny", "prompts": [at_context] * max(1, min(int(976 * scale), 976)),
+    too_many_tokens = {"model": "llama-tiny", "prompts": [big_prompt] * 4000, "layers": "all"}
+    # Prompts past the model's context (cut to its 2,048 tokens), as many as fit under the
+    # 2,000,000-token cap, all layers, every prompt in one shard.
+    at_context = _text(2048 * 8, rng)
+    largest_shard = {"model": "llama-tiny", "prompts": [at_context] * max(1, int(976 * shard_scale)),
                      "layers": "all", "shard_size": 4096}
     inline = {"model": "llama-tiny", "prompt": [7], "max_tokens": 2047, "temperature": 0, "output_residual_stream": True}
     return {name: json.dumps(body).encode() for name, body in
@@ -378,7 +384,8 @@ def _table(record: Record) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60)
-    parser.add_argument("--scale", type=float, default=1.0, help="shrink the attacker's bodies and shards (shared machines)")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink the attacker's refused bodies (shared machines)")
+    parser.add_argument("--shard-scale", type=float, default=1.0, help="shrink the attacker's largest shard (shared machines)")
     parser.add_argument("--drain", type=float, default=60, help="seconds for jobs to end before they are cancelled")
     args = parser.parse_args(argv)
 
@@ -400,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         victim_key, victim_record = create_key("victim", engine=engine)
         attacker_key, attacker_record = create_key("attacker", engine=engine)
         engine.dispose()
-        bodies = attack_bodies(args.scale, random.Random(0))
+        bodies = attack_bodies(args.scale, args.shard_scale, random.Random(0))
         sizes = ", ".join(f"{k} {len(v) / 2**20:.1f} MiB" for k, v in bodies.items())
         print(f"stack ready: {base}; attacker bodies: {sizes}", flush=True)
 
@@ -428,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             return _percentile(values, 0.95) if values else float("nan")
 
         reads = lambda r: r.latency.get(("victim", "read"), [])  # noqa: E731
-        print(f"\nnoisy neighbour, {args.seconds:.0f} s per phase, attacker scale {args.scale}: {sizes}\n")
+        print(f"\nnoisy neighbour, {args.seconds:.0f} s per phase, attacker scale {args.scale}, shard scale "
+              f"{args.shard_scale}: {sizes}\n")
         print("| victim | baseline p50 / p95 | under attack p50 / p95 | p95 ratio |")
         print("|---|---:|---:|---:|")
         for name, before, after in (("submit → done (s)", baseline.turnaround, attack.turnaround),
