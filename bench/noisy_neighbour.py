@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -330,6 +329,14 @@ async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: 
 
 # --- one run -------------------------------------------------------------------------------------
 
+async def _until(work, seconds: float) -> None:
+    """The attacker stops at the clock, requests in flight included (its clients hang up)."""
+    try:
+        await asyncio.wait_for(work, seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
 def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float, bodies, waiters: int) -> Record:
     record = Record()
     done: list[str] = []
@@ -338,11 +345,21 @@ def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float,
         stop_at = time.monotonic() + seconds
         tasks = [victim(base, victim_key, record, stop_at, done)]
         if attacker_key is not None:
-            tasks.append(attacker(base, attacker_key, record, stop_at, bodies, waiters))
+            tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters), seconds + 2))
         await asyncio.gather(*tasks)
 
     asyncio.run(run())
     return record
+
+
+def _warm_up(base: str, key: str) -> None:
+    """One job to done and one inline completion first: both phases measure warm engines."""
+    auth = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(headers=auth, timeout=600) as client:
+        job = client.post(f"{base}/harvest", json={"model": "llama-tiny", "prompts": ["warm up"], "layers": [2, 5]}).json()
+        while client.get(f"{base}/harvest/{job['job_id']}", params={"wait": 20}).json()["status"] not in TERMINAL:
+            pass
+        client.post(f"{base}/completions", json={"model": "llama-tiny", "prompt": [7], "max_tokens": 2, "output_residual_stream": [0]})
 
 
 def _drain(base: str, jobs: dict[str, str], wait_s: float) -> dict[str, dict]:
@@ -411,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = ", ".join(f"{k} {len(v) / 2**20:.1f} MiB" for k, v in bodies.items())
         print(f"stack ready: {base}; attacker bodies: {sizes}", flush=True)
 
+        _warm_up(base, victim_key)
         baseline = _phase(base, victim_key, None, args.seconds, bodies, waiters)
         print(f"baseline done: {len(baseline.turnaround)} victim jobs", flush=True)
         attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters)
