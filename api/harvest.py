@@ -157,7 +157,7 @@ async def read_harvest(
     status = row["status"]
     if wait > 0 and status not in TERMINAL:
         watcher = deps.watcher(request)
-        if not watcher.try_enter():
+        if not watcher.try_enter(key.id):
             headers = {"X-Acs-Longpoll": "declined", "Retry-After": "3"}
         else:
             try:
@@ -173,7 +173,7 @@ async def read_harvest(
                         changed.clear()
                         row = await run_in_threadpool(get_job, job_id, key.id)
             finally:
-                watcher.leave()
+                watcher.leave(key.id)
     body = await run_in_threadpool(render, row, deps.storage(), deps.base_url(request), check_files=True)
     return JSONResponse(body, headers=headers)
 
@@ -214,15 +214,22 @@ async def list_harvests(
     after: str | None = Query(None, description="The last job_id of the previous page."),
     key: ApiKey = Depends(read_key),
 ):
-    """The caller's harvests, newest first, `limit` per page (page on with `after`)."""
-    rows, has_more = await run_in_threadpool(list_jobs, key.id, limit=limit, after=after)
-    data = [render(r, deps.storage(), deps.base_url(request)) for r in rows]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": has_more,
-            "first_id": data[0]["job_id"] if data else None,
-            "last_id": data[-1]["job_id"] if data else None,
-        }
-    )
+    """The caller's harvests, newest first, `limit` per page (page on with `after`); without
+    download links (read a job for its links)."""
+    page = await run_in_threadpool(_list_page, key.id, limit, after)
+    return JSONResponse(page)
+
+
+def _list_page(key_id: str, limit: int, after: str | None) -> dict:
+    """One page of the list, built in a worker thread: no links are signed for it (a page of
+    done jobs could otherwise need 100 × 4,096 signatures), so its cost is one query and
+    `limit` small objects."""
+    rows, has_more = list_jobs(key_id, limit=limit, after=after)
+    data = [render(r, deps.storage(), "", links=False) for r in rows]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "first_id": data[0]["job_id"] if data else None,
+        "last_id": data[-1]["job_id"] if data else None,
+    }

@@ -201,6 +201,25 @@ class Settings(BaseSettings):
     """How long a submit waits for a place before it is answered 503 `replica_busy` with
     Retry-After (its body still unread: the client sends it again later, or to another replica)."""
 
+    # --- serving bounds of an API replica: inline bytes, long-poll shares, callers without a key ---
+    inline_response_budget_bytes: int = Field(default=512 << 20, ge=1 << 20)
+    """Per replica: bytes of inline residual streams in flight (captured, encoding or being
+    sent), counted at their largest (layers × (prompt + max_tokens − 1) × hidden × 2) from
+    before the engine runs until the response is sent. A request that would pass it is answered
+    503 `replica_busy` with `Retry-After`; one bigger than the whole budget runs only alone."""
+
+    longpoll_key_share: float = Field(default=0.25, gt=0, le=1)
+    """Per key: the share of a replica's `longpoll_max_waiters` one key may hold (at least one
+    slot); its further `?wait=` reads are answered at once, `X-Acs-Longpoll: declined`."""
+
+    rate_anonymous_per_s: float = Field(default=2.0, gt=0)
+    """Per client address, per replica: sustained requests that carry no valid key (a missing,
+    unknown or revoked key) per second; over it 429 `rate_limit_exceeded` before the job store
+    is asked. The address is the connection's (uvicorn's `--proxy-headers` behind a proxy)."""
+
+    rate_anonymous_burst: int = Field(default=100, ge=1)
+    """Per client address, per replica: requests without a valid key allowed at once."""
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
