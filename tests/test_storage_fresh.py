@@ -104,25 +104,33 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     assert "_progress.json" in names[:-1]
 
 
-def test_a_long_lived_s3_reader_sees_objects_written_after_it_listed(moto_endpoint):  # noqa: F811
+def test_a_long_lived_s3_reader_sees_objects_another_writer_added_after_it_listed(moto_endpoint):  # noqa: F811
     """The storage layer itself, on one s3fs filesystem object kept across reads (as a replica
-    keeps it, listings cache on): a listing, then new objects, then listing and exists() again."""
+    keeps it, listings cache on), while another writer (boto3, as another process would) adds
+    objects: listing, exists() and size() answer what the store holds now."""
+    import boto3
     import s3fs
 
     from harvest.jobfiles import JobFiles
     from harvest.storage import Storage
+    from tests.test_api_s3 import _boto_credentials
 
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())
     fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_endpoint})
     name = f"unit-{uuid.uuid4().hex[:8]}"
     root = Storage(f"s3://{BUCKET}/{PREFIX}", fs, f"{BUCKET}/{PREFIX}")
     files = JobFiles(root.child(name))
-    files.storage.write_bytes("_parts/shard_00000.safetensors", b"x")
+
+    def put(key: str, body: bytes) -> None:
+        s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}/{key}", Body=body)
+
+    put("_parts/shard_00000.safetensors", b"x")
     assert files.shards_done() == 1 and not files.has_manifest()
     assert name in root.listdir()
-    files.storage.write_bytes("_parts/shard_00001.safetensors", b"x")
-    files.storage.write_bytes("manifest.json", b"{}")
+    put("_parts/shard_00001.safetensors", b"x")
+    put("manifest.json", b"{}")
     assert files.shards_done() == 2
     assert files.has_manifest() and files.storage.size("manifest.json") == 2
     assert set(files.storage.listdir()) == {"_parts", "manifest.json"}
-    files.delete()
-    assert name not in root.listdir()
+    put("manifest.json", b"{ }")
+    assert files.storage.size("manifest.json") == 3
