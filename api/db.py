@@ -48,6 +48,7 @@ __all__ = [
     "leases",
     "charge_ledger",
     "rate_buckets",
+    "idempotency_keys",
     "database_url",
     "make_engine",
     "get_engine",
@@ -176,6 +177,19 @@ rate_buckets = Table(
     Column("kind", String(16), primary_key=True),
     Column("tokens", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+)
+
+# A submit's Idempotency-Key, per API key (`api.idempotency`): claimed before admission, bound
+# to the job it made (job_id NULL while that submit is in flight), with the sha256 of the
+# request it came with, so a repeat answers the same job and another body a 409.
+idempotency_keys = Table(
+    "idempotency_keys",
+    metadata,
+    Column("key_id", String(40), ForeignKey("api_keys.id"), primary_key=True),
+    Column("idempotency_key", String(255), primary_key=True),
+    Column("request_sha256", String(64), nullable=False),
+    Column("job_id", String(36), nullable=True),
+    Column("created_at", DateTime, nullable=False),
 )
 
 # One row per lane, locked (FOR UPDATE) by every admission on that lane, so the service-wide

@@ -21,6 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from api import deps
 from api.admission import admission, declared_bytes
 from api.auth import ApiKey
+from api.idempotency import HEADER as IDEMPOTENCY_HEADER
+from api.idempotency import submit_once
 from api.openapi import KEYED, errors, request_body
 from api.ratelimit import read_key, submit_key
 from api.schemas import Harvest, HarvestList, render
@@ -38,6 +40,8 @@ TERMINAL = ("done", "failed", "cancelled")
 # A waiter re-reads its job at least this often, so a change announced while this replica's
 # LISTEN connection was being re-opened still answers (`api.notify`).
 REREAD_S = 5.0
+# When a client may try again after a run start gave up (Prefect overloaded or away).
+START_RETRY_AFTER_S = 5
 
 log = logging.getLogger("harvest.api")
 
@@ -88,10 +92,12 @@ def _submit(key: ApiKey, request: HarvestRequest) -> dict:
         log.error("job %s: its run could not be started", job["id"], exc_info=exc)
         fail_job(job["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True)
         _stop_runs(job["id"])
-        raise ModelUnavailable(
+        unavailable = ModelUnavailable(
             f"The harvest app for {job['model']} is not reachable right now. Job {job['id']} was recorded as failed "
             "and charged nothing; show us this id if it persists."
-        ) from exc
+        )
+        unavailable.headers["Retry-After"] = str(START_RETRY_AFTER_S)  # the start gave up within its bound
+        raise unavailable from exc
     attach_run(job["id"], run_id)
     row = get_job(job["id"])
     if row["status"] == "cancelled":  # cancelled while its run was starting
@@ -125,7 +131,7 @@ _FOLLOW = {
     status_code=202,
     response_model=Harvest,
     operation_id="submitHarvest",
-    responses={**_FOLLOW, **errors(400, 401, 429, 503)},
+    responses={**_FOLLOW, **errors(400, 401, 409, 429, 503)},
     openapi_extra=request_body(HarvestRequest),
 )
 async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
@@ -136,7 +142,11 @@ async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
         # Strict: a JSON string is not a number nor a bool here, as the published schema says.
         harvest_request = await run_in_threadpool(deps.parse, HarvestRequest, body, strict=True)
         del body  # the parsed prompts are all that is kept
-        row = await run_in_threadpool(_submit, key, harvest_request)
+        # With an Idempotency-Key, a repeat of the same request answers the job it made first.
+        idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
+        row = await run_in_threadpool(
+            submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request)
+        )
     request.app.state.watcher.kick()
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)
 

@@ -50,7 +50,7 @@ def live_stack():
     home = Path(tempfile.mkdtemp(prefix="bench-client-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
     env.update(HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"), HARVEST_USE_VLLM="0",
-               PREFECT_WORKER_QUERY_SECONDS="1", HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()))
+               HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()))
     proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "harvest"), "up"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=open(home / "up.log", "w"), text=True, start_new_session=True)
     ready: dict[str, str] = {}

@@ -84,7 +84,7 @@ def latency(jobs: int, engine: str) -> None:
                         parameter_openapi_schema=flow.parameters.model_dump(), enforce_parameter_schema=True,
                         job_variables={"command": RUN_COMMAND} if pool == "warm" else {},
                     )
-            base_env = {"HARVEST_HOME": str(home), "HARVEST_ENGINE": engine, "PREFECT_WORKER_QUERY_SECONDS": "1"}
+            base_env = {"HARVEST_HOME": str(home), "HARVEST_ENGINE": engine}  # the shipped poll interval
             workers.append(start_worker("cold", api_url, home / "cold.log", base_env, name="cold"))
             workers.append(start_worker("warm", api_url, home / "warm.log", {**base_env, "HARVEST_SLOTS": "[[]]"}, name="warm",
                                         run_starter=unix_socket_path(home / "engines", "runs-warm")))

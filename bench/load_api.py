@@ -84,7 +84,7 @@ def _start_stack(home: Path, db_url: str, waiters: int, prefect_db_url: str | No
     env.update(
         HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"), HARVEST_DATABASE_URL=db_url,
         HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()), HARVEST_ENGINE="hf",
-        PREFECT_WORKER_QUERY_SECONDS="1", HARVEST_LONGPOLL_MAX_WAITERS=str(waiters),
+        HARVEST_LONGPOLL_MAX_WAITERS=str(waiters),
         HARVEST_RATE_SUBMIT_PER_S="1000", HARVEST_RATE_SUBMIT_BURST="1000",
         HARVEST_RATE_READ_PER_S="10000", HARVEST_RATE_READ_BURST="10000",
         PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_LOGGING_LEVEL="CRITICAL", PREFECT_SERVER_ANALYTICS_ENABLED="false",

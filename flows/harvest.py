@@ -13,7 +13,8 @@ prompts and tensors never go through Prefect. The run
    lands within ~1-2 s) and a write task behind the next shard's forward pass, asking between
    shards whether the run is being cancelled (`tasks.shards`);
 5. waits for its helpers, doing any range they did not;
-6. merges statistics and writes the manifest last, and returns a small summary.
+6. merges statistics and writes the manifest last (nothing, progress included, is written
+   into the job's folder after it), and returns a small summary.
 
 Progress (the job's progress file, a progress artifact, the run's labels) is
 `flows.progress`. The job's files and their names are `harvest.jobfiles.JobFiles`. Resume:
@@ -137,10 +138,10 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
             run.stage("waiting for helper runs")
             timings.add(collect_helpers(files, run, helpers, settings, do_range))
 
-        # 6. Statistics, then the manifest, last.
+        # 6. Statistics, then the manifest, last: nothing is written into the job's folder
+        # after it (its presence means "done"; readers derive the "done" stage from it).
         run.stage("finalizing")
         summary = finalize_job(work, load.manifest_entry(engine.versions()), job_id, timings)
-        run.stage("done")
         result = {
             **summary.as_dict(), "job_id": job_id, "shards_skipped": run.skipped, "workers": len(plan), "placement": placement,
             "engine": {"name": load.engine, "warm": load.warm, "reason": load.reason},

@@ -22,10 +22,16 @@ from pathlib import Path
 import httpx
 import psutil
 
-__all__ = ["Managed", "WILDCARDS", "local_address", "free_port", "start_server", "start_worker", "wait_http", "descendants"]
+__all__ = ["Managed", "WILDCARDS", "WORKER_QUERY_S", "local_address", "free_port", "start_server", "start_worker", "wait_http", "descendants"]
 
 
 WILDCARDS = ("0.0.0.0", "::", "")
+WORKER_QUERY_S = 1.0
+"""How often a worker asks its pool for scheduled runs (PREFECT_WORKER_QUERY_SECONDS), as
+shipped to every worker the roles start. Prefect's own default, 10 s, left a warm 2-prompt job
+waiting 2.7-10.2 s to start for 0.2-0.8 s of work; at 1 s a job starts within a second, and
+the cost on the Prefect server, measured by bench/bench_polling.py for 1, 10 and 50 hosts, is
+in bench/RESULTS.md ("Worker polling"). An operator's PREFECT_WORKER_QUERY_SECONDS wins."""
 """Bind addresses that mean "every interface of this host"."""
 
 
@@ -232,7 +238,8 @@ def start_worker(
     """
     # The harvest deployments' run command is `python -m flows.run_starter`: this interpreter's.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, **(env or {}), "PREFECT_API_URL": api_url, "PATH": path}
+    # The shipped poll interval unless the operator (or a caller) sets one (WORKER_QUERY_S).
+    env = {"PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_S), **os.environ, **(env or {}), "PREFECT_API_URL": api_url, "PATH": path}
     argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
     if name:
         argv += ["--name", name]

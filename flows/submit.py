@@ -21,6 +21,14 @@ same run. The `job-id:` tag (scale-out helpers inherit it; their own `job:` tag 
 only) finds a job's runs when the start failed after Prefect created the run and its id
 never came back: `cancel_job_runs`.
 
+Overload: starting a run is bounded in time (`START_BOUND_S`). Prefect's client retries a 503
+or 429 from its server (an embedded SQLite server under load answers `create_flow_run` with
+503) with growing back-offs, by default for over a minute; here it retries at most
+`START_RETRIES` times and the whole start gives up after `START_BOUND_S` with
+`RunStartTimeout`, so the API answers its own 503 with Retry-After instead of holding a client.
+A start that gave up may still have created its run: the API cancels the job's runs by the
+`job-id:` tag (`cancel_job_runs`), so nothing is left half-made.
+
 Job status from the flow-run state (`job_status`):
 
     SCHEDULED, PENDING, PAUSED (Late, AwaitingRetry…)  → pending
@@ -39,15 +47,20 @@ from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
+import anyio
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.states import AwaitingRetry, Cancelled, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from harvest.lanes import deployment_name
 
 __all__ = [
+    "START_BOUND_S",
+    "START_RETRIES",
+    "RunStartTimeout",
     "RunStatus",
     "deployment_name",
     "job_status",
@@ -68,6 +81,14 @@ JOB_TAG = "job-id:"
 """Tag prefix of every run of a job (the job's own and, inherited, its helpers')."""
 FINAL = (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED)
 NOT_STARTED = (StateType.SCHEDULED, StateType.PAUSED)
+START_BOUND_S = 10.0
+"""Longest a run start may take (reading the deployment and creating the run, retries included)."""
+START_RETRIES = 2
+"""Retries of one Prefect request during a start (Prefect's default, 5, backs off for ~60 s)."""
+
+
+class RunStartTimeout(TimeoutError):
+    """Prefect did not create the run within `START_BOUND_S` (overloaded, or away)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,7 @@ async def astart_harvest_run(
     env: dict[str, str] | None = None,
 ) -> str:
     """Create the job's flow run on its lane (returns at once, ~0.1 s); returns the flow run id.
+    Bounded: `RunStartTimeout` after `START_BOUND_S` (see the module docstring).
 
     workers: split the job over this many flow runs of the lane (scale-out); None lets the run
     decide from the lane's free slots (`flows.placement`), as for every job the API submits.
@@ -137,16 +159,20 @@ async def astart_harvest_run(
     parameters: dict = {"job_id": job_id, "request_url": request_url}
     if workers is not None:
         parameters["workers"] = workers
-    async with get_client() as client:
-        deployment = await client.read_deployment_by_name(deployment_name(lane))
-        run = await client.create_flow_run_from_deployment(
-            deployment.id,
-            parameters=parameters,
-            name=job_id,
-            tags=[f"{JOB_TAG}{job_id}", f"model:{model}", f"lane:{lane}", f"key:{key_id}"],
-            idempotency_key=job_id,
-            job_variables={"env": env} if env else None,
-        )
+    try:
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: START_RETRIES}), anyio.fail_after(START_BOUND_S):
+            async with get_client() as client:
+                deployment = await client.read_deployment_by_name(deployment_name(lane))
+                run = await client.create_flow_run_from_deployment(
+                    deployment.id,
+                    parameters=parameters,
+                    name=job_id,
+                    tags=[f"{JOB_TAG}{job_id}", f"model:{model}", f"lane:{lane}", f"key:{key_id}"],
+                    idempotency_key=job_id,
+                    job_variables={"env": env} if env else None,
+                )
+    except TimeoutError as exc:
+        raise RunStartTimeout(f"Prefect did not create the run of job {job_id} within {START_BOUND_S:g} s.") from exc
     return str(run.id)
 
 

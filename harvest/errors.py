@@ -14,6 +14,7 @@
     ├── RouteNotFound                     404 route_not_found (no such path)
     ├── MethodNotAllowed                  405 method_not_allowed (with Allow)
     ├── NotCancellable                    409 harvest_not_cancellable
+    ├── IdempotencyConflict               409 idempotency_key_reused (same key, another body)
     ├── PayloadTooLarge                   413 request_too_large
     ├── RateLimited                       429 rate_limit_exceeded (per-key request rate; Retry-After)
     │   ├── SpendCapped                   429 spend_cap (Retry-After)
@@ -63,6 +64,7 @@ __all__ = [
     "RouteNotFound",
     "MethodNotAllowed",
     "NotCancellable",
+    "IdempotencyConflict",
     "PayloadTooLarge",
     "RateLimited",
     "SpendCapped",
@@ -196,6 +198,14 @@ class NotCancellable(HarvestError):
     status = 409
     type = "invalid_request_error"
     code = "harvest_not_cancellable"
+
+
+class IdempotencyConflict(HarvestError):
+    """An `Idempotency-Key` already used, within its window, for a submit with another body."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "idempotency_key_reused"
 
 
 class PayloadTooLarge(HarvestError):

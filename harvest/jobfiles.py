@@ -7,7 +7,8 @@
                                                       record, written after its shard (resume)
     <storage>/jobs/<job_id>/_parts/timings-00002-00005.json
                                                       a scale-out helper's timings, for its range
-    <storage>/jobs/<job_id>/_progress.json            what the flow is doing now (stage, tok/s)
+    <storage>/jobs/<job_id>/_progress.json            what the flow is doing now (stage, tok/s);
+                                                      never written after the manifest
     <storage>/jobs/<job_id>/stats.safetensors
     <storage>/jobs/<job_id>/manifest.json             written last: its presence means "done"
 
@@ -16,7 +17,8 @@ request.json (`JobFiles.from_request_url`), and the job's folder is that URL's f
 corpus refresh can use the same flow on a dated folder outside `jobs/` (`JobFiles(folder)`).
 
 Progress is counted from the `_parts/` records themselves: right however many flow runs share
-the job, one listing per read. Every write goes through `Storage`, so it is atomic: a file
+the job, one fresh listing per read (`Storage.listdir` never answers from a cached listing, so
+a long-lived reader on S3 sees each shard as it lands). Every write goes through `Storage`, so it is atomic: a file
 that exists is complete. This module is core: no Prefect, no FastAPI.
 """
 
@@ -156,7 +158,9 @@ class JobFiles:
 
     def read_progress(self) -> dict:
         """`{"shards_done", "n_shards"}` from the shard records and the request, with the
-        flow's _progress.json (stage, tokens/s…) merged in when present; the counts win."""
+        flow's _progress.json (stage, tokens/s…) merged in when present; the counts win. The
+        stage is "done" once the manifest exists: the flow writes nothing after the manifest,
+        so the file itself last said "finalizing"."""
         request = self.read_request()
         progress = {"shards_done": self.shards_done(), "n_shards": n_shards(len(request.prompts), request.shard_size)}
         if self.storage.exists(PROGRESS):
@@ -165,6 +169,8 @@ class JobFiles:
             except (ValueError, OSError):
                 extra = {}
             progress.update({k: v for k, v in extra.items() if k not in progress})
+        if self.has_manifest():
+            progress["stage"] = "done"
         return progress
 
     # --- scale-out helpers' timings ----------------------------------------------------------

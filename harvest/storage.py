@@ -4,6 +4,14 @@ Every write is all-or-nothing from a reader's point of view: on local disk a fil
 beside its target and renamed into place, and an object store's PUT (or multipart upload, for
 large files on S3) is atomic already. So a file that exists is complete, which is what lets `manifest.json`, written last, mean "done".
 What goes where inside a job's folder is `harvest.jobfiles`; this module knows no file names.
+
+Every read sees the store as it is now. s3fs answers `ls` (and `exists`, `info`) from a
+listings cache once a folder was listed, and fsspec hands one filesystem object to every caller
+with the same options, so a long-lived reader (an API replica's watcher counting shards, a
+retention sweep) would keep answering from its first listing: progress frozen, a manifest
+written since reported missing. So S3 filesystems opened here keep no listings cache
+(`use_listings_cache=False`), and the reads below drop any cached listing of their path first
+(`_fresh`), for filesystems handed in by a caller too.
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ __all__ = ["Storage", "open_storage"]
 def _options_for(url: str) -> dict:
     """Connection options per protocol (an S3 endpoint for S3-compatible servers)."""
     settings = get_settings()
-    if url.startswith("s3://") and settings.s3_endpoint_url:
-        return {"client_kwargs": {"endpoint_url": settings.s3_endpoint_url}}
-    return {}
+    if not url.startswith("s3://"):
+        return {}
+    options: dict = {"use_listings_cache": False}  # see the module docstring
+    if settings.s3_endpoint_url:
+        options["client_kwargs"] = {"endpoint_url": settings.s3_endpoint_url}
+    return options
 
 
 class Storage:
@@ -78,14 +89,19 @@ class Storage:
             self.fs.pipe_file(target, data)
         return len(data)
 
+    def _fresh(self, path: str) -> str:
+        """Forget any cached listing of `path` (and its parents), so the next call asks the store."""
+        self.fs.invalidate_cache(path)
+        return path
+
     def read_bytes(self, name: str) -> bytes:
         return self.fs.cat_file(self.path(name))
 
     def exists(self, name: str) -> bool:
-        return self.fs.exists(self.path(name))
+        return self.fs.exists(self._fresh(self.path(name)))
 
     def size(self, name: str) -> int:
-        return self.fs.size(self.path(name))
+        return self.fs.size(self._fresh(self.path(name)))
 
     def delete(self, name: str) -> None:
         if self.exists(name):
@@ -93,11 +109,12 @@ class Storage:
 
     def delete_all(self) -> None:
         """Remove the whole folder (retention sweep, tests)."""
-        if self.fs.exists(self.root):
+        if self.fs.exists(self._fresh(self.root)):
             self.fs.rm(self.root, recursive=True)
 
     def listdir(self) -> list[str]:
-        if not self.fs.exists(self.root):
+        """Names in the folder now (never a cached listing)."""
+        if not self.fs.exists(self._fresh(self.root)):
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from safetensors.torch import load as load_tensors
 
-from harvest.jobfiles import MANIFEST, PROGRESS, STATS, JobFiles, shard_name
+from harvest.jobfiles import MANIFEST, STATS, JobFiles, shard_name
 
 REQUEST = {"model": "llama-tiny", "prompts": [f"Prompt number {i} says hello to the world." for i in range(10)], "shard_size": 4, "layers": [1, 3, 7]}
 
@@ -60,7 +60,7 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
         artifacts = client.read_artifacts()
         progress = [a for a in artifacts if a.flow_run_id == run.id and a.type == "progress"]
         assert progress and progress[0].data == 100.0
-    assert json.loads(job.storage.read_bytes(PROGRESS))["stage"] == "done"
+    assert job.files.read_progress()["stage"] == "done"  # the manifest says so: nothing is written after it
 
 
 def test_scale_out_over_two_runs_gives_identical_files_and_stats(single_job, harvest_stack):

@@ -246,7 +246,7 @@ def test_a_host_with_two_slots_never_runs_a_third_job_and_each_run_sees_only_its
     assert len(set(seen.values())) == 2
     by_id = {str(run_id): value for run_id, value in seen.items()}
     for _, files, run_id in jobs:  # the run's own record agrees with its labels
-        progress = json.loads(files.storage.read_bytes(files.PROGRESS))
+        progress = files.read_progress()  # the file last said "finalizing"; the manifest says done
         assert progress["stage"] == "done" and progress["placement"]["cuda_visible_devices"] == by_id[run_id]
     host.stop()
 

@@ -1,10 +1,15 @@
 """The service's HTTP API as the user docs describe it: `/v1/harvest` submit, read (long-poll),
 list and cancel, with the error body turned into one exception.
 
-Reads retry transport failures and 5xx answers (a few times, backing off) and wait out a 429
-for the key's request rate (its Retry-After). Any other 4xx is the service's considered
-answer, and the caller decides what it means (a 429 on submit is waited out by
-`harvest_client.harvest`, a 400 for too many tokens splits the job).
+Reads retry transport failures and 5xx answers (a few times, backing off; a 503's
+Retry-After is honoured) and wait out a 429 for the key's request rate (its Retry-After). Any
+other 4xx is the service's considered answer, and the caller decides what it means (a 429 on
+submit is waited out by `harvest_client.harvest`, a 400 for too many tokens splits the job).
+
+A submit carries an `Idempotency-Key` when the caller has one (`harvest_client.harvest` sends
+one per planned job): the service answers the same job for the same key and body, so such a
+submit is retried after a transport failure too. A 503 (the service overloaded; it made no
+job) is waited out for its Retry-After, with or without a key.
 """
 
 from __future__ import annotations
@@ -15,46 +20,17 @@ from dataclasses import dataclass
 
 import httpx
 
-__all__ = ["ApiError", "HarvestApi", "TERMINAL"]
+from harvest_client.errors import ApiError, ConfigError, retry_after
+
+__all__ = ["ApiError", "HarvestApi", "TERMINAL", "IDEMPOTENCY_HEADER"]
 
 TERMINAL = ("done", "failed", "cancelled")
+IDEMPOTENCY_HEADER = "Idempotency-Key"
 _RETRIES = 4
 _THROTTLED = 30
-
-
-class ApiError(Exception):
-    """An error answer: `status`, and the error body's `code`, `param` and `message`."""
-
-    def __init__(self, status: int, code: str | None, message: str, param: str | None = None, retry_after: float | None = None):
-        super().__init__(f"{status} {code}: {message}")
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after
-        """Seconds from the Retry-After header, when the answer had one."""
-
-    @classmethod
-    def from_response(cls, response: httpx.Response) -> "ApiError":
-        try:
-            error = response.json().get("error") or {}
-        except ValueError:
-            error = {}
-        return cls(
-            response.status_code,
-            error.get("code"),
-            error.get("message") or response.text[:500],
-            error.get("param"),
-            _retry_after(response),
-        )
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
+_UNAVAILABLE = 8
+"""503 answers waited out (each for its Retry-After) before a call gives up with `ServiceUnavailable`."""
+_RETRY_AFTER_CAP_S = 60.0
 
 
 @dataclass
@@ -73,32 +49,42 @@ class HarvestApi:
         self.base = (api_base or os.environ.get("ACS_API_BASE") or "").rstrip("/")
         key = api_key or os.environ.get("ACS_API_KEY")
         if not self.base:
-            raise ValueError("No API base: pass api_base= or set ACS_API_BASE (e.g. http://127.0.0.1:8000/v1).")
+            raise ConfigError("No API base: pass api_base= or set ACS_API_BASE (e.g. http://127.0.0.1:8000/v1).")
         if not key:
-            raise ValueError("No API key: pass api_key= or set ACS_API_KEY.")
+            raise ConfigError("No API key: pass api_key= or set ACS_API_KEY.")
         self.http = httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
 
     def close(self) -> None:
         self.http.close()
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        """A read: transport errors and 5xx retried with backoff; a 429 (the key's request
-        rate, `rate_limit_exceeded`) waited out for its Retry-After, up to `_THROTTLED` times."""
-        failures = throttled = 0
+        """A read: transport errors and 5xx retried with backoff (a 503 after its Retry-After);
+        a 429 (the key's request rate, `rate_limit_exceeded`) waited out for its Retry-After,
+        up to `_THROTTLED` times."""
+        return self._send(method, path, retry_failures=True, throttle=True, **kwargs)
+
+    def _send(self, method: str, path: str, *, retry_failures: bool, throttle: bool, **kwargs) -> httpx.Response:
+        failures = throttled = unavailable = 0
         while True:
             try:
                 response = self.http.request(method, f"{self.base}{path}", **kwargs)
             except httpx.TransportError:
                 failures += 1
-                if failures > _RETRIES:
+                if not retry_failures or failures > _RETRIES:
                     raise
                 time.sleep(min(2**failures, 10))
                 continue
-            if response.status_code == 429 and throttled < _THROTTLED:
+            wait = retry_after(response)
+            if response.status_code == 429 and throttle and throttled < _THROTTLED:
                 throttled += 1
-                time.sleep(_retry_after(response) or 1.0)
+                time.sleep(wait or 1.0)
                 continue
-            if response.status_code >= 500 and failures < _RETRIES:
+            if response.status_code == 503 and wait is not None and unavailable < _UNAVAILABLE:
+                # Overloaded, and it says when to come back: it made nothing, so ask again then.
+                unavailable += 1
+                time.sleep(min(wait, _RETRY_AFTER_CAP_S))
+                continue
+            if response.status_code >= 500 and retry_failures and failures < _RETRIES:
                 failures += 1
                 time.sleep(min(2**failures, 10))
                 continue
@@ -109,10 +95,15 @@ class HarvestApi:
             raise ApiError.from_response(response)
         return response.json()
 
-    def submit(self, body: dict) -> dict:
-        """POST /harvest → the pending harvest object. Not retried on a transport error after
-        the body was sent: a retry could admit the job twice."""
-        response = self.http.post(f"{self.base}/harvest", json=body)
+    def submit(self, body: dict, idempotency_key: str | None = None) -> dict:
+        """POST /harvest → the pending harvest object.
+
+        With `idempotency_key` the service answers the same job for a repeat of the same key and
+        body, so transport failures are retried; without one they are not (a retry could admit
+        the job twice). A 503 (no job made) is waited out for its Retry-After either way."""
+        headers = {IDEMPOTENCY_HEADER: idempotency_key} if idempotency_key else None
+        keyed = idempotency_key is not None
+        response = self._send("POST", "/harvest", retry_failures=keyed, throttle=False, json=body, headers=headers)
         return self._json(response)
 
     def read(self, job_id: str, wait: float = 0) -> LongPoll:
@@ -120,7 +111,7 @@ class HarvestApi:
         params = {"wait": min(max(wait, 0), 60)} if wait else None
         response = self._request("GET", f"/harvest/{job_id}", params=params, timeout=(wait or 0) + 60)
         declined = response.headers.get("X-Acs-Longpoll") == "declined"
-        return LongPoll(self._json(response), (_retry_after(response) or 3.0) if declined else None)
+        return LongPoll(self._json(response), (retry_after(response) or 3.0) if declined else None)
 
     def get(self, job_id: str) -> dict:
         return self.read(job_id).harvest

@@ -7,6 +7,11 @@
 
 ACS_API_BASE and ACS_API_KEY say where and who (or --api-base / --api-key). Running the same
 `harvest` command again resumes it.
+
+Errors are one line on stderr, `harvest-client: error: <status> <code>: <message>` for the
+service's answers (`harvest-client: error: <message>` otherwise), and a non-zero exit status:
+2 for usage (a bad argument, no ACS_API_BASE or key), 1 for anything else, 130 for Ctrl-C.
+`--debug` shows the Python traceback instead.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+
+import httpx
+
+from harvest_client.errors import ApiError, HarvestClientError
 
 __all__ = ["main"]
 
@@ -27,11 +36,19 @@ def _layers(text: str | None):
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors in the client's one-line form (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"harvest-client: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="harvest-client", description="Harvest residual-stream activations of a corpus "
+    parser = _Parser(prog="harvest-client", description="Harvest residual-stream activations of a corpus "
                                      "through the service, and download jobs, verified and resumable.")
     parser.add_argument("--api-base", help="default: $ACS_API_BASE")
     parser.add_argument("--api-key", help="default: $ACS_API_KEY")
+    parser.add_argument("--debug", action="store_true", help="show a Python traceback on errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
     harvest = commands.add_parser("harvest", help="harvest a whole corpus into a dataset folder (resumable)")
@@ -55,11 +72,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (argparse exits 2 itself on a usage error)."""
     args = _parser().parse_args(argv)
     try:
         return _run(args)
     except KeyboardInterrupt:  # the folder was saved resumable; the message is already out
         return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        line, status = _describe(exc, args)
+        print(f"harvest-client: error: {line}", file=sys.stderr)
+        return status
+
+
+def _describe(exc: Exception, args) -> tuple[str, int]:
+    """One line and an exit status for an error (no traceback: `--debug` shows it)."""
+    if isinstance(exc, ApiError):
+        text = f"{exc.status} {exc.code}: {exc.message}"
+    elif isinstance(exc, httpx.TransportError):
+        text = f"cannot reach the service ({type(exc).__name__}: {exc}); check ACS_API_BASE or --api-base"
+    elif isinstance(exc, (HarvestClientError, OSError, ValueError)):
+        text = str(exc)
+    else:
+        text = f"{type(exc).__name__}: {exc} (--debug shows where)"
+    status = exc.exit_status if isinstance(exc, HarvestClientError) else 1
+    return " ".join(text.split()), status
 
 
 def _run(args) -> int:

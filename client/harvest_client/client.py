@@ -10,6 +10,7 @@ from pathlib import Path
 from harvest_client.api import TERMINAL, HarvestApi
 from harvest_client.corpus import read_corpus
 from harvest_client.download import Downloader
+from harvest_client.errors import HarvestFailed
 from harvest_client.folder import MANIFEST
 from harvest_client.harvest import HarvestRun, HarvestSummary
 from harvest_client.plan import MAX_PROMPTS, JobSpec, encode_directions
@@ -91,7 +92,7 @@ class Client:
             return out
         harvest = self.wait(job_id)
         if harvest["status"] != "done":
-            raise RuntimeError(f"Job {job_id} ended {harvest['status']}: {harvest.get('error')}")
+            raise HarvestFailed(f"Job {job_id} ended {harvest['status']}: {harvest.get('error')}")
         downloader = Downloader(self.api.get, workers=workers, api_base=self.api.base)
         try:
             downloader.start(harvest, out).finish()

@@ -11,7 +11,8 @@ corpus order, the vector count and each vector's place are known before any shar
   the statistics leave out).
 - `normalize=True` gives (x − mean) / std with the corpus's mean/std merged exactly from the
   jobs' stats files (`harvest_client.stats`), never re-computed by a pass over the data.
-- Map-style (`ds[i]`, `ds[a:b]`, `len(ds)`) for a torch DataLoader, and `ds.batches(…)` for
+- Map-style (`ds[i]`, `ds[a:b]`, `len(ds)`, and `for v in ds`, which yields the same vectors
+  as `ds[0]`, `ds[1]`, …) for a torch DataLoader, and `ds.batches(…)` for
   streaming: shards in a seeded random order into a shuffle buffer of `buffer_size` vectors,
   batches drawn from it at random — memory bounded by the buffer, not the corpus.
 - Local shards are memory-mapped; nothing is loaded whole. Projections read the same way.
@@ -270,7 +271,10 @@ class ActivationDataset:
             yield Batch(self._finish(vectors), self._out(tokens), self._out(prompts))
 
     def __iter__(self):
-        return self.batches(1024)
+        """`for v in ds` yields what `ds[i]` yields, one vector `[features]` at a time, in
+        corpus order (read a shard at a time); use `ds.batches(...)` for batches."""
+        for batch in self.batches(4096):
+            yield from batch.vectors
 
     def _block(self, prompts: np.ndarray):
         """One shard's vectors, tokens and prompt indices, read prompt by prompt."""

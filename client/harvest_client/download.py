@@ -7,6 +7,10 @@ instead of 206 sends the file whole, and it is written afresh). The manifest its
 last, after every other file verified: the local folder keeps the service's rule that a
 manifest means a complete job.
 
+File names come from the manifest, which the client does not control: a name that would land
+outside the job's folder (`..`, an absolute path, any path separator) is refused
+(`UnsafeManifest`) before anything is written.
+
 `stats.safetensors` has no sha256 in the manifest (SPEC §4 lists one per shard only): it is
 checked by its size (`bytes_written` minus the shards) and by its `count`, which must equal
 the token positions the manifest lists minus each prompt's first.
@@ -25,20 +29,28 @@ from urllib.parse import urljoin
 
 import httpx
 
+from harvest_client.errors import UnsafeManifest, VerificationError
 from harvest_client.folder import MANIFEST, PARTIAL, STATS, write_atomic
 
-__all__ = ["VerificationError", "Stopped", "FileSpec", "Downloader", "JobDownload", "download_file"]
+__all__ = ["VerificationError", "UnsafeManifest", "Stopped", "FileSpec", "Downloader", "JobDownload", "download_file",
+           "safe_file_name"]
 
 _CHUNK = 1 << 20
 _ATTEMPTS = 3
 
 
-class VerificationError(Exception):
-    """A downloaded file does not match its manifest (after every retry)."""
-
-
 class Stopped(Exception):
     """The harvest is being interrupted: the file stays `.partial`, to be resumed."""
+
+
+def safe_file_name(name: object, dest: Path) -> str:
+    """`name` if it is a plain file name inside `dest`; else `UnsafeManifest`."""
+    if (
+        not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name
+        or Path(name).is_absolute() or (dest / name).resolve().parent != dest.resolve()
+    ):
+        raise UnsafeManifest(f"The manifest names a file {name!r} outside the job's folder {dest}; refused.")
+    return name
 
 
 @dataclass(frozen=True)
@@ -172,7 +184,7 @@ class Downloader:
         shards = manifest["shards"]
         if len(shards) != len(result["shard_urls"]):
             raise VerificationError(f"Job {harvest['job_id']}: {len(result['shard_urls'])} links for {len(shards)} shards.")
-        files = [FileSpec(s["file"], k, s["bytes"], s["sha256"]) for k, s in enumerate(shards)]
+        files = [FileSpec(safe_file_name(s["file"], dest), k, s["bytes"], s["sha256"]) for k, s in enumerate(shards)]
         stats_size = manifest["bytes_written"] - sum(s["bytes"] for s in shards)
         files.append(FileSpec(STATS, None, stats_size, None))
         job = JobDownload(harvest["job_id"], dest, manifest_bytes)

@@ -53,6 +53,9 @@ class PartState:
     """planned → submitted → done (downloaded and verified); failed / cancelled jobs go back to
     planned on the next call, so they are submitted again."""
     error: str | None = None
+    attempt: int = 0
+    """How many jobs of this part ended badly before; part of its idempotency key, so a part
+    submitted again after a failure makes a new job while a resumed submit finds the old one."""
 
     @property
     def n_prompts(self) -> int:
@@ -85,6 +88,12 @@ class DatasetFolder:
 
     def part_dir(self, part: PartState) -> Path:
         return self.root / part.name
+
+    def idempotency_key(self, state: "HarvestState", part: PartState) -> str:
+        """The `Idempotency-Key` of the part's submit: from the plan alone (corpus fingerprint,
+        prompt range, attempt), so a harvest killed between the service's answer and saving
+        the job id submits again with the same key and gets the same job back."""
+        return f"harvest-client-{state.fingerprint[:32]}-{part.start}-{part.stop}-{part.attempt}"
 
     @property
     def state_path(self) -> Path:

@@ -10,7 +10,9 @@ One `HarvestRun` drives one call of `Client.harvest`:
    one, else until one of our jobs changes state (at most `_HOLD_S`); caps that no waiting can
    free (monthly job quota, token budget) end the call with the service's message. A 400 for
    too many tokens or a 413 splits the part in two. A job id is saved the moment the service
-   answers, so a kill right after leaves it known to the next call.
+   answers, and each submit carries an `Idempotency-Key` made from the plan alone (corpus
+   fingerprint, prompt range, attempt): a kill between the answer and the save submits again
+   with the same key on the next call and gets the same job back, never a second one.
 3. Each submitted job is followed by a thread that long-polls it (`?wait=`); its answers come
    to the main thread through one queue, which updates the single progress bar.
 4. A done job's files go to the shared download pool (`harvest_client.download`); when all
@@ -33,8 +35,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from harvest_client.api import TERMINAL, ApiError, HarvestApi
+from harvest_client.api import TERMINAL, HarvestApi
 from harvest_client.download import Downloader, JobDownload
+from harvest_client.errors import ApiError, FolderError, HarvestFailed
 from harvest_client.folder import MANIFEST, DatasetFolder, HarvestState, PartState, write_index
 from harvest_client.plan import JobSpec, cut_parts, too_many_tokens
 
@@ -44,10 +47,6 @@ _HOLD_S = 5.0
 """Longest wait before submitting again after a 429 without Retry-After."""
 _FATAL_429 = ("harvest_quota_exceeded", "budget_exceeded")
 """Caps that only a new month or an operator frees: waiting would be for ever."""
-
-
-class HarvestFailed(RuntimeError):
-    """Some jobs failed or were cancelled; the folder keeps every finished part."""
 
 
 @dataclass
@@ -106,11 +105,11 @@ class HarvestRun:
         state = self.folder.load_state()
         if state is not None:
             if state.fingerprint != fingerprint:
-                raise ValueError(f"{self.folder.root} holds another harvest (other prompts or request fields); "
+                raise FolderError(f"{self.folder.root} holds another harvest (other prompts or request fields); "
                                  "use a new folder, or the same arguments to resume that one.")
             return state
         if self.folder.root.exists() and any(self.folder.root.iterdir()):
-            raise ValueError(f"{self.folder.root} is not empty and holds no harvest; use a new folder.")
+            raise FolderError(f"{self.folder.root} is not empty and holds no harvest; use a new folder.")
         parts = [PartState(a, b) for a, b in cut_parts(self.prompts, self.spec, max_prompts=self.max_prompts)]
         state = HarvestState(fingerprint, len(self.prompts), self.spec.body([]), parts)
         self.folder.save_state(state)
@@ -143,6 +142,7 @@ class HarvestRun:
             for part in self.state.parts:
                 if part.status == "failed":
                     part.status, part.job_id = "planned", None  # the next call submits it again
+                    part.attempt += 1  # as a new job: a new idempotency key
             self._save()
             raise HarvestFailed("Some jobs did not finish (call again to submit them again):\n  " + "\n  ".join(self.failures))
         write_index(self.folder, self.state)
@@ -169,6 +169,7 @@ class HarvestRun:
                 part.status = "done"
             elif part.status == "failed":  # its job ended badly: a new one
                 part.status, part.job_id = "planned", None
+                part.attempt += 1
             elif part.status == "done":  # marked done but its folder is not complete: fetch it again
                 part.status = "submitted"
             if part.status == "submitted":
@@ -183,7 +184,7 @@ class HarvestRun:
         while (part := self._next_planned()) is not None and time.monotonic() >= self.hold_until:
             body = self.spec.body(self.prompts[part.start : part.stop])
             try:
-                harvest = self.api.submit(body)
+                harvest = self.api.submit(body, idempotency_key=self.folder.idempotency_key(self.state, part))
             except ApiError as error:
                 if error.status == 429:
                     if error.code in _FATAL_429:
