@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["TokenizedPrompt", "load_tokenizer", "tokenize_prompts"]
+__all__ = ["TokenizedPrompt", "load_tokenizer", "tokenize_prompts", "added_bos_token_id"]
 
 
 @dataclass(frozen=True)
@@ -32,3 +32,14 @@ def tokenize_prompts(tokenizer, prompts: list[str], *, add_special_tokens: bool,
     """Tokenize each prompt; a prompt over max_len keeps its first max_len tokens."""
     encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
     return [TokenizedPrompt(ids=list(ids[:max_len]), n_original=len(ids)) for ids in encoded]
+
+
+def added_bos_token_id(tokenizer) -> int | None:
+    """The id the tokenizer puts at position 0 with `add_special_tokens=True`, or None when it
+    adds none there. Llama's tokenizers prepend BOS; SmolLM2's adds nothing, though it names a
+    `bos_token`: `tokenizer.bos_token_id` alone would claim a BOS that never runs."""
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    verbatim = tokenizer("a", add_special_tokens=False)["input_ids"]
+    if len(with_special) > len(verbatim) and with_special[0] != verbatim[0]:
+        return with_special[0]
+    return None
