@@ -170,14 +170,14 @@ def test_the_first_position_is_an_outlier_and_the_statistics_leave_it_out(regist
     """On real prompts: the first token's norm against the others' (reference, float32), and the
     service's statistics, which would be far off if it were counted."""
     _, tokenizer = gguf_reference
-    middle = list(range(12, 29))  # blocks 12..28: hidden_states[13..29]
+    middle = list(range(11, 28))  # blocks 11..27: hidden_states[12..28] (it fades at the last two)
     for (ids, ref), text in zip(reference_streams, PROMPTS):
         assert ids[0] == tokenizer(text, add_special_tokens=False)["input_ids"][0]  # no BOS: the first real token
         norms = np.linalg.norm(ref[middle].astype(np.float64), axis=2)  # [blocks, positions]
         first, others = norms[:, 0], norms[:, 1:]
         print(f"{text[:30]!r}: first position {first.min():,.0f}-{first.max():,.0f}, "
               f"others {others.min():,.0f}-{others.max():,.0f}")
-        assert first.min() > 15 * others.max()
+        assert first.min() > 20 * others.max()
 
     from harvest.engines.hf import HFEngine
 
