@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["TokenizedPrompt", "load_tokenizer", "tokenize_prompts", "count_tokens", "max_token_chars", "COUNT_SLICE_CHARS"]
+__all__ = [
+    "TokenizedPrompt", "load_tokenizer", "tokenize_prompts", "count_tokens", "max_token_chars",
+    "COUNT_SLICE_CHARS", "added_bos_token_id",
+]
 
 COUNT_SLICE_CHARS = 1 << 20
 """Characters `count_tokens` hands the tokenizer at once: its ids (Python ints in lists, ~36
@@ -81,3 +84,14 @@ def max_token_chars(path: Path) -> int:
     tokenizer = load_tokenizer(path)
     vocab = tokenizer.get_vocab()
     return max(1, max((len(entry) for entry in vocab), default=1))
+
+
+def added_bos_token_id(tokenizer) -> int | None:
+    """The id the tokenizer puts at position 0 with `add_special_tokens=True`, or None when it
+    adds none there. Llama's tokenizers prepend BOS; SmolLM2's adds nothing, though it names a
+    `bos_token`: `tokenizer.bos_token_id` alone would claim a BOS that never runs."""
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    verbatim = tokenizer("a", add_special_tokens=False)["input_ids"]
+    if len(with_special) > len(verbatim) and with_special[0] != verbatim[0]:
+        return with_special[0]
+    return None
