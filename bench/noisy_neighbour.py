@@ -183,11 +183,15 @@ class Record:
         self.failures: list[str] = []
         self.turnaround: list[float] = []
         self.positions_returned = 0
+        self.lingering: list[asyncio.Future] = []  # inline requests let finish past the clock
 
     async def call(self, who: str, route: str, client: httpx.AsyncClient, method: str, url: str, **kwargs) -> httpx.Response | None:
         started = time.perf_counter()
         try:
             answer = await client.request(method, url, **kwargs)
+        except asyncio.CancelledError:  # the attacker hung up at the clock
+            self.statuses[(who, route)]["cut at the clock"] += 1
+            raise
         except httpx.HTTPError as exc:
             self.statuses[(who, route)]["no answer"] += 1
             self.failures.append(f"{who} {route}: {type(exc).__name__} {exc}")
@@ -288,15 +292,19 @@ async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: 
                     await asyncio.sleep(min(float(answer.headers.get("Retry-After", 1)), 1.0))
 
     async def inline() -> None:
-        async with httpx.AsyncClient(headers=auth, timeout=600, transport=transport()) as client:
-            while time.monotonic() < stop_at:
-                answer = await record.call("attacker", "POST /v1/completions (activations)", client, "POST",
-                                           f"{base}/completions", content=bodies["inline"])
-                if answer is not None and answer.status_code == 200:
-                    usage = answer.json()["usage"]
-                    record.positions_returned += usage["prompt_tokens"] + usage["completion_tokens"] - 1
-                elif answer is not None:
-                    await asyncio.sleep(min(float(answer.headers.get("Retry-After", 1)), 1.0))
+        client = httpx.AsyncClient(headers=auth, timeout=900, transport=transport())  # outlives the clock (lingering)
+        while time.monotonic() < stop_at:
+            # Not cut at the clock: its positions must be read from its answer for the ledger check.
+            call = asyncio.ensure_future(record.call("attacker", "POST /v1/completions (activations)", client, "POST",
+                                                     f"{base}/completions", content=bodies["inline"]))
+            record.lingering.append(call)
+            answer = await asyncio.shield(call)
+            if answer is not None and answer.status_code == 200:
+                usage = answer.json()["usage"]
+                record.positions_returned += usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                answer._counted = True
+            elif answer is not None:
+                await asyncio.sleep(min(float(answer.headers.get("Retry-After", 1)), 1.0))
 
     async def lister() -> None:
         async with httpx.AsyncClient(headers=auth, timeout=120, transport=transport()) as client:
@@ -347,6 +355,12 @@ def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float,
         if attacker_key is not None:
             tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters), seconds + 2))
         await asyncio.gather(*tasks)
+        for call in record.lingering:
+            answer = await call
+            if answer is not None and answer.status_code == 200 and not getattr(answer, "_counted", False):
+                usage = answer.json()["usage"]
+                record.positions_returned += usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                answer._counted = True
 
     asyncio.run(run())
     return record
@@ -439,11 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         engine = create_engine(db_url)
         with engine.connect() as conn:
             stored = dict(conn.execute(text("SELECT id, key_id FROM jobs")).all())
+        keys = {victim_record.id: victim_key, attacker_record.id: attacker_key}
+        ended = _drain(base, {job_id: keys[key_id] for job_id, key_id in stored.items()}, args.drain)
+        with engine.connect() as conn:  # every inline answer is in: the quota holds are settled
             used = conn.execute(text("SELECT coalesce(sum(activations), 0) FROM usage WHERE key_id = :k"),
                                 {"k": attacker_record.id}).scalar_one()
         engine.dispose()
-        keys = {victim_record.id: victim_key, attacker_record.id: attacker_key}
-        ended = _drain(base, {job_id: keys[key_id] for job_id, key_id in stored.items()}, args.drain)
         problems = _check_ledger(db_url, home, ended)
         if int(used) != attack.positions_returned:
             problems.append(f"attacker activation usage {used} != positions its responses carried {attack.positions_returned}")
