@@ -221,7 +221,7 @@ def overlap(rounds: int) -> None:
         def forward_only(r: int) -> float:
             started = time.perf_counter()
             for k in range(n_shards):
-                capture_shard(job, engine, tokenized, k)
+                capture_shard(job, engine, tokenized, k, Storage("memory://bench-forward")).staged.discard()
             return time.perf_counter() - started
 
         def harvest(r: int, with_overlap: bool) -> float:

@@ -5,11 +5,15 @@ The work is split so orchestration can spread it out: `run_shards` writes any ra
 shard's forward pass (`ShardWriter`), and `finalize` merges the shards' statistics partials
 and writes `stats.safetensors` then `manifest.json`. `run_job` does both in one process,
 which is what `harvest run` uses; the flow calls the same two with its Prefect tasks.
+
+No process holds a whole shard: the engine hands each batch's values to the shard's file,
+staged on local disk (`harvest.shard_file`), as soon as they exist, and the write step hashes
+that file and publishes it (a rename on local disk, one multipart upload on S3). Memory
+follows `HARVEST_ENGINE_PIECE_BYTES` and `HARVEST_ENGINE_BATCH_TOKENS`, not `shard_size`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,18 +22,18 @@ from datetime import datetime, timezone
 
 from safetensors.torch import save as save_tensors
 
-from harvest.capture import ShardCapture
-from harvest.engines.base import Engine, EngineLoad
+from harvest.engines.base import Engine, EngineLoad, hand_over
 from harvest.layers import RESIDUAL_STREAM_CONVENTION
 from harvest.manifest import MANIFEST, STATS, Manifest, ModelEntry, PromptEntry, statistics_sentence
 from harvest.request import ResolvedJob, check_token_total
-from harvest.shards import ShardRecord, encode_shard, shard_name, shard_ranges, verified_part, write_part
+from harvest.shard_file import StagedShard
+from harvest.shards import ShardRecord, shard_name, shard_ranges, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts
 
 __all__ = [
-    "Timings", "JobSummary", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards", "finalize", "run_job",
+    "Timings", "JobSummary", "CapturedShard", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards", "finalize", "run_job",
     "Cancelled",
 ]
 
@@ -80,40 +84,62 @@ def tokenize_job(job: ResolvedJob) -> list[TokenizedPrompt]:
     return tokenized
 
 
-def capture_shard(job: ResolvedJob, engine: Engine, tokenized: list[TokenizedPrompt], k: int) -> ShardCapture:
-    """Shard k's forward passes: its values in prompt order, and its statistics partial."""
-    indices = shard_ranges(len(tokenized), job.request.shard_size)[k]
-    return engine.capture([tokenized[i].ids for i in indices], job.spec, batch_size=job.request.batch_size)
+@dataclass
+class CapturedShard:
+    """Shard k after its forward passes: its file complete on local disk (not yet hashed or
+    published), and its statistics partial."""
+
+    k: int
+    staged: StagedShard
+    stats: RunningStats
+    forward_s: float
 
 
-def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPrompt], k: int, capture: ShardCapture) -> tuple[ShardRecord, Timings]:
-    """Encode, hash and write shard k, then its record (whose presence vouches for the shard)."""
+def capture_shard(job: ResolvedJob, engine: Engine, tokenized: list[TokenizedPrompt], k: int, storage: Storage) -> CapturedShard:
+    """Shard k's forward passes, each batch's values written to the shard's staged file as the
+    engine hands them over (`harvest.shard_file`): this process never holds the whole shard."""
     indices = shard_ranges(len(tokenized), job.request.shard_size)[k]
     ids = [tokenized[i].ids for i in indices]
+    n_features = job.spec.n_features(job.model.hidden_size)
+    staged = StagedShard(storage.staging_path(shard_name(k)), indices, ids, len(job.layers), n_features, job.spec.stored_dtype)
+    try:
+        capture = hand_over(engine.capture(ids, job.spec, batch_size=job.request.batch_size, sink=staged.put), staged.put)
+    except BaseException:
+        staged.discard()
+        raise
+    return CapturedShard(k, staged, capture.stats, capture.forward_s)
+
+
+def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPrompt], k: int, captured: CapturedShard) -> tuple[ShardRecord, Timings]:
+    """Hash and publish shard k's staged file, then its record (whose presence vouches for the
+    shard). Safe to call again after a failure (a task's retry): what is done is not redone."""
+    indices = shard_ranges(len(tokenized), job.request.shard_size)[k]
     timings = Timings()
     started = time.perf_counter()
-    data = encode_shard(indices, ids, capture.values)
+    size, sha256 = captured.staged.seal()
     record = ShardRecord(
         file=shard_name(k),
         index=k,
         prompt_range=[indices.start, indices.stop - 1],
-        token_counts=[len(x) for x in ids],
-        bytes=len(data),
-        sha256=hashlib.sha256(data).hexdigest(),
+        token_counts=[len(tokenized[i].ids) for i in indices],
+        bytes=size,
+        sha256=sha256,
     )
     timings.save_s = time.perf_counter() - started
     started = time.perf_counter()
-    storage.write_bytes(record.file, data)
-    write_part(storage, record, capture.stats)
+    if not captured.staged.published:
+        storage.publish_file(record.file, captured.staged.path)
+        captured.staged.published = True
+    write_part(storage, record, captured.stats)
     timings.upload_s = time.perf_counter() - started
     return record, timings
 
 
 class ShardWriter:
-    """Writes shards behind the forward passes: shard k is encoded, hashed and written in the
+    """Writes shards behind the forward passes: shard k is hashed and published in the
     background while shard k+1 runs. `submit` first waits for the previous write, so at most
-    two shards are in memory (one being written, one being computed) and a write's error
-    surfaces at the next shard, never later than `close`.
+    two shards are staged on local disk (one being published, one being filled) and a write's
+    error surfaces at the next shard, never later than `close`.
 
     `submit_write(fn)` runs `fn` off the caller's thread and returns a future; by default a
     thread of this writer's own (the flow passes Prefect's task submission, which adds its
@@ -163,20 +189,20 @@ def run_shards(
     should_stop: Callable[[], bool] = lambda: False,
     on_shard: Callable[[ShardRecord, bool], None] = lambda record, skipped: None,
     overlap: bool = True,
-    forward: Callable[[int], ShardCapture] | None = None,
+    forward: Callable[[int], CapturedShard] | None = None,
     submit_write: Callable[..., Future] | None = None,
 ) -> tuple[Timings, int]:
     """Write the given shards (all by default); returns timings and how many were skipped.
 
     A shard already written and verified is skipped. `should_stop` is asked before each shard
     so a cancel lands between shards, never in the middle of a file. Each shard's forward pass
-    runs in this thread (`forward(k)`, default `capture_shard`) and its write behind the next
-    one (`ShardWriter`). forward_s, save_s and upload_s are each the time spent in that step,
+    runs in this thread (`forward(k)`, default `capture_shard`, which streams its values to a
+    staged file) and its hash and publication behind the next one (`ShardWriter`). forward_s, save_s and upload_s are each the time spent in that step,
     so with overlap their sum exceeds the wall time.
     """
     tokenized = tokenized or tokenize_job(job)
     n_shards = len(shard_ranges(len(tokenized), job.request.shard_size))
-    forward = forward or (lambda k: capture_shard(job, engine, tokenized, k))
+    forward = forward or (lambda k: capture_shard(job, engine, tokenized, k, storage))
     timings = Timings()
     skipped = 0
 
@@ -187,6 +213,7 @@ def run_shards(
         on_shard(record, False)
 
     writer = ShardWriter(overlap=overlap, submit_write=submit_write)
+    staged: list[StagedShard] = []
     ok = False
     try:
         for k in range(n_shards) if shard_ids is None else shard_ids:
@@ -198,12 +225,14 @@ def run_shards(
                 on_shard(done[0], True)
                 continue
             capture = forward(k)
+            staged.append(capture.staged)
             timings.forward_s += capture.forward_s
             writer.submit(written, write_shard, job, storage, tokenized, k, capture)
-            del capture  # the writer holds it now; this frame must not keep a third shard alive
         ok = True
     finally:
         writer.close(failed=not ok)
+        for shard in staged:  # a shard that was never published leaves no file behind
+            shard.discard()
     return timings, skipped
 
 

@@ -140,6 +140,28 @@ class Settings(BaseSettings):
     s3_part_bytes: int = Field(default=16 << 20, ge=5 << 20)
     """Part size of S3 multipart uploads: a file of at least two parts goes up as one."""
 
+    # --- engine memory: forward passes bounded by tokens, shards streamed in pieces ---
+    engine_batch_tokens: int = Field(default=16384, ge=1)
+    """Padded tokens in one forward pass of the HF engine, whatever a request's `batch_size`
+    says (a prompt longer than this still runs, alone). With `engine_piece_bytes` it bounds
+    the memory a forward pass and its captured values take in the process running the engine."""
+
+    engine_piece_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Most bytes of captured values (as stored: tokens × layers kept × hidden or directions ×
+    2 for bf16, 4 for projections) one engine batch holds and hands over at once: the HF
+    engine makes its batches no bigger, the vLLM engine runs a shard in groups of prompts no
+    bigger, and the engine server sends each batch's values to the run as they come, which
+    writes them straight to the shard's file. A single prompt bigger than this is one piece."""
+
+    staging_dir: Path | None = None
+    """Local folder where a run builds the shards it uploads to a remote store (S3), room for
+    two shard files per run; default `<home>/staging`. On local storage shards are built
+    beside their final name instead, and renamed into place."""
+
+    @property
+    def resolved_staging_dir(self) -> Path:
+        return self.staging_dir or self.home / "staging"
+
     # --- placement: a worker host's slots, automatic scale-out (harvest/placement.py) ---
     slots: list[list[str]] | None = None
     """This worker host's slot table, one list of GPU ids per slot (`[["0","1"],["2","3"]]`;

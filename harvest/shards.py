@@ -6,6 +6,7 @@ the prompt at global index i, `prompt_{i}` (`[n_layers_kept, n_tokens, n_feature
 keeps the shard's exact float64 statistics partial and, in its metadata, the shard's size and
 sha256. That record is written after the shard, so a shard whose record exists and matches is
 complete: a retry or resume skips it, and the final merge needs no shard to be read back.
+The shard file itself is written as its values arrive (`harvest.shard_file`).
 The file names are the job folder's layout, owned by `harvest.jobfiles` (`shard_name` is
 re-exported here for the pipeline).
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import torch
 from pydantic import BaseModel
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
@@ -24,7 +24,7 @@ from harvest.jobfiles import part_name, shard_name
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 
-__all__ = ["ShardRecord", "shard_name", "shard_ranges", "encode_shard", "write_part", "read_part", "verified_part"]
+__all__ = ["ShardRecord", "shard_name", "shard_ranges", "write_part", "read_part", "verified_part"]
 
 
 class ShardRecord(BaseModel):
@@ -46,14 +46,6 @@ class ShardRecord(BaseModel):
 
 def shard_ranges(n_prompts: int, shard_size: int) -> list[range]:
     return [range(start, min(start + shard_size, n_prompts)) for start in range(0, n_prompts, shard_size)]
-
-
-def encode_shard(indices: range, tokens: list[list[int]], values: list[torch.Tensor]) -> bytes:
-    tensors: dict[str, torch.Tensor] = {}
-    for i, ids, value in zip(indices, tokens, values, strict=True):
-        tensors[f"prompt_{i}"] = value.contiguous()
-        tensors[f"tokens_{i}"] = torch.tensor(ids, dtype=torch.int32)
-    return save_tensors(tensors, metadata={"format": "pt"})
 
 
 def write_part(storage: Storage, record: ShardRecord, stats: RunningStats) -> None:
@@ -81,6 +73,15 @@ def verified_part(storage: Storage, k: int, *, check_hash: bool = True) -> tuple
         return None
     if not storage.exists(record.file) or storage.size(record.file) != record.bytes:
         return None
-    if check_hash and hashlib.sha256(storage.read_bytes(record.file)).hexdigest() != record.sha256:
+    if check_hash and _sha256(storage, record.file) != record.sha256:
         return None
     return record, stats
+
+
+def _sha256(storage: Storage, name: str, chunk: int = 8 << 20) -> str:
+    """A stored file's sha256, read a chunk at a time (a shard can be larger than memory)."""
+    digest = hashlib.sha256()
+    with storage.fs.open(storage.path(name), "rb", block_size=chunk) as handle:
+        while data := handle.read(chunk):
+            digest.update(data)
+    return digest.hexdigest()

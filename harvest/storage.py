@@ -94,6 +94,35 @@ class Storage:
         self.fs.invalidate_cache(path)
         return path
 
+    # -- files staged on local disk (shards written as their values arrive) ---------------
+
+    def staging_path(self, name: str) -> str:
+        """A local path to build file `name` in before `publish_file`: beside its target on
+        local disk (so publishing is a rename), else under `HARVEST_STAGING_DIR`."""
+        if self.is_local:
+            target = self.path(name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            return f"{target}.{uuid.uuid4().hex}.partial"
+        folder = get_settings().resolved_staging_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        return str(folder / f"{uuid.uuid4().hex}-{posixpath.basename(name)}.partial")
+
+    def publish_file(self, name: str, local_path: str) -> None:
+        """Make the staged file at `local_path` the file `name`, atomically, and remove the
+        staged copy: a rename on local disk; on S3 one multipart upload read from the file part
+        by part (s3fs's `put_file`, `HARVEST_S3_PART_BYTES` per part), so memory holds parts,
+        never the file; elsewhere (in-memory stores of tests) an ordinary `write_bytes`."""
+        target = self.path(name)
+        if self.is_local:
+            os.replace(local_path, target)
+            return
+        if self._is_s3:
+            self.fs.put_file(local_path, target, chunksize=get_settings().s3_part_bytes)
+        else:
+            with open(local_path, "rb") as handle:
+                self.write_bytes(name, handle.read())
+        os.unlink(local_path)
+
     def read_bytes(self, name: str) -> bytes:
         return self.fs.cat_file(self.path(name))
 

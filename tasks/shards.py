@@ -4,7 +4,8 @@ A shard is two task runs: `forward-k` runs *synchronously in the flow's main thr
 call of a Prefect 3 task does), which is the point: a worker's cancel (SIGTERM) lands within a
 shard instead of after a 30 s grace (DESIGN, Prefect facts). `write-k` is submitted to the
 flow's task runner, so the shard's encode, hash and upload run while the next shard's forward
-pass does, with Prefect's retries on storage errors.
+pass does, with Prefect's retries on storage errors. Between the two, the shard is a file
+staged on local disk (`harvest.pipeline.CapturedShard`), never its values in memory.
 
 Arguments travel in `ShardWork`, a plain object that Prefect does not look into: the engine,
 the tokenized prompts, the resolved job and its folder (`JobFiles`) are never hashed for cache
@@ -17,11 +18,10 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from harvest.capture import ShardCapture
 from harvest.engines.base import Engine
 from harvest.errors import HarvestError
 from harvest.jobfiles import JobFiles
-from harvest.pipeline import JobSummary, Timings, capture_shard, finalize, run_shards, write_shard
+from harvest.pipeline import CapturedShard, JobSummary, Timings, capture_shard, finalize, run_shards, write_shard
 from harvest.request import ResolvedJob
 from harvest.shards import ShardRecord
 from harvest.storage import Storage
@@ -60,7 +60,7 @@ def _transient(task, task_run, state) -> bool:
 class Captured:
     """A shard's forward-pass output between its two tasks (a plain box Prefect leaves alone)."""
 
-    def __init__(self, capture: ShardCapture):
+    def __init__(self, capture: CapturedShard):
         self.capture = capture
 
 
@@ -78,7 +78,7 @@ def forward_shard(work: ShardWork, k: int) -> Captured:
     One retry for a transient error (a lost engine server is already asked again by
     `harvest.warm.client`); a refusal of the service's own (`HarvestError`) fails at once.
     """
-    return Captured(capture_shard(work.job, work.engine, work.tokenized, k))
+    return Captured(capture_shard(work.job, work.engine, work.tokenized, k, work.storage))
 
 
 @task(
@@ -91,9 +91,9 @@ def forward_shard(work: ShardWork, k: int) -> Captured:
     retry_condition_fn=_transient,
 )
 def write_shard_task(work: ShardWork, k: int, captured: Captured) -> tuple[ShardRecord, Timings]:
-    """Encode, hash and write shard k and its record, behind the next shard's forward pass
-    (`harvest.pipeline.ShardWriter`). Retried twice on a storage error: each write is an
-    atomic replacement of the same bytes, so a retry never leaves anything half written."""
+    """Hash and publish shard k's staged file and write its record, behind the next shard's
+    forward pass (`harvest.pipeline.ShardWriter`). Retried twice on a storage error: each write
+    is an atomic replacement of the same bytes, and a retry redoes only what did not finish."""
     return write_shard(work.job, work.storage, work.tokenized, k, captured.capture)
 
 

@@ -52,11 +52,11 @@ class Gate:
         self.opened = threading.Event()
         self.first = True
 
-    def capture_together(self, shards, spec, *, batch_size=None):
+    def capture_together(self, shards, spec, *, batch_size=None, sinks=None):
         if self.first:
             self.first = False
             self.opened.wait(10)
-        return self.engine.capture_together(shards, spec, batch_size=batch_size)
+        return self.engine.capture_together(shards, spec, batch_size=batch_size, sinks=sinks)
 
     def close(self):
         pass

@@ -42,9 +42,9 @@ class TimedEngine:
         self.engine, self.timeline, self.name, self.model = engine, timeline, engine.name, engine.model
         self.k = 0
 
-    def capture(self, prompts, spec, *, batch_size=None):
+    def capture(self, prompts, spec, *, batch_size=None, sink=None):
         self.timeline.add("forward-start", self.k)
-        capture = self.engine.capture(prompts, spec, batch_size=batch_size)
+        capture = self.engine.capture(prompts, spec, batch_size=batch_size, sink=sink)
         self.timeline.add("forward-end", self.k)
         self.k += 1
         return capture

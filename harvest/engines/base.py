@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -23,7 +24,32 @@ from harvest.errors import ModelUnavailable
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
 
-__all__ = ["Engine", "EngineChoice", "EngineLoad", "SamplingSpec", "Generation", "choose_engine", "load_engine", "vllm_available"]
+__all__ = [
+    "Engine", "EngineChoice", "EngineLoad", "SamplingSpec", "Generation", "ValueSink", "tokens_per_piece", "hand_over",
+    "choose_engine", "load_engine", "vllm_available",
+]
+
+ValueSink = Callable[[int, torch.Tensor], None]
+"""Takes one prompt's captured values as soon as the engine has them: the prompt's position in
+its shard (0-based) and its host tensor `[n_layers_kept, n_tokens, n_features]` in the stored
+dtype. A capture given a sink hands every prompt to it, batch by batch, and returns no values,
+so a shard never has to be held whole (`harvest.shard_file`)."""
+
+
+def tokens_per_piece(spec: CaptureSpec, hidden_size: int) -> int:
+    """How many tokens' captured values fit in `HARVEST_ENGINE_PIECE_BYTES` (at least 1)."""
+    per_token = len(spec.layers) * spec.n_features(hidden_size) * torch.empty(0, dtype=spec.stored_dtype).element_size()
+    return max(1, get_settings().engine_piece_bytes // per_token)
+
+
+def hand_over(capture: ShardCapture, sink: ValueSink | None) -> ShardCapture:
+    """Give `sink` the values an engine returned instead of streaming them (an engine of
+    `HARVEST_ENGINE=module:Class` that ignores sinks); the capture then holds none."""
+    if sink is not None and capture.values:
+        for position, value in enumerate(capture.values):
+            sink(position, value)
+        capture.values = []
+    return capture
 
 
 @dataclass(frozen=True)
@@ -67,14 +93,19 @@ class Engine(ABC):
     model: ModelInfo
 
     @abstractmethod
-    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
-        """Run every prompt (token ids, as given) and return one shard's values in prompt order."""
+    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
+                sink: ValueSink | None = None) -> ShardCapture:
+        """Run every prompt (token ids, as given) and return one shard's values in prompt order;
+        with a `sink`, each prompt's values go to it as soon as they exist, and none are returned."""
 
-    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None) -> list[ShardCapture]:
+    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
+                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
         """Several shards of one spec (concurrent jobs on one warm engine) in shared forward
-        passes: one answer per shard, each with statistics of its own prompts only. An engine
-        that cannot batch across shards runs them one after another."""
-        return [self.capture(prompts, spec, batch_size=batch_size) for prompts in shards]
+        passes: one answer per shard, each with statistics of its own prompts only, and its
+        values handed to its sink (if any). An engine that cannot batch across shards runs
+        them one after another."""
+        sinks = sinks or [None] * len(shards)
+        return [self.capture(prompts, spec, batch_size=batch_size, sink=sink) for prompts, sink in zip(shards, sinks, strict=True)]
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingSpec], layers: list[int] | None) -> list[Generation]:
         """Complete every prompt in one batch, capturing `layers` (None: no capture)."""

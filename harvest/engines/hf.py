@@ -2,7 +2,11 @@
 
 Prompts are sorted by length and run in right-padded batches, so padding only ever sits
 after a prompt's real tokens: with a causal mask it cannot change them, and each prompt's
-activations are sliced to its own length before anything else sees them. Forward hooks sit on
+activations are sliced to its own length before anything else sees them. A batch holds at
+most `batch_size` prompts (the request's hint) and never more padded tokens than
+`HARVEST_ENGINE_BATCH_TOKENS`, nor more captured values than `HARVEST_ENGINE_PIECE_BYTES`
+(a longer prompt runs alone): memory follows the settings, not the request. Each batch's
+values go to the shard's sink (`harvest.engines.base.ValueSink`) before the next batch runs. Forward hooks sit on
 the requested blocks only, and the forward pass stops after the deepest of them. On the CPU
 the model runs in float32; on a GPU in the checkpoint's dtype.
 """
@@ -14,14 +18,11 @@ import time
 import torch
 
 from harvest.capture import CaptureSpec, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
-from harvest.engines.base import Engine
+from harvest.engines.base import Engine, ValueSink, tokens_per_piece
 from harvest.registry import ModelInfo
+from harvest.settings import get_settings
 
 __all__ = ["HFEngine", "load_hf_model", "right_padded"]
-
-# Padded tokens per forward batch when the request gives no batch_size: large enough to
-# keep the matmuls efficient, small enough that [batch, seq, hidden] per layer stays modest.
-DEFAULT_BATCH_TOKENS = 16384
 
 
 def load_hf_model(model: ModelInfo, device: torch.device | None = None):
@@ -57,15 +58,18 @@ class HFEngine(Engine):
     def blocks(self):
         return self.hf_model.model.layers
 
-    def _batches(self, lengths: list[int], batch_size: int | None) -> list[list[int]]:
-        """Prompt indices grouped by length (shortest first), by count or by padded tokens."""
+    def _batches(self, lengths: list[int], batch_size: int | None, max_tokens: int | None = None) -> list[list[int]]:
+        """Prompt indices grouped by length (shortest first): at most `batch_size` prompts and
+        `max_tokens` (default `HARVEST_ENGINE_BATCH_TOKENS`) padded tokens per batch; one
+        prompt longer than that runs alone."""
+        max_tokens = max_tokens or get_settings().engine_batch_tokens
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         batches: list[list[int]] = []
         current: list[int] = []
         for index in order:
             rows = len(current) + 1
             too_many = batch_size is not None and rows > batch_size
-            too_big = batch_size is None and current and rows * lengths[index] > DEFAULT_BATCH_TOKENS
+            too_big = current and rows * lengths[index] > max_tokens  # sorted: this one is the longest
             if too_many or too_big:
                 batches.append(current)
                 current = []
@@ -74,19 +78,24 @@ class HFEngine(Engine):
             batches.append(current)
         return batches
 
-    @torch.inference_mode()
-    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
-        return self.capture_together([prompts], spec, batch_size=batch_size)[0]
+    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
+                sink: ValueSink | None = None) -> ShardCapture:
+        return self.capture_together([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
 
-    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None) -> list[ShardCapture]:
+    @torch.inference_mode()
+    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
+                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
         """Every shard's prompts in one set of length-sorted batches; a reducer per shard."""
         started = time.perf_counter()
+        sinks = sinks or [None] * len(shards)
         reducers = [PromptReducer(spec, self.model.hidden_size, self.device) for _ in shards]
         prompts = [p for shard in shards for p in shard]
         owner = [k for k, shard in enumerate(shards) for _ in shard]
+        position = [p for shard in shards for p in range(len(shard))]
         values: list[torch.Tensor | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
-        for batch in self._batches(lengths, batch_size):
+        max_tokens = min(get_settings().engine_batch_tokens, tokens_per_piece(spec, self.model.hidden_size))
+        for batch in self._batches(lengths, batch_size, max_tokens):
             input_ids, attention_mask = right_padded(prompts, batch)
             with block_hooks(self.blocks, spec.layers) as captured:
                 try:
@@ -98,12 +107,20 @@ class HFEngine(Engine):
                 except StopForward:
                     pass
             check_capture(captured, spec.layers, tuple(input_ids.shape))
-            stacked = torch.stack([captured[layer] for layer in spec.layers])  # [L, batch, seq, hidden]
             for row, index in enumerate(batch):
-                values[index] = reducers[owner[index]].reduce(stacked[:, row, : lengths[index]])
+                # One prompt's layers at a time: never a second copy of the whole batch.
+                acts = torch.stack([captured[layer][row, : lengths[index]] for layer in spec.layers])  # [L, seq, hidden]
+                value = reducers[owner[index]].reduce(acts)
+                del acts
+                sink = sinks[owner[index]]
+                if sink is None:
+                    values[index] = value
+                else:
+                    sink(position[index], value)
+            del captured
         answers, first = [], 0
-        for reducer, shard in zip(reducers, shards):
-            answers.append(reducer.finish(values[first : first + len(shard)], started))
+        for reducer, shard, sink in zip(reducers, shards, sinks, strict=True):
+            answers.append(reducer.finish([] if sink is not None else values[first : first + len(shard)], started))
             first += len(shard)
         return answers
 

@@ -86,7 +86,7 @@ from typing import Any
 import torch
 
 from harvest.capture import CaptureSpec, ShardCapture
-from harvest.engines.base import Engine, Generation, SamplingSpec
+from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink, tokens_per_piece
 from harvest.engines.vllm_worker import INDEX_KEY, CapturePlan, in_process
 from harvest.errors import CaptureFailed, ContextLengthExceeded, ModelUnavailable
 from harvest.registry import ModelInfo
@@ -99,6 +99,22 @@ EXTENSION = "harvest.engines.vllm_worker.HarvestWorkerExtension"
 # KV cache on the CPU: this many tokens, or two full-length requests if more (vLLM refuses to
 # start unless one max_model_len request fits), and never less than 32 MiB.
 CPU_KV_TOKENS = 8192
+
+
+def _groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive prompt indices in groups of at most `max_tokens` tokens (a longer prompt alone)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for index, n in enumerate(lengths):
+        if current and tokens + n > max_tokens:
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(index)
+        tokens += n
+    if current:
+        groups.append(current)
+    return groups
 
 
 def cuda_present() -> bool:
@@ -284,30 +300,49 @@ class VLLMEngine(Engine):
             parts=parts,
         )
 
-    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
-        return self.capture_together([prompts], spec, batch_size=batch_size)[0]
+    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
+                sink: ValueSink | None = None) -> ShardCapture:
+        return self.capture_together([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
 
-    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None) -> list[ShardCapture]:
-        """Every shard in one `generate` call (vLLM batches them together), statistics kept per
-        shard by the worker; `batch_size` is the HF engine's."""
+    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
+                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
+        """Every shard's prompts in `generate` calls that vLLM batches together, statistics
+        kept per shard by the worker; `batch_size` is the HF engine's.
+
+        The worker holds a call's captured values until the call ends, so the prompts run in
+        groups (in order) of at most `HARVEST_ENGINE_PIECE_BYTES` of values each (one prompt
+        bigger than that runs alone), and each group's values go to the sinks before the
+        next group runs; the shards' statistics partials are merged over the groups."""
         from vllm import SamplingParams
 
         started = time.perf_counter()
+        sinks = sinks or [None] * len(shards)
         prompts = [p for shard in shards for p in shard]
-        parts = [k for k, shard in enumerate(shards) for _ in shard] if len(shards) > 1 else None
-        plan = self._plan(spec, len(prompts), [len(p) for p in prompts], stats=True, parts=parts)
-        params = [
-            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={INDEX_KEY: i})
-            for i in range(len(prompts))
-        ]
-        _, result = self._session(plan, prompts, params)
+        owner = [k for k, shard in enumerate(shards) for _ in shard]
+        position = [p for shard in shards for p in range(len(shard))]
+        values: list[list[torch.Tensor]] = [[] for _ in shards]
+        stats = [RunningStats(len(spec.layers), spec.n_features(self.model.hidden_size)) for _ in shards]
+        for group in _groups([len(p) for p in prompts], tokens_per_piece(spec, self.model.hidden_size)):
+            in_group = sorted({owner[i] for i in group})
+            part_of = {k: n for n, k in enumerate(in_group)}
+            parts = [part_of[owner[i]] for i in group] if len(in_group) > 1 else None
+            plan = self._plan(spec, len(group), [len(prompts[i]) for i in group], stats=True, parts=parts)
+            params = [
+                SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={INDEX_KEY: n})
+                for n in range(len(group))
+            ]
+            _, result = self._session(plan, [prompts[i] for i in group], params)
+            for k, state in zip(in_group, result["stats"], strict=True):
+                stats[k].merge(RunningStats.from_state_dict(state))
+            for i, value in zip(group, result["values"], strict=True):
+                sink = sinks[owner[i]]
+                if sink is None:
+                    values[owner[i]].append(value)
+                else:
+                    sink(position[i], value)
+            del result
         forward_s = time.perf_counter() - started
-        answers, first = [], 0
-        for shard, stats in zip(shards, result["stats"], strict=True):
-            values = result["values"][first : first + len(shard)]
-            answers.append(ShardCapture(values=values, stats=RunningStats.from_state_dict(stats), forward_s=forward_s))
-            first += len(shard)
-        return answers
+        return [ShardCapture(values=v, stats=s, forward_s=forward_s) for v, s in zip(values, stats, strict=True)]
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingSpec], layers: list[int] | None) -> list[Generation]:
         """Complete every prompt in one batch; `residual` covers prompt + generated − 1 positions."""

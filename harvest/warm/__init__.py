@@ -14,7 +14,9 @@ when another is asked for) and runs every forward pass of every job on that grou
   and exits after `HARVEST_ENGINE_IDLE_S` without a client, or when its worker stops.
 - `client`: what a run uses. `open_engine` connects to its group's server, starting it
   (detached, in its own session, so it outlives the run) when none answers, and returns an
-  `Engine` whose `capture` is a call to the server. A cancelled run's process ends, its
+  `Engine` whose `capture` is a call to the server; the shard's values stream back prompt by
+  prompt as the engine makes them, straight into the run's staged shard file, so neither
+  process holds a whole shard. A cancelled run's process ends, its
   connection closes, and the server drops its work without touching the other jobs. A server
   that dies mid-shard (killed, out of memory) is started again and the shard in flight asked
   again: a shard is one whole answer or none, so it is never skipped or written short.

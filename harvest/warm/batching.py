@@ -9,7 +9,9 @@ batch; HF sorts them into one set of batches), and each job gets its own values 
 back. The oldest waiting shard always goes next, so no job is passed over.
 
 A job that goes away while its shard waits (its run cancelled) is dropped before its shard
-runs; one that goes while its shard runs only loses the answer.
+runs; one that goes while its shard runs only loses the answer. Each shard may bring a sink
+(`harvest.engines.base.ValueSink`; in the server, its connection): its values go there batch
+by batch, from whichever job's thread runs the call, while the shard's own asker waits.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harvest.capture import CaptureSpec, ShardCapture
-from harvest.engines.base import Engine
+from harvest.engines.base import Engine, ValueSink, hand_over
 
 __all__ = ["SharedEngine", "Abandoned", "shards_per_call"]
 
@@ -45,6 +47,7 @@ class _Shard:
     prompts: list[list[int]]
     spec: CaptureSpec
     batch_size: int | None
+    sink: ValueSink | None = None
     answer: ShardCapture | None = None
     error: BaseException | None = None
     done: bool = False
@@ -70,10 +73,11 @@ class SharedEngine:
         self.shards = 0
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None,
-                gone: Callable[[], bool] = lambda: False, peers: int = 1) -> ShardCapture:
+                gone: Callable[[], bool] = lambda: False, peers: int = 1, sink: ValueSink | None = None) -> ShardCapture:
         """This shard's answer, run with whatever else is waiting; `gone` says whether the asker
-        left (checked while the shard waits); `peers`: the jobs now holding this engine."""
-        shard = _Shard(prompts, spec, batch_size)
+        left (checked while the shard waits); `peers`: the jobs now holding this engine; `sink`
+        takes the shard's values as they come (the answer then holds none)."""
+        shard = _Shard(prompts, spec, batch_size, sink)
         with self._changed:
             self.peers = peers
             self._waiting.append(shard)
@@ -118,9 +122,10 @@ class SharedEngine:
     def _run(self, group: list[_Shard]) -> None:
         first = group[0]
         try:
-            answers = self.engine.capture_together([s.prompts for s in group], first.spec, batch_size=first.batch_size)
+            answers = self.engine.capture_together([s.prompts for s in group], first.spec, batch_size=first.batch_size,
+                                                   sinks=[s.sink for s in group])
             for shard, answer in zip(group, answers, strict=True):
-                shard.answer = answer
+                shard.answer = hand_over(answer, shard.sink)
         except BaseException as exc:  # every shard of the call gets the error (the server sends it on)
             for shard in group:
                 shard.error = exc

@@ -10,10 +10,10 @@ import time
 from multiprocessing.connection import Client, Connection
 
 from harvest.capture import CaptureSpec, ShardCapture
-from harvest.engines.base import Engine, EngineLoad, choose_engine, load_engine
+from harvest.engines.base import Engine, EngineLoad, ValueSink, choose_engine, load_engine
 from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
-from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, send
+from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send
 
 __all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status", "groups_holding"]
 
@@ -103,16 +103,49 @@ class RemoteEngine(Engine):
         self._versions = reply["versions"]
         return EngineLoad(reply["engine"], reply["reason"], reply["warm"], reply["load_s"], self.files.group)
 
-    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None) -> ShardCapture:
+    def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
+                sink: ValueSink | None = None) -> ShardCapture:
+        """One shard, its values handed to `sink` as they arrive (or returned, without one).
+        Asked again whole after a lost server: every prompt comes again, and lands again at
+        its own place, so a shard is one whole answer or none."""
         for attempt in range(RECONNECTS + 1):
             try:
                 if self.conn is None:
                     self._load()
-                return self._call("capture", prompts, list(spec.layers), spec.directions, batch_size)
+                return self._capture(prompts, spec, batch_size, sink)
             except EngineLost:
                 if attempt == RECONNECTS:
                     raise
         raise AssertionError("unreachable")
+
+    def _capture(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None, sink: ValueSink | None) -> ShardCapture:
+        assert self.conn is not None
+        values: list = [None] * len(prompts)
+        try:
+            send(self.conn, ("capture", prompts, list(spec.layers), spec.directions, batch_size))
+            while (message := receive(self.conn))[0] == "value":
+                position, value = receive_value(self.conn, message)
+                try:
+                    if sink is None:
+                        values[position] = value
+                    else:
+                        sink(position, value)
+                except BaseException:
+                    # The server is still sending this shard: this connection is out of step.
+                    self.close()
+                    raise
+        except (EOFError, OSError) as exc:
+            if self.conn is None:
+                raise  # the sink's own error (a full disk), not the server's
+            self.conn.close()
+            self.conn = None
+            raise EngineLost(f"the engine server of group {self.files.group} went away: {exc!r}") from exc
+        status, reply = message
+        if status == "error":
+            raise_error(reply)
+        if sink is None:
+            reply.values = values
+        return reply
 
     def status(self) -> dict:
         return self._call("status")

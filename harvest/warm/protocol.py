@@ -4,6 +4,11 @@ Per group, under `$HARVEST_HOME/engines/`: `<group>.sock` (the Unix socket), `<g
 `<group>.lock` (held by whoever starts the server, so two runs never start two), and one
 `authkey` for the host, created owner-only: `multiprocessing.connection`'s handshake refuses
 any process that cannot read it. The log is `$HARVEST_HOME/logs/engine-<group>.log`.
+
+A capture's answer streams: each prompt's values come as a small `("value", position, shape,
+dtype)` message followed by the tensor's raw bytes (sent from the tensor's own memory, never
+pickled), as soon as the engine has them; then one `("ok", ShardCapture)` with the
+statistics and no values. So neither the server nor the run holds a whole shard.
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ import signal
 import time
 from pathlib import Path
 
+import torch
+
 from harvest.private_files import private_dir, write_private
 
-__all__ = ["unix_socket_path", "GroupFiles", "group_name", "send", "receive", "error_reply", "raise_error", "stop_engine_servers"]
+__all__ = [
+    "unix_socket_path", "GroupFiles", "group_name", "send", "receive", "send_value", "receive_value", "error_reply", "raise_error",
+    "stop_engine_servers",
+]
 
 # A Unix socket path holds at most 107 bytes; deep homes (test folders) fall back to /tmp.
 _MAX_SOCKET_PATH = 100
@@ -86,6 +96,24 @@ def send(conn, message) -> None:
 
 def receive(conn):
     return pickle.loads(conn.recv_bytes())
+
+
+def send_value(conn, position: int, value: torch.Tensor) -> None:
+    """One prompt's values: a header message, then the tensor's bytes straight from its memory."""
+    value = value.detach().contiguous()
+    send(conn, ("value", position, list(value.shape), str(value.dtype).removeprefix("torch.")))
+    # Flat: a Connection sends len(memoryview) bytes, which for more dimensions is the first.
+    conn.send_bytes(value.view(torch.uint8).reshape(-1).numpy() if value.numel() else b"")
+
+
+def receive_value(conn, header: tuple) -> tuple[int, torch.Tensor]:
+    """The prompt position and tensor of a `("value", …)` header just received, read from the
+    raw message that follows it."""
+    _, position, shape, dtype_name = header
+    dtype = getattr(torch, dtype_name)
+    data = bytearray(conn.recv_bytes())
+    value = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+    return position, value
 
 
 def error_reply(exc: BaseException) -> tuple[str, bytes]:

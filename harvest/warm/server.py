@@ -2,7 +2,8 @@
 
 It listens on the group's Unix socket (`harvest.warm.protocol`) and serves each client (a
 job's run) in a thread of its own. A client first asks for a model (`load`: which engine and
-why, whether it was warm, the load time), then for shards (`capture`), one at a time. The
+why, whether it was warm, the load time), then for shards (`capture`), one at a time, each answered as a stream of its prompts' values
+as the engine makes them, then its statistics (`harvest.warm.protocol`). The
 engines are an `EngineCache` of `SharedEngine`s: the shards of jobs on one engine that wait
 together run together, in shared forward passes (`harvest.warm.batching`).
 
@@ -28,9 +29,26 @@ from harvest.registry import load_registry
 from harvest.settings import get_settings
 from harvest.warm.batching import Abandoned, SharedEngine, shards_per_call
 from harvest.warm.cache import EngineCache, Loaded
-from harvest.warm.protocol import GroupFiles, error_reply, receive, send
+from harvest.warm.protocol import GroupFiles, error_reply, receive, send, send_value
 
 __all__ = ["EngineServer", "main"]
+
+
+class _Stream:
+    """A capture's sink in the server: each prompt's values straight to the asking run. A run
+    that went away stops the sending, never the engine call its shard shares with others."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.lost = False
+
+    def __call__(self, position: int, value) -> None:
+        if self.lost:
+            return
+        try:
+            send_value(self.conn, position, value)
+        except (OSError, EOFError, ValueError):  # ValueError: the connection is already closed
+            self.lost = True
 
 
 class EngineServer:
@@ -85,7 +103,11 @@ class EngineServer:
                         prompts, layers, directions, batch_size = args
                         spec = CaptureSpec(layers=list(layers), directions=directions)
                         # conn.poll: nothing is sent while a shard waits, so readable means closed.
-                        reply = held.engine.capture(prompts, spec, batch_size, gone=lambda: conn.poll(0), peers=held.users)
+                        stream = _Stream(conn)
+                        reply = held.engine.capture(prompts, spec, batch_size, gone=lambda: conn.poll(0), peers=held.users,
+                                                    sink=stream)
+                        if stream.lost:
+                            return  # cancelled while its shard ran: its values had nobody to go to
                     elif op == "status":
                         reply = {"pid": os.getpid(), "group": self.files.group, "clients": self.clients - 1,  # not the asker
                                  "loaded": self.cache.describe(SharedEngine.counters), "loads": self.cache.loads,
