@@ -72,14 +72,14 @@ class Supervisor:
     # Stop order: API first (no new jobs), then workers (and their flow runs), the server last.
     ORDER = {"api": 0, "prefect-server": 2}
 
-    def __init__(self, prog: str, restart_limit: int | None = None, restart_window_s: float | None = None):
+    def __init__(self, prog: str):
         from harvest.settings import get_settings
 
         settings = get_settings()
         self.prog = prog
         self.stopping = threading.Event()
-        self.restart_limit = settings.restart_limit if restart_limit is None else restart_limit
-        self.restart_window_s = restart_window_s or settings.restart_window_s
+        self.restart_limit = settings.restart_limit
+        self.restart_window_s = settings.restart_window_s
         self.restarts: dict[int, list[float]] = {}  # id(child) -> monotonic times of its restarts
 
     def watch(self) -> int:
