@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--hosts", default="1,10,50")
     parser.add_argument("--intervals", default="1,2,5,10")
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--postgres", action="store_true",
+                        help="the server on a fresh PostgreSQL database at 127.0.0.1:5432 (production) instead of SQLite")
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="bench-polling-"))
@@ -114,7 +116,17 @@ def main() -> None:
 
     from flows.processes import free_port, start_server
 
-    server, api_url = start_server(home / "prefect", free_port(), {"HARVEST_HOME": str(home)}, 120)
+    server_env = {"HARVEST_HOME": str(home)}
+    database = "SQLite, as shipped"
+    if args.postgres:
+        import psycopg
+
+        name = f"bench_polling_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect("host=127.0.0.1 port=5432 dbname=postgres user=postgres", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        server_env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+        database = "PostgreSQL"
+    server, api_url = start_server(home / "prefect", free_port(), server_env, 120)
     rows = []
     try:
         with temporary_settings({PREFECT_API_URL: api_url}):
@@ -127,7 +139,7 @@ def main() -> None:
                     rows.append(row)
     finally:
         server.stop()
-    print(f"\nPrefect server (SQLite, as shipped), idle pool, {args.seconds:g} s per point; "
+    print(f"\nPrefect server ({database}), idle pool, {args.seconds:g} s per point; "
           "a run waits on average half the poll interval for a host to ask for it")
     header = ["hosts", "poll s", "polls/s", "server CPU %", "poll p50 ms", "poll p95 ms", "watcher read p95 ms"]
     print("| " + " | ".join(header) + " |")
