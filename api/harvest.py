@@ -31,7 +31,7 @@ from harvest.cost import check_before_tokenizing, check_counts
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles, n_shards
 from harvest.lanes import load_lanes
-from harvest.request import HarvestRequest, resolve_job
+from harvest.request import MAX_TOKENS, HarvestRequest, resolve_job
 from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
 __all__ = ["router"]
@@ -58,7 +58,7 @@ def _prepare(request: HarvestRequest) -> dict:
     check_before_tokenizing(job, lane, chars_per_token=chars_per_token)
     counts = count_tokens(
         load_tokenizer(path), request.prompts, add_special_tokens=request.add_special_tokens,
-        max_len=job.model.max_model_len, chars_per_token=chars_per_token,
+        max_len=job.model.max_model_len, chars_per_token=chars_per_token, stop_above=MAX_TOKENS,
     )
     cost = check_counts(job, counts, lane)
     job_id = str(uuid.uuid4())

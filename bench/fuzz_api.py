@@ -1,12 +1,13 @@
 """Fuzz the API with schemathesis `--checks all` against its own `/openapi.json`, on loopback.
 
-    .venv/bin/python bench/fuzz_api.py [--examples 150] [--seed 1]
+    .venv/bin/python bench/fuzz_api.py [--examples 150] [--seed 1] [--min-cases 1000]
 
 Starts the real app under uvicorn (the test fixtures' `ApiServer`: SQLite job store, local
 files, runs as files, the real tiny model for inline completions) in a fresh HARVEST_HOME,
 makes a valid key, and runs schemathesis over every route with that key. Prints the cases
-generated and the failures per check, and exits non-zero on any failure. CI runs a smaller
-pass of the same (`tests/test_openapi_fuzz.py`).
+generated, the failures per check and the responses by status, and exits non-zero on any
+failure, any 5xx response, or fewer than `--min-cases` cases. CI runs a smaller pass of the
+same (`tests/test_openapi_fuzz.py`; ~450 cases, where 1,000 take minutes on a CI box).
 
 Two settings differ from schemathesis's defaults, and why:
 - `use_after_free` is excluded: it expects a resource to be gone after its DELETE, but here
@@ -115,9 +116,10 @@ def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: 
 
 
 def _count(report: Path) -> dict:
-    """Cases, failures per check, the checks that ran and the operations, from schemathesis's
-    NDJSON event log (one ScenarioFinished per scenario, with each case's checks)."""
-    cases, by_check, checks, operations = 0, {}, set(), {}
+    """Cases, failures per check, the checks that ran, the operations, and the responses by
+    status (`server_errors`: how many were 5xx), from schemathesis's NDJSON event log (one
+    ScenarioFinished per scenario, with each case's checks and its request and response)."""
+    cases, by_check, checks, operations, statuses = 0, {}, set(), {}, {}
     for line in report.read_text().splitlines():
         event = json.loads(line)
         body = event.get("ScenarioFinished")
@@ -125,6 +127,10 @@ def _count(report: Path) -> dict:
             continue
         recorder = body.get("recorder") or {}
         cases += len(recorder.get("cases") or {})
+        for interaction in (recorder.get("interactions") or {}).values():
+            status = (interaction.get("response") or {}).get("status_code")
+            if status is not None:
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
         if recorder.get("cases"):
             operations[recorder["label"]] = operations.get(recorder["label"], 0) + len(recorder["cases"])
         for case_checks in (recorder.get("checks") or {}).values():
@@ -133,13 +139,15 @@ def _count(report: Path) -> dict:
                 if check["status"] == "failure":
                     by_check[check["name"]] = by_check.get(check["name"], 0) + 1
     return {"cases": cases, "failures": sum(by_check.values()), "by_check": by_check, "checks": sorted(checks),
-            "operations": dict(sorted(operations.items()))}
+            "operations": dict(sorted(operations.items())), "statuses": dict(sorted(statuses.items())),
+            "server_errors": sum(n for status, n in statuses.items() if status.startswith("5"))}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=150, help="schemathesis --max-examples (per operation and phase)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--min-cases", type=int, default=1000, help="fail when fewer cases were generated")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="harvest-fuzz-"))
     os.environ["HARVEST_HOME"] = str(home)
@@ -153,8 +161,10 @@ def main() -> int:
         server.stop()
         shutil.rmtree(home, ignore_errors=True)
     print(result["output"][-4000:])
-    print(json.dumps({k: result[k] for k in ("cases", "failures", "by_check", "checks", "operations", "seconds", "returncode")}, indent=2))
-    return 0 if result["failures"] == 0 and result["returncode"] == 0 else 1
+    print(json.dumps({k: result[k] for k in ("cases", "failures", "by_check", "checks", "operations", "statuses",
+                                             "server_errors", "seconds", "returncode")}, indent=2))
+    ok = result["failures"] == 0 and result["returncode"] == 0 and result["server_errors"] == 0
+    return 0 if ok and result["cases"] >= args.min_cases else 1
 
 
 if __name__ == "__main__":

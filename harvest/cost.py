@@ -9,8 +9,8 @@ and refuses (400, naming the limit and the number) as soon as one is over:
    tokens (plus BOS when added). Summed, that bounds the job's tokens from below; with the
    layers kept, the hidden size (or the directions) and the stored dtype, it bounds the
    bytes of every prompt from below. Nothing is tokenized to refuse here.
-2. `check_counts`: from each prompt's token count (`harvest.tokenize.count_tokens`), the
-   exact tokens, output bytes and bytes of every shard.
+2. `check_counts`: from each prompt's token count (`harvest.tokenize.count_tokens`, which
+   stops counting once past MAX_TOKENS), the exact tokens, output bytes and bytes of every shard.
 
 Limits: `MAX_TOKENS` per job (SPEC §2) and the lane's `max_shard_bytes` (infra/lanes.toml:
 what a worker host's disk or one object of the store can hold). A shard always holds
@@ -126,10 +126,17 @@ def check_before_tokenizing(job: ResolvedJob, lane: Lane, *, chars_per_token: in
 
 
 def check_counts(job: ResolvedJob, counts: list[int], lane: Lane) -> Cost:
-    """The job's cost from its token counts; refuse it when over a limit."""
+    """The job's cost from its token counts; refuse it when over a limit. `counts` may stop
+    short of the prompts once past MAX_TOKENS (`count_tokens(stop_above=MAX_TOKENS)`)."""
     request = job.request
     counts_array = np.asarray(counts, dtype=np.int64)
     tokens = int(counts_array.sum())
+    if tokens > MAX_TOKENS and len(counts) < len(request.prompts):  # counting stopped at the limit
+        raise InvalidRequest(
+            f"The first {len(counts):,} of the {len(request.prompts):,} prompts already come to {tokens:,} tokens; "
+            f"a harvest takes at most {MAX_TOKENS:,}. Split them into several jobs.",
+            param="prompts",
+        )
     if tokens > MAX_TOKENS:
         raise InvalidRequest(
             f"The prompts come to {tokens:,} tokens; a harvest takes at most {MAX_TOKENS:,}. Split them into several jobs.",

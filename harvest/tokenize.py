@@ -18,9 +18,9 @@ __all__ = [
     "COUNT_SLICE_CHARS", "added_bos_token_id",
 ]
 
-COUNT_SLICE_CHARS = 1 << 20
-"""Characters `count_tokens` hands the tokenizer at once: its ids (Python ints in lists, ~36
-bytes a token) stay in the tens of MB, and a batch this size still tokenizes at full speed."""
+COUNT_SLICE_CHARS = 1 << 18
+"""Characters `count_tokens` hands the tokenizer at once: their ids (Python ints in lists,
+~36 bytes a token) stay around 10 MB, and a batch this size still tokenizes at full speed."""
 
 
 @dataclass(frozen=True)
@@ -49,25 +49,29 @@ def tokenize_prompts(tokenizer, prompts: list[str], *, add_special_tokens: bool,
 
 
 def count_tokens(tokenizer, prompts: list[str], *, add_special_tokens: bool, max_len: int, chars_per_token: int,
-                 slice_chars: int = COUNT_SLICE_CHARS) -> list[int]:
+                 stop_above: int | None = None, slice_chars: int = COUNT_SLICE_CHARS) -> list[int]:
     """How many ids each prompt runs (at most max_len): the same numbers `tokenize_prompts`
     gives, keeping only the counts, about `slice_chars` characters tokenized at a time.
 
     A prompt is tokenized no further than its first `max_len * chars_per_token` characters
     (`max_token_chars`): that prefix already has at least max_len tokens whenever the whole
     text has, so the count is exact and a 50 MB prompt costs what a context's worth does.
+    With `stop_above`, counting stops after the slice whose counts pass it: the list is then
+    shorter than the prompts (a job over a limit costs no more than the limit to refuse).
     """
     reach = max_len * chars_per_token
     counts: list[int] = []
-    start = 0
-    while start < len(prompts):
+    total, start = 0, 0
+    while start < len(prompts) and (stop_above is None or total <= stop_above):
         stop, chars = start, 0
         while stop < len(prompts) and (stop == start or chars + min(len(prompts[stop]), reach) <= slice_chars):
             chars += min(len(prompts[stop]), reach)
             stop += 1
         texts = [p[:reach] for p in prompts[start:stop]]
-        encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
-        counts.extend(min(len(ids), max_len) for ids in encoded)
+        encoded = tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
+        new = [min(len(ids), max_len) for ids in encoded]
+        counts.extend(new)
+        total += sum(new)
         del encoded, texts
         start = stop
     return counts

@@ -79,6 +79,12 @@ def test_token_counts_equal_a_full_tokenization_cut_to_the_context(tokenizer):
         for slice_chars in (1, 1 << 20):
             assert count_tokens(tokenizer, prompts, add_special_tokens=add, max_len=max_len, chars_per_token=longest,
                                 slice_chars=slice_chars) == full
+    # Past a limit, counting stops after the slice that passed it: a prefix of the same counts.
+    many = prompts * 50
+    full = [len(ids) for ids in tokenizer(many)["input_ids"]]
+    stopped = count_tokens(tokenizer, many, add_special_tokens=True, max_len=2048, chars_per_token=longest,
+                           stop_above=1000, slice_chars=2000)
+    assert sum(stopped) > 1000 and len(stopped) < len(many) and stopped == full[:len(stopped)]
 
 
 def test_a_job_certainly_over_two_million_tokens_is_refused_from_its_characters(tiny, tokenizer):
