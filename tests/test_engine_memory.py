@@ -5,11 +5,12 @@
   prompts arrive in, for the stream (bf16) and for projections (float32).
 - The HF engine's forward passes against the token budget, seen by a hook on the model itself,
   whatever `batch_size` asks; the values against HF `hidden_states`.
-- A shard of over a gigabyte through a real engine server (`python -m harvest.warm.server`)
-  into a run (this process), to local disk, and a smaller one to moto's S3 server: both
-  processes' resident memory sampled with psutil stays under a bound well below the shard;
-  the file's values against HF run alone, its manifest sha256 against a fresh hash of what
-  storage holds.
+- A shard through a real engine server (`python -m harvest.warm.server`) into a run (this
+  process), to local disk, in pieces far smaller than the shard: both processes' resident
+  memory, sampled with psutil, stays under a bound well below the shard (the server's peak
+  against its own peak for a few prompts); the file's values against HF run alone, its
+  manifest sha256 against a fresh hash of what storage holds. A gigabyte takes minutes on a
+  CPU: `bench/engine_memory.py` measures that size.
 """
 
 from __future__ import annotations
@@ -178,10 +179,12 @@ def _check_files(storage: Storage, job, hf_engine, positions: list[int]) -> int:
     return record["bytes"]
 
 
-# What the run and the engine server may grow by while a shard streams, with 2 MiB pieces:
-# well below the 67 MB shard (before shards streamed, each grew by more than the shard).
-# bench/engine_memory.py measures the same at a gigabyte and more.
-SERVER_GROWTH_BOUND = 48 * MiB
+# How far the engine server's peak while a whole shard streams may exceed its peak while a
+# few prompts of the same size stream (so the server's memory does not follow the shard), and
+# how far the run may grow while it writes the shard: both well below the ~50 MB shard, where
+# before shards streamed each process held the whole shard at least twice (values and their
+# pickled copy). bench/engine_memory.py measures the same at a gigabyte and more.
+SERVER_OVER_WARM_PEAK = 40 * MiB
 RUN_GROWTH_BOUND = 32 * MiB
 
 
@@ -192,24 +195,28 @@ def test_a_shard_streams_through_the_engine_server_in_bounded_memory(registry, t
     # Pieces of at most 2 MiB (512 tokens of every layer), far below the shard's size.
     settings_env(engine="hf", engine_piece_bytes=2 * MiB, engine_batch_tokens=512)
     settings = get_settings()
-    # 32 prompts x 515 tokens x 8 layers x 256 x 2 bytes: 67 MB in one shard.
-    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=_prompts(32, 1300), layers="all", shard_size=4096), registry)
+    # 24 prompts x 515 tokens x 8 layers x 256 x 2 bytes: 50 MB in one shard.
+    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=_prompts(24, 1300), layers="all", shard_size=4096), registry)
     engine, _ = open_engine(tiny, {"devices": "97"}, settings)  # a group of its own: a fresh server
     server = GroupFiles(settings.home, "gpu-97").server_pid()
-    # One prompt first, so the baseline is a server that has run a forward pass (its thread
-    # pools and allocator arenas exist), as any server that served a job has.
-    engine.capture([list(range(1, 516))], job.spec, sink=lambda position, value: None)
     storage = Storage(f"file://{tmp_path}/job")
     try:
+        # The server's peak over a few prompts of the shard's size: its working set for one piece.
+        with PeakRSS({"server": server}) as warm:
+            engine.capture([list(range(1 + k, 516 + k)) for k in range(4)], job.spec, sink=lambda position, value: None)
         with PeakRSS({"server": server, "run": os.getpid()}) as rss:
             run_job(job, storage, engine, "streamed")
     finally:
         engine.close()
         os.kill(server, 15)
-    size = _check_files(storage, job, hf_engine, [0, 31])
-    assert size > 64 * MiB
+    size = _check_files(storage, job, hf_engine, [0, 23])
+    assert size > 48 * MiB
     assert not [n for n in storage.listdir() if n.endswith(".partial")]
-    report = {name: f"+{rss.growth(name) / MiB:.0f} MiB (peak {rss.peak[name] / MiB:.0f})" for name in rss.peak}
-    print(f"shard {size / MiB:.0f} MiB: {report}")
-    assert rss.growth("server") < SERVER_GROWTH_BOUND, report
+    report = {
+        "shard": f"{size / MiB:.0f} MiB",
+        "server": f"peak {rss.peak['server'] / MiB:.0f} MiB, {warm.peak['server'] / MiB:.0f} MiB over 4 prompts",
+        "run": f"+{rss.growth('run') / MiB:.0f} MiB (peak {rss.peak['run'] / MiB:.0f})",
+    }
+    print(report)
+    assert rss.peak["server"] - warm.peak["server"] < SERVER_OVER_WARM_PEAK, report
     assert rss.growth("run") < RUN_GROWTH_BOUND, report
