@@ -35,11 +35,12 @@ _DESCRIPTIONS = {
     401: "Missing, unknown or revoked API key.",
     403: "Download link expired, altered or foreign.",
     404: "No such job for this key, or no such file.",
+    408: "The request body did not arrive in time.",
     409: "The job cannot be cancelled (done or failed).",
     413: "The request body is over the route's limit.",
     429: "A cap or the key's request rate; Retry-After where waiting helps.",
     500: "Unexpected error; the message names the request id (also in X-Request-ID).",
-    503: "The model's weights are not here, or its run could not be started.",
+    503: "The model's weights are not here, its run could not be started, or this replica is busy (Retry-After).",
 }
 
 KEYED = {"security": [{"bearer": []}]}
