@@ -101,6 +101,17 @@ def test_a_job_certainly_over_two_million_tokens_is_refused_from_its_characters(
     assert refused.value.param == "prompts"
     assert f"at least {least:,} tokens" in refused.value.message and "at most 2,000,000" in refused.value.message
 
+    # One prompt whose characters already fill the context, every layer: its values alone are
+    # over a 1 MiB shard, whatever shard_size would be chosen.
+    config = json.loads((tiny.path / "config.json").read_text())
+    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=["short", "y" * (longest * tiny.max_model_len)], layers="all"),
+                      load_registry())
+    with pytest.raises(InvalidRequest) as refused:
+        check_before_tokenizing(job, Lane(name="xl", max_shard_bytes=SHARD_LIMIT), chars_per_token=longest)
+    floor = tiny.max_model_len * (config["num_hidden_layers"] * config["hidden_size"] * 2 + 4)
+    assert refused.value.param == "prompts"
+    assert f"Prompt 1 alone would make a shard of at least {floor:,} bytes" in refused.value.message, refused.value.message
+
 
 def _brute_largest_fitting(counts: list[int], per_token: int, limit: int, below: int) -> int:
     """Every shard_size under `below`, every shard, in plain Python (headers at their most)."""
