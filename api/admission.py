@@ -2,15 +2,16 @@
 
 A submit's cost is known only once its body is read and its prompts counted (`harvest.cost`);
 until then this budget is what bounds the replica's memory and CPU, whatever the requests
-say. A submit takes a place before it reads a byte of its body and keeps it until it is
-answered. Places are limited three ways (settings `HARVEST_ADMISSION_*`):
+say. Three limits (settings `HARVEST_ADMISSION_*`):
 
-- `admission_concurrency` submits at once (their parsing and tokenizing run in worker
-  threads, so the event loop keeps serving everything else meanwhile);
-- `admission_bytes` of bodies at once, each counted at its Content-Length, or at the route's
-  cap when it declares none (one body over the whole budget is admitted only alone);
-- `admission_key_share` submits of one key at once, so a key's burst of large bodies queues
-  behind itself while other keys' submits take the other places.
+- `admission_bytes` of bodies at once: a submit holds its body's bytes, counted at its
+  Content-Length (at the route's cap when it declares none), from before it reads a byte of
+  its body until it is answered (`hold`); one body over the whole budget is admitted only alone;
+- `admission_key_share` submits of one key at once (`hold`), so a key's burst of large bodies
+  queues behind itself while other keys' submits go by;
+- `admission_concurrency` submits parsed and counted at once (`work`), in worker threads, so
+  the event loop keeps serving everything else meanwhile. A body still arriving holds bytes,
+  not one of these places, and must arrive within `admission_read_s` (408 otherwise).
 
 A submit that finds no place waits (up to `admission_wait_s`, at most `admission_queue`
 waiting), then is answered 503 `replica_busy` with Retry-After. Waiting costs little: uvicorn
@@ -26,14 +27,15 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 
-from harvest.errors import ReplicaBusy
+from api import deps
+from harvest.errors import ReplicaBusy, RequestTimeout
 from harvest.settings import Settings, get_settings
 
-__all__ = ["AdmissionBudget", "admission", "declared_bytes", "RETRY_AFTER_S"]
+__all__ = ["AdmissionBudget", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S"]
 
 RETRY_AFTER_S = 5
 """What a refused submit is told to wait: about one large submit's time here."""
@@ -45,8 +47,11 @@ class AdmissionBudget:
     def __init__(self, *, concurrency: int, max_bytes: int, key_share: int, queue: int, wait_s: float):
         self.concurrency, self.max_bytes, self.key_share = concurrency, max_bytes, key_share
         self.queue, self.wait_s = queue, wait_s
-        self.active = 0
+        self.submits = 0
+        """Submits holding their bodies' bytes (reading, parsing, counting or being admitted)."""
         self.bytes = 0
+        self.working = 0
+        """Submits parsing or counting, in worker threads."""
         self.waiting = 0
         self._per_key: Counter[str] = Counter()
         self._changed = asyncio.Condition()
@@ -58,13 +63,6 @@ class AdmissionBudget:
             key_share=settings.admission_key_share, queue=settings.admission_queue, wait_s=settings.admission_wait_s,
         )
 
-    def _fits(self, key_id: str, size: int) -> bool:
-        return (
-            self.active < self.concurrency
-            and self._per_key[key_id] < self.key_share
-            and (self.bytes + size <= self.max_bytes or self.active == 0)
-        )
-
     def _busy(self, why: str) -> ReplicaBusy:
         return ReplicaBusy(
             f"This API replica is busy admitting other harvests ({why}). Send the request again in "
@@ -72,32 +70,54 @@ class AdmissionBudget:
             retry_after=RETRY_AFTER_S,
         )
 
+    async def _wait(self, fits: Callable[[], bool]) -> None:
+        """Return once `fits()` (the condition held), or refuse: the queue is full, or
+        nothing came free in `wait_s`."""
+        if fits():
+            return
+        if self.waiting >= self.queue:
+            raise self._busy(f"{self.waiting} submits are already waiting")
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._changed.wait_for(fits), self.wait_s)
+        except asyncio.TimeoutError:
+            raise self._busy(f"no place came free in {self.wait_s:g} s") from None
+        finally:
+            self.waiting -= 1
+
     @asynccontextmanager
     async def hold(self, key_id: str, size: int) -> AsyncIterator[None]:
-        """A place for one submit of `key_id` whose body is `size` bytes, for the block's time."""
+        """The bytes of a submit of `key_id` whose body is `size` bytes, and a place in its
+        key's share, from before its body is read until it is answered."""
         async with self._changed:
-            if not self._fits(key_id, size):
-                if self.waiting >= self.queue:
-                    raise self._busy(f"{self.waiting} submits are already waiting")
-                self.waiting += 1
-                try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._fits(key_id, size)), self.wait_s)
-                except asyncio.TimeoutError:
-                    raise self._busy(f"none came free in {self.wait_s:g} s") from None
-                finally:
-                    self.waiting -= 1
-            self.active += 1
+            await self._wait(lambda: self._per_key[key_id] < self.key_share
+                             and (self.bytes + size <= self.max_bytes or self.submits == 0))
+            self.submits += 1
             self.bytes += size
             self._per_key[key_id] += 1
         try:
             yield
         finally:
             async with self._changed:
-                self.active -= 1
+                self.submits -= 1
                 self.bytes -= size
                 self._per_key[key_id] -= 1
                 if not self._per_key[key_id]:
                     del self._per_key[key_id]
+                self._changed.notify_all()
+
+    @asynccontextmanager
+    async def work(self) -> AsyncIterator[None]:
+        """One of the `concurrency` places where a held submit is parsed and its prompts
+        counted (in worker threads): a body still arriving slowly holds bytes, never one of these."""
+        async with self._changed:
+            await self._wait(lambda: self.working < self.concurrency)
+            self.working += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.working -= 1
                 self._changed.notify_all()
 
 
@@ -113,3 +133,14 @@ def declared_bytes(request: Request, cap: int) -> int:
     """What a body will hold, before it is read: its Content-Length, or the cap without one."""
     declared = request.headers.get("content-length", "")
     return min(int(declared), cap) if declared.isascii() and declared.isdigit() else cap
+
+
+async def read_body_within(request: Request, seconds: float) -> bytes:
+    """The body (capped as `api.deps.read_body` caps it), or 408 when it takes over `seconds`."""
+    try:
+        return await asyncio.wait_for(deps.read_body(request), seconds)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(
+            f"The request body did not arrive within {seconds:g} seconds. Send it again, or split the prompts "
+            "into several smaller jobs."
+        ) from None

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import deps
-from api.admission import admission, declared_bytes
+from api.admission import admission, declared_bytes, read_body_within
 from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
@@ -32,6 +32,7 @@ from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles, n_shards
 from harvest.lanes import load_lanes
 from harvest.request import MAX_TOKENS, HarvestRequest, resolve_job
+from harvest.settings import get_settings
 from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
 __all__ = ["router"]
@@ -78,8 +79,8 @@ def _prepare(request: HarvestRequest) -> dict:
     }
 
 
-def _submit(key: ApiKey, request: HarvestRequest) -> dict:
-    job = _prepare(request)
+def _submit(key: ApiKey, request: HarvestRequest, job: dict) -> dict:
+    """Admit the prepared job under the caps, write its request, start its run."""
     admit(key, job, capacity=load_lanes()[job["lane"]].capacity)
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts.
@@ -131,21 +132,25 @@ _FOLLOW = {
     status_code=202,
     response_model=Harvest,
     operation_id="submitHarvest",
-    responses={**_FOLLOW, **errors(400, 401, 409, 429, 503)},
+    responses={**_FOLLOW, **errors(400, 401, 408, 409, 429, 503)},
     openapi_extra=request_body(HarvestRequest),
 )
 async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
     """Submit a harvest: 202 with the harvest object, status pending."""
-    async with admission(request.app).hold(key.id, declared_bytes(request, deps.MAX_BODY_BYTES)):
-        body = await deps.read_body(request)
-        # Parsed in a worker thread: 50 MB of JSON holds a thread for a while, never the loop.
-        # Strict: a JSON string is not a number nor a bool here, as the published schema says.
-        harvest_request = await run_in_threadpool(deps.parse, HarvestRequest, body, strict=True)
-        del body  # the parsed prompts are all that is kept
+    budget = admission(request.app)
+    async with budget.hold(key.id, declared_bytes(request, deps.MAX_BODY_BYTES)):
+        body = await read_body_within(request, get_settings().admission_read_s)
+        async with budget.work():
+            # In worker threads: parsing 50 MB of JSON and counting its tokens holds a thread
+            # for a while, never the event loop. Strict: a JSON string is not a number nor a
+            # bool here, as the published schema says.
+            harvest_request = await run_in_threadpool(deps.parse, HarvestRequest, body, strict=True)
+            del body  # the parsed prompts are all that is kept
+            job = await run_in_threadpool(_prepare, harvest_request)
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(
-            submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request)
+            submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job)
         )
     request.app.state.watcher.kick()
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)

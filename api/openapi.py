@@ -35,11 +35,12 @@ _DESCRIPTIONS = {
     401: "Missing, unknown or revoked API key.",
     403: "Download link expired, altered or foreign.",
     404: "No such job for this key, or no such file.",
+    408: "The request body did not arrive in time.",
     409: "The job cannot be cancelled (done or failed), or an Idempotency-Key was used for another request.",
     413: "The request body is over the route's limit.",
     429: "A cap or the key's request rate; Retry-After where waiting helps.",
     500: "Unexpected error; the message names the request id (also in X-Request-ID).",
-    503: "The model's weights are not here, its run could not be started, or the service is overloaded (Retry-After).",
+    503: "The model's weights are not here, its run could not be started, this replica is busy, or the control plane is overloaded (Retry-After).",
 }
 
 KEYED = {"security": [{"bearer": []}]}

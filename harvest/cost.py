@@ -120,7 +120,7 @@ def check_before_tokenizing(job: ResolvedJob, lane: Lane, *, chars_per_token: in
     if lane.max_shard_bytes is not None:
         per_token = bytes_per_token(job)
         biggest = int(least.argmax())
-        alone = int(least[biggest]) * per_token + PROMPT_HEADER_BYTES + SHARD_HEADER_BYTES
+        alone = int(least[biggest]) * per_token  # its values alone, the header left out: a floor
         if alone > lane.max_shard_bytes:
             raise _too_big_alone(job, lane, biggest, alone, least=True)
 

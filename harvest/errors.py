@@ -13,6 +13,7 @@
     │   └── FileGone                      404 file_not_found (a valid link to a swept file)
     ├── RouteNotFound                     404 route_not_found (no such path)
     ├── MethodNotAllowed                  405 method_not_allowed (with Allow)
+    ├── RequestTimeout                    408 request_timeout (a body that did not arrive in time)
     ├── NotCancellable                    409 harvest_not_cancellable
     ├── IdempotencyConflict               409 idempotency_key_reused (same key, another body)
     ├── PayloadTooLarge                   413 request_too_large
@@ -63,6 +64,7 @@ __all__ = [
     "FileGone",
     "RouteNotFound",
     "MethodNotAllowed",
+    "RequestTimeout",
     "NotCancellable",
     "IdempotencyConflict",
     "PayloadTooLarge",
@@ -190,6 +192,15 @@ class MethodNotAllowed(HarvestError):
     def __init__(self, message: str, *, allow: Iterable[str]):
         super().__init__(message)
         self.headers["Allow"] = ", ".join(allow)
+
+
+class RequestTimeout(HarvestError):
+    """The request's body did not arrive within its time (a place in the admission budget is
+    held while it arrives, so a slow sender cannot keep it)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class NotCancellable(HarvestError):

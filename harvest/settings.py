@@ -203,13 +203,17 @@ class Settings(BaseSettings):
 
     # --- admission (per API replica): what a submit may cost before its cost is known ---
     admission_concurrency: int = Field(default=2, ge=1)
-    """Submits (POST /v1/harvest) this replica reads, parses and tokenizes at once (each in a
-    worker thread, off the event loop); more wait their turn (`api.admission`)."""
+    """Submits (POST /v1/harvest) this replica parses and tokenizes at once (each in a worker
+    thread, off the event loop); more wait their turn (`api.admission`)."""
 
     admission_bytes: int = Field(default=128 << 20, ge=1 << 20)
     """Request bodies, in bytes, that submits being admitted hold at once on this replica: a
     submit counts its Content-Length (the route's 50 MB cap when it sends none) from before
     its body is read until it is answered. One body bigger than this is admitted only alone."""
+
+    admission_read_s: float = Field(default=60.0, gt=0)
+    """How long a submit's body may take to arrive once its bytes are held; then 408
+    `request_timeout` (a slow sender cannot keep its share of the budget)."""
 
     admission_key_share: int = Field(default=1, ge=1)
     """Submits of one key this replica admits at once: a key's burst of large bodies queues

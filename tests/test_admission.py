@@ -101,6 +101,17 @@ def test_a_job_certainly_over_two_million_tokens_is_refused_from_its_characters(
     assert refused.value.param == "prompts"
     assert f"at least {least:,} tokens" in refused.value.message and "at most 2,000,000" in refused.value.message
 
+    # One prompt whose characters already fill the context, every layer: its values alone are
+    # over a 1 MiB shard, whatever shard_size would be chosen.
+    config = json.loads((tiny.path / "config.json").read_text())
+    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=["short", "y" * (longest * tiny.max_model_len)], layers="all"),
+                      load_registry())
+    with pytest.raises(InvalidRequest) as refused:
+        check_before_tokenizing(job, Lane(name="xl", max_shard_bytes=SHARD_LIMIT), chars_per_token=longest)
+    floor = tiny.max_model_len * (config["num_hidden_layers"] * config["hidden_size"] * 2 + 4)
+    assert refused.value.param == "prompts"
+    assert f"Prompt 1 alone would make a shard of at least {floor:,} bytes" in refused.value.message, refused.value.message
+
 
 def _brute_largest_fitting(counts: list[int], per_token: int, limit: int, below: int) -> int:
     """Every shard_size under `below`, every shard, in plain Python (headers at their most)."""
@@ -144,11 +155,11 @@ def test_shards_over_the_lanes_max_shard_bytes_are_refused_naming_the_shard_size
 # --- the replica's budget --------------------------------------------------------------------------
 
 
-def test_the_budget_holds_places_bytes_and_a_keys_share_then_answers_503_with_retry_after():
+def test_the_budget_holds_bytes_a_keys_share_and_working_places_then_answers_503_with_retry_after():
     from api.admission import AdmissionBudget
 
     async def scenario() -> dict:
-        budget = AdmissionBudget(concurrency=2, max_bytes=100, key_share=1, queue=1, wait_s=0.3)
+        budget = AdmissionBudget(concurrency=1, max_bytes=100, key_share=1, queue=1, wait_s=0.3)
         seen: dict = {}
         async with budget.hold("a", 60):
             # The key's share is taken: a second submit of "a" waits, then is refused.
@@ -156,27 +167,29 @@ def test_the_budget_holds_places_bytes_and_a_keys_share_then_answers_503_with_re
                 async with budget.hold("a", 1):
                     pass
             seen["key_share"] = waited.value
-            # 60 + 60 is over 100 bytes: "b" waits for the bytes, and gets them once "a" is done.
+            # 60 + 60 is over 100 bytes: "b" waits for the bytes, then is refused.
             started = time.monotonic()
             with pytest.raises(ReplicaBusy):
                 async with budget.hold("b", 60):
                     pass
             seen["bytes_wait"] = time.monotonic() - started
             async with budget.hold("b", 40):  # fits beside it
-                # Both places taken: one may wait, the next is refused at once (queue of 1).
-                waiter = asyncio.ensure_future(budget.hold("c", 1).__aenter__())
-                await asyncio.sleep(0.05)
-                started = time.monotonic()
-                with pytest.raises(ReplicaBusy) as full:
-                    async with budget.hold("d", 1):
-                        pass
-                seen["queue_full_s"] = time.monotonic() - started
-                seen["queue_full"] = full.value
-                with pytest.raises(ReplicaBusy):
-                    await waiter
+                async with budget.work():  # the one working place
+                    # One more may wait for it; the next is refused at once (a queue of 1).
+                    waiter = asyncio.ensure_future(budget.work().__aenter__())
+                    await asyncio.sleep(0.05)
+                    started = time.monotonic()
+                    with pytest.raises(ReplicaBusy) as full:
+                        async with budget.work():
+                            pass
+                    seen["queue_full_s"] = time.monotonic() - started
+                    seen["queue_full"] = full.value
+                    with pytest.raises(ReplicaBusy):
+                        await waiter
+                    seen["held"] = (budget.submits, budget.bytes, budget.working)
         async with budget.hold("e", 500):  # alone, a body over the whole budget is admitted
-            seen["alone"] = (budget.active, budget.bytes)
-        seen["after"] = (budget.active, budget.bytes, budget.waiting)
+            seen["alone"] = (budget.submits, budget.bytes)
+        seen["after"] = (budget.submits, budget.bytes, budget.working, budget.waiting)
         return seen
 
     seen = asyncio.run(scenario())
@@ -184,7 +197,37 @@ def test_the_budget_holds_places_bytes_and_a_keys_share_then_answers_503_with_re
         assert (refusal.status, refusal.code) == (503, "replica_busy")
         assert int(refusal.headers["Retry-After"]) >= 1
     assert seen["bytes_wait"] >= 0.3 and seen["queue_full_s"] < 0.1
-    assert seen["alone"] == (1, 500) and seen["after"] == (0, 0, 0)
+    assert seen["held"] == (2, 100, 1)
+    assert seen["alone"] == (1, 500) and seen["after"] == (0, 0, 0, 0)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_holds_no_place():
+    """A slow sender (a body trickling in, or never finished) cannot keep its bytes held."""
+    from starlette.requests import Request
+
+    from api.admission import AdmissionBudget, read_body_within
+    from harvest.errors import RequestTimeout
+
+    async def scenario():
+        async def receive():  # the first piece, then nothing more ever arrives
+            if not sent:
+                sent.append(True)
+                return {"type": "http.request", "body": b'{"model": ', "more_body": True}
+            await asyncio.sleep(3600)
+
+        sent: list = []
+        request = Request({"type": "http", "method": "POST", "path": "/v1/harvest", "headers": [(b"content-length", b"1000")]},
+                          receive)
+        budget = AdmissionBudget(concurrency=1, max_bytes=10_000, key_share=1, queue=1, wait_s=1)
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout) as late:
+            async with budget.hold("slow", 1000):
+                await read_body_within(request, 0.3)
+        return late.value, time.monotonic() - started, (budget.submits, budget.bytes)
+
+    error, took, after = asyncio.run(scenario())
+    assert (error.status, error.code) == (408, "request_timeout") and "0.3 seconds" in error.message
+    assert 0.3 <= took < 2 and after == (0, 0)
 
 
 def _rss(pid: int) -> int:

@@ -10,7 +10,7 @@ import pytest
 KEYED = {"POST /v1/harvest", "GET /v1/harvest", "GET /v1/harvest/{job_id}", "DELETE /v1/harvest/{job_id}",
          "POST /v1/completions", "GET /v1/models"}
 REFUSALS = {
-    "POST /v1/harvest": {400, 401, 409, 413, 429, 500, 503},  # 409: an Idempotency-Key reused for another request
+    "POST /v1/harvest": {400, 401, 408, 409, 413, 429, 500, 503},  # 409: an Idempotency-Key reused for another request
     "GET /v1/harvest": {400, 401, 404, 413, 429, 500},
     "GET /v1/harvest/{job_id}": {400, 401, 404, 413, 429, 500},
     "DELETE /v1/harvest/{job_id}": {401, 404, 409, 413, 429, 500},
