@@ -214,7 +214,7 @@ class Watcher:
         """Take a waiter slot for the key, or False when `max_waiters` are already held, or the
         key holds its share of them (`per_key`), so one key cannot keep the others' reads from
         waiting. The declined read is answered at once (`X-Acs-Longpoll: declined`)."""
-        if self.waiting >= self.max_waiters or self._held[key_id] >= self.per_key:
+        if self.waiting >= self.max_waiters or self._held.get(key_id, 0) >= self.per_key:
             return False
         self.waiting += 1
         self._held[key_id] += 1
