@@ -27,7 +27,6 @@ import psutil
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from harvest.capture import CaptureSpec
@@ -36,7 +35,6 @@ from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
 from harvest.shard_file import StagedShard
-from harvest.shards import shard_name
 from harvest.storage import Storage
 from tests.reference import bf16_tolerance, hf_reference_layers
 
@@ -181,7 +179,7 @@ def _check_files(storage: Storage, job, hf_engine, positions: list[int]) -> int:
 
 # How far the engine server's peak while a whole shard streams may exceed its peak while a
 # few prompts of the same size stream (so the server's memory does not follow the shard), and
-# how far the run may grow while it writes the shard: both well below the ~50 MB shard, where
+# how far the run may grow while it writes the shard: both well below the ~48 MiB shard, where
 # before shards streamed each process held the whole shard at least twice (values and their
 # pickled copy). bench/engine_memory.py measures the same at a gigabyte and more.
 SERVER_OVER_WARM_PEAK = 40 * MiB

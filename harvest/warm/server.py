@@ -2,9 +2,9 @@
 
 It listens on the group's Unix socket (`harvest.warm.protocol`) and serves each client (a
 job's run) in a thread of its own. A client first asks for a model (`load`: which engine and
-why, whether it was warm, the load time), then for shards (`capture`), one at a time, each answered as a stream of its prompts' values
-as the engine makes them, then its statistics (`harvest.warm.protocol`). The
-engines are an `EngineCache` of `SharedEngine`s: the shards of jobs on one engine that wait
+why, whether it was warm, the load time), then for shards (`capture`), one at a time, each
+answered as a stream of its prompts' values as the engine makes them, then its statistics
+(`harvest.warm.protocol`). The engines are an `EngineCache` of `SharedEngine`s: the shards of jobs on one engine that wait
 together run together, in shared forward passes (`harvest.warm.batching`).
 
 A client that goes away (its run was cancelled and its process ended) is noticed when its
