@@ -45,6 +45,9 @@ DOCKERFILE = INFRA / "Dockerfile"
 RUNBOOK = INFRA / "RUNBOOK.md"
 ENV_EXAMPLE = INFRA / "compose.env.example"
 PG_INIT = INFRA / "postgres-init.sql"
+SMOKE_OVERLAY = INFRA / "compose.smoke.yaml"
+IMAGES_SH = INFRA / "images.sh"
+SMOKE_SH = INFRA / "compose-smoke.sh"
 
 
 # --- reading the recipe -------------------------------------------------------------------------
@@ -193,10 +196,10 @@ def _stage_text(name: str) -> str:
     return m.group(1)
 
 
-def _instructions() -> list[str]:
-    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+def _instructions(path: Path = DOCKERFILE) -> list[str]:
+    """A Dockerfile's instructions, continuation lines joined, comments dropped."""
     instructions, current = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line.strip().startswith("#"):
             continue
         current += " " + line.strip().removesuffix("\\")
@@ -446,10 +449,10 @@ def _sections() -> list[str]:
 
 def test_runbook_covers_the_operations():
     sections = " | ".join(_sections())
-    for topic in ("bring-up", "adding a gpu host", "draining", "upgrading", "backups", "prefect ui", "linting"):
+    for topic in ("bring-up", "adding a gpu host", "draining", "upgrading", "backups", "prefect ui", "linting",
+                  "built and run with podman", "on docker"):
         assert topic in sections, f"RUNBOOK.md has no section on {topic!r}: {sections}"
     text = RUNBOOK.read_text()
-    assert "cannot be built" in text or "never been built" in text, "the runbook must say the images are not built here"
     for name in _services():
         assert f"`{name}`" in text or f" {name}" in text, f"RUNBOOK.md never mentions the service {name}"
     for command in ("docker-compose", "hadolint"):
@@ -471,3 +474,88 @@ def test_runbook_harvest_commands_parse():
                 _check_flags(words, f"RUNBOOK.md: {line.strip()}")
                 checked += 1
     assert checked >= 8, checked
+
+
+# --- the recipe as built and run (infra/images.sh, infra/compose-smoke.sh) ---------------------
+
+
+def test_the_prefect_api_is_authenticated():
+    """The control plane checks Prefect's basic auth, and every other role sends the same string."""
+    (_, control_plane), = _by_role("server").items()
+    want = _example_env()["PREFECT_AUTH_STRING"]
+    assert ":" in want, "Prefect's auth string is USER:PASSWORD"
+    assert _env(control_plane).get("PREFECT_SERVER_API_AUTH_STRING") == want
+    for role in ("api", "worker"):
+        for name, service in _by_role(role).items():
+            assert _env(service).get("PREFECT_API_AUTH_STRING") == want, f"{name} does not authenticate to Prefect"
+    assert _variables_used(COMPOSE.read_text())["PREFECT_AUTH_STRING"] == ":?", "the auth string must be required"
+    # Its healthcheck reads an authenticated route, so it must send the string too.
+    assert "Authorization" in _healthcheck(control_plane) and "PREFECT_SERVER_API_AUTH_STRING" in _healthcheck(control_plane)
+
+
+def _image_files() -> list[Path]:
+    return [DOCKERFILE, *sorted((INFRA / "images").glob("*.Containerfile"))]
+
+
+def test_pip_steps_take_secrets_and_a_cache_never_a_layer():
+    """Every pip step that downloads mounts pip's configuration and CA as build secrets and pip's
+    cache as a build cache; nothing copies either into an image."""
+    mounts = ("--mount=type=secret,id=pip.conf,target=/etc/pip.conf", "--mount=type=secret,id=pip-ca", "--mount=type=cache,target=/root/.cache/pip")
+    checked = 0
+    for path in _image_files():
+        for instruction in _instructions(path):
+            if instruction.startswith(("COPY", "ADD")):
+                assert not re.search(r"pip\.conf|\.pem|\.crt|compose\.env", instruction), f"{path.name}: {instruction}"
+            if not instruction.startswith("RUN ") or "pip install" not in instruction:
+                continue
+            downloads = [c for c in instruction.split("&&") if "pip install" in c and "--no-deps --no-build-isolation -e ." not in c]
+            if downloads:
+                checked += 1
+                for mount in mounts:
+                    assert mount in instruction, f"{path.name}: a pip step without {mount}: {instruction[:120]}"
+    assert checked >= 7, checked
+    ignore = (REPO / ".dockerignore").read_text().split()
+    assert ignore[ignore.index("*") + 1:] and "infra/compose.env" in ignore, ".dockerignore must keep the context to the sources, never the secrets"
+    copied = {m for i in _instructions() if i.startswith("COPY ") and "--from" not in i for m in i.split()[1:-1]}
+    assert all(f"!{src.rstrip('/')}" in ignore for src in copied), (copied, ignore)
+
+
+def _overlay() -> dict:
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # podman-compose's and compose's merge tags: the value as it is.
+    Loader.add_constructor("!override", lambda loader, node: loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else loader.construct_object(node))
+    Loader.add_constructor("!reset", lambda loader, node: None)
+    return yaml.load(SMOKE_OVERLAY.read_text(), Loader=Loader)
+
+
+def test_the_smoke_run_is_the_recipe():
+    """compose-smoke.sh brings up every service of compose.yaml (but the GPU profile's); its
+    overlay replaces only the S3 store (no MinIO image here), never a role; images.sh builds every
+    image that run uses."""
+    services = _raw()["services"]
+    overlay = _overlay()["services"]
+    assert set(overlay) == {"minio", "minio-init"}, sorted(overlay)
+    assert all(_role(s) is None for s in overlay.values())
+    smoke = SMOKE_SH.read_text()
+    listed = re.search(r"^SERVICES=\((.*)\)$", smoke, re.M).group(1).split()
+    assert sorted(listed) == sorted(n for n, s in services.items() if not s.get("profiles")), listed
+    assert smoke.rstrip().endswith("echo COMPOSE_SMOKE_OK")
+    images = IMAGES_SH.read_text()
+    targets = {s["build"]["target"] for s in services.values() if s.get("build")}
+    for target in targets:
+        assert re.search(rf"\b{target}\b", images), f"images.sh does not build {target}"
+    for containerfile in (INFRA / "images").glob("*.Containerfile"):
+        assert containerfile.stem in images
+    assert "--secret" in images and "podman import" in images and "debootstrap --variant=minbase" in images
+
+
+def test_runbook_records_the_podman_run():
+    """The runbook's figures: each image's size and build time, and the smoke run's timings."""
+    section = RUNBOOK.read_text().split("## Built and run with podman", 1)[1].split("\n## ", 1)[0]
+    for image in ("api", "control-plane", "worker-cpu", "postgres", "s3", "debian"):
+        assert re.search(rf"`harvest/{image}[:`].*\|\s*[\d.]+ ?[MG]B\s*\|", section), f"no size for harvest/{image}"
+    for figure in ("ready_all_s", "recovery_s", "COMPOSE_SMOKE_OK"):
+        assert figure in section, figure
+    assert "docker build" in section and "docker compose" in section
