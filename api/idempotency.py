@@ -74,10 +74,11 @@ def _claim(key_id: str, idempotency_key: str, digest: str) -> dict | None:
             from sqlalchemy.dialects.postgresql import insert
         else:
             from sqlalchemy.dialects.sqlite import insert
+        # RETURNING, not rowcount: what the driver reports for ON CONFLICT DO NOTHING varies.
         claimed = conn.execute(insert(idempotency_keys).values(
             key_id=key_id, idempotency_key=idempotency_key, request_sha256=digest, job_id=None, created_at=now,
-        ).on_conflict_do_nothing())
-        if claimed.rowcount != 1:  # held: by an earlier submit, or one on another replica now
+        ).on_conflict_do_nothing().returning(idempotency_keys.c.key_id)).first()
+        if claimed is None:  # held: by an earlier submit, or one on another replica now
             return dict(conn.execute(select(idempotency_keys).where(mine)).mappings().one())
     return None
 
