@@ -60,11 +60,11 @@ def _check(idempotency_key: str) -> str:
     return idempotency_key
 
 
-def _claim(key_id: str, idempotency_key: str, digest: str) -> dict | None:
+def _claim(key_id: str, idempotency_key: str, digest: str, engine=None) -> dict | None:
     """Claim the key for this submit: None when claimed now, else the row that holds it."""
     now = utcnow()
     mine = and_(idempotency_keys.c.key_id == key_id, idempotency_keys.c.idempotency_key == idempotency_key)
-    with transaction() as conn:
+    with transaction(engine) as conn:
         # A key past its window, or a claim whose submit died unbound, is free again.
         conn.execute(delete(idempotency_keys).where(mine, or_(
             idempotency_keys.c.created_at < now - timedelta(seconds=WINDOW_S),
@@ -74,26 +74,29 @@ def _claim(key_id: str, idempotency_key: str, digest: str) -> dict | None:
             from sqlalchemy.dialects.postgresql import insert
         else:
             from sqlalchemy.dialects.sqlite import insert
+        # RETURNING, not rowcount: what the driver reports for ON CONFLICT DO NOTHING varies.
         claimed = conn.execute(insert(idempotency_keys).values(
             key_id=key_id, idempotency_key=idempotency_key, request_sha256=digest, job_id=None, created_at=now,
-        ).on_conflict_do_nothing())
-        if claimed.rowcount != 1:  # held: by an earlier submit, or one on another replica now
+        ).on_conflict_do_nothing().returning(idempotency_keys.c.key_id)).first()
+        if claimed is None:  # held: by an earlier submit, or one on another replica now
             return dict(conn.execute(select(idempotency_keys).where(mine)).mappings().one())
     return None
 
 
-def _finish(key_id: str, idempotency_key: str, job_id: str | None) -> None:
+def _finish(key_id: str, idempotency_key: str, job_id: str | None, engine=None) -> None:
     """Bind the claim to its job, or (job_id None) release it."""
     mine = and_(idempotency_keys.c.key_id == key_id, idempotency_keys.c.idempotency_key == idempotency_key,
                 idempotency_keys.c.job_id.is_(None))
-    with transaction() as conn:
+    with transaction(engine) as conn:
         if job_id is None:
             conn.execute(delete(idempotency_keys).where(mine))
         else:
             conn.execute(update(idempotency_keys).where(mine).values(job_id=job_id))
 
 
-def submit_once(key_id: str, idempotency_key: str | None, request: HarvestRequest, submit: Callable[[], dict]) -> dict:
+def submit_once(
+    key_id: str, idempotency_key: str | None, request: HarvestRequest, submit: Callable[[], dict], engine=None,
+) -> dict:
     """`submit()` (admit the job and start its run; returns the job row), unless this key
     already made a job for the same request: then that job's row. See the module docstring."""
     if idempotency_key is None:
@@ -101,7 +104,7 @@ def submit_once(key_id: str, idempotency_key: str | None, request: HarvestReques
     _check(idempotency_key)
     digest = request_sha256(request)
     deadline = time.monotonic() + WAIT_S
-    while (held := _claim(key_id, idempotency_key, digest)) is not None:
+    while (held := _claim(key_id, idempotency_key, digest, engine)) is not None:
         if held["request_sha256"] != digest:
             raise IdempotencyConflict(
                 f"The {HEADER} {idempotency_key!r} was used for another request within the last "
@@ -109,7 +112,7 @@ def submit_once(key_id: str, idempotency_key: str | None, request: HarvestReques
                 param=HEADER,
             )
         if held["job_id"] is not None:
-            return get_job(held["job_id"], key_id)
+            return get_job(held["job_id"], key_id, engine)
         if time.monotonic() > deadline:
             busy = ModelUnavailable(
                 f"A submit with the {HEADER} {idempotency_key!r} is still being admitted. Try again shortly; "
@@ -121,7 +124,7 @@ def submit_once(key_id: str, idempotency_key: str | None, request: HarvestReques
     try:
         row = submit()
     except BaseException:
-        _finish(key_id, idempotency_key, None)  # refused or not started: the key is free again
+        _finish(key_id, idempotency_key, None, engine)  # refused or not started: the key is free again
         raise
-    _finish(key_id, idempotency_key, row["id"])
+    _finish(key_id, idempotency_key, row["id"], engine)
     return row
