@@ -37,9 +37,9 @@ _DESCRIPTIONS = {
     404: "No such job for this key, or no such file.",
     409: "The job cannot be cancelled (done or failed).",
     413: "The request body is over the route's limit.",
-    429: "A cap or the key's request rate; Retry-After where waiting helps.",
+    429: "A cap, the key's request rate, or too many requests without a valid key from this address; Retry-After where waiting helps.",
     500: "Unexpected error; the message names the request id (also in X-Request-ID).",
-    503: "The model's weights are not here, or its run could not be started.",
+    503: "The model's weights are not here, its run could not be started (`harvest_unavailable`), or this replica has its most inline activation bytes in flight (`replica_busy`, Retry-After).",
 }
 
 KEYED = {"security": [{"bearer": []}]}
