@@ -38,9 +38,9 @@ _DESCRIPTIONS = {
     408: "The request body did not arrive in time.",
     409: "The job cannot be cancelled (done or failed), or an Idempotency-Key was used for another request.",
     413: "The request body is over the route's limit.",
-    429: "A cap or the key's request rate; Retry-After where waiting helps.",
+    429: "A cap, the key's request rate, or too many requests without a valid key from this address; Retry-After where waiting helps.",
     500: "Unexpected error; the message names the request id (also in X-Request-ID).",
-    503: "The model's weights are not here, its run could not be started, this replica is busy, or the control plane is overloaded (Retry-After).",
+    503: "The model's weights are not here or its run could not be started in time (`harvest_unavailable`), or this replica's budget for submits or inline activation bytes is spent (`replica_busy`); Retry-After.",
 }
 
 KEYED = {"security": [{"bearer": []}]}

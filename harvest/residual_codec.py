@@ -64,8 +64,10 @@ def encode_residual_chunks(
     """The base64 text of `encode_residual(residual)["data"]`, as ASCII bytes in pieces.
 
     Raw bytes go to zstd `piece_bytes` at a time; what comes out is base64-encoded in multiples
-    of 3 bytes (the last piece carries the padding), so the pieces join to exactly the one-shot
-    text.
+    of 3 bytes (the last piece carries the padding), so the pieces join into one base64 text of
+    one zstd frame that records its content size. Single-threaded it is the one-shot text (seen
+    on a `[8, 700, 256]` stream); with zstd threads the frame may be cut differently, and
+    decodes to the same bits.
     """
     raw = _le_int16_view(residual)
     compressor = zstandard.ZstdCompressor(level=level, threads=threads)

@@ -252,17 +252,17 @@ def _given_back(budget) -> None:
 
 
 def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(base_url, key, inline_app):
-    """Two concurrent responses that do not fit the budget together: one runs, the other is
-    503 replica_busy with Retry-After before any engine work or quota; one response bigger
-    than the whole budget still runs alone; every hold is given back."""
+    """Two concurrent `[8, 150, 256]` responses that do not fit the budget together: one runs,
+    the other is 503 replica_busy with Retry-After before any engine work or quota; one
+    response bigger than the whole budget still runs alone; every hold is given back."""
     from api.auth import activations_used, create_key
     from api.completions import ResponseBudget
 
-    one = 8 * (1 + 300 - 1) * 256 * 2  # all layers, a 1-token prompt, 300 tokens: its most bytes
+    one = 8 * (1 + 150 - 1) * 256 * 2  # all layers, a 1-token prompt, 150 tokens: its most bytes
     budget = ResponseBudget(limit=one + one // 2)
     inline_app.state.inline_budget = budget
     quota_key, record = create_key("inline-budget", activation_quota=10_000)
-    body = {"model": "llama-tiny", "prompt": [7], "max_tokens": 300, "temperature": 0, "output_residual_stream": True}
+    body = {"model": "llama-tiny", "prompt": [7], "max_tokens": 150, "temperature": 0, "output_residual_stream": True}
 
     async def both():
         async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {quota_key}"}, timeout=120) as session:
@@ -273,7 +273,7 @@ def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(base_ur
         assert sorted(a.status_code for a in answers) == [200, 503], [a.text[:200] for a in answers]
         busy = next(a for a in answers if a.status_code == 503)
         assert busy.json()["error"]["code"] == "replica_busy" and busy.headers["Retry-After"] == "2"
-        assert activations_used(record.id) == 300  # the refused one held no quota
+        assert activations_used(record.id) == 150  # the refused one held no quota
         _given_back(budget)
         assert budget.peak <= budget.limit
         budget.limit = one // 2  # smaller than one response: it runs when alone
