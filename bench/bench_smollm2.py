@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from harvest.capture import CaptureSpec
 from harvest.engines.base import SamplingSpec
 from harvest.engines.hf import HFEngine, right_padded
 from harvest.pipeline import run_job
