@@ -1,6 +1,7 @@
 """The notebooks run top to bottom against the live stack (tests/client_fixtures.py), with
-nbclient and a real kernel, as a researcher runs them against `make run`; their figures are
-PNG outputs, both in this run and in the committed .ipynb files.
+nbclient and a real kernel, as a researcher runs them against `make run`, on the real model
+`smollm2-135m`; their figures are PNG outputs, both in this run and in the committed .ipynb
+files, and PNG files they save (notebooks/figures/ holds the committed ones).
 
 They share one data folder, as they do for a researcher: the first harvests the corpus, the
 others find it finished (the client's resume) and harvest only what they add.
@@ -37,7 +38,9 @@ def _errors(notebook) -> list[str]:
 @pytest.fixture(scope="module")
 def notebook_env(client_api, tmp_path_factory):
     return {"ACS_API_BASE": client_api.base_url, "ACS_API_KEY": client_api.make_key(name="notebooks"),
-            "HARVEST_NOTEBOOK_DATA": str(tmp_path_factory.mktemp("notebook-data"))}
+            "HARVEST_NOTEBOOK_DATA": str(tmp_path_factory.mktemp("notebook-data")),
+            # where the notebooks save their figures (notebooks/figures/ when a researcher runs them)
+            "HARVEST_NOTEBOOK_FIGURES": str(tmp_path_factory.mktemp("notebook-figures"))}
 
 
 @pytest.mark.parametrize("name", list(FIGURES))  # in this order: quickstart harvests first
@@ -57,4 +60,6 @@ def test_notebook_runs_against_the_stack_and_draws_its_figures(name, notebook_en
     assert not _errors(notebook)
     drawn = _pngs(notebook)
     assert len(drawn) == FIGURES[name] and all(f.startswith(PNG_MAGIC) and len(f) > 5000 for f in drawn)
+    saved = sorted(Path(notebook_env["HARVEST_NOTEBOOK_FIGURES"]).glob(f"{name}_*.png"))
+    assert len(saved) == FIGURES[name] and all(f.read_bytes().startswith(PNG_MAGIC) for f in saved)
     nbformat.write(notebook, tmp_path / f"{name}.ipynb")  # kept beside the test's other files for a look
