@@ -25,9 +25,8 @@ activation usage equal to the positions its responses carried. Exits 1 on a fail
 
 `--scale` < 1 shrinks the attacker's refused bodies, `--shard-scale` < 1 its largest shard
 (on a shared machine: at 1.0 a single shard is ~8 GB, and on a branch without bounded
-shards its engine server needs several times that); the report says what ran. Prefect workers poll every second here
-(`PREFECT_WORKER_QUERY_SECONDS=1`, as in bench/load_api.py), so submit-to-done is not
-masked by the shipped 10 s poll; both phases run with the same setting.
+shards its engine server needs several times that); the report says what ran. Everything
+else is as shipped (the worker's poll included).
 """
 
 from __future__ import annotations
@@ -148,14 +147,14 @@ class RssSampler(threading.Thread):
 
 
 def _start_stack(home: Path, db_url: str, prefect_db_url: str) -> tuple[subprocess.Popen, dict[str, str]]:
-    """`harvest up` with the service's default rates and caps (only the worker poll lowered)."""
+    """`harvest up` with the service's defaults: rates, caps, bounds and worker poll."""
     from flows.processes import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
     env.update(
         HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"), HARVEST_DATABASE_URL=db_url,
         HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()), HARVEST_ENGINE="hf",
-        PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_API_DATABASE_CONNECTION_URL=prefect_db_url,
+        PREFECT_API_DATABASE_CONNECTION_URL=prefect_db_url,
         PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_LOGGING_LEVEL="CRITICAL", PREFECT_SERVER_ANALYTICS_ENABLED="false",
     )
     log = open(home / "up.log", "w")
