@@ -3,7 +3,7 @@
     app.py       the app: routers, the one error handler, lifespan (migrate, start the watcher)
     harvest.py   POST/GET/DELETE /v1/harvest[/{job_id}]: validate, admit, write request, start run
     files.py     GET /v1/files/{job_id}/{name}: the HMAC-signed download route (file:// storage)
-    auth.py      API keys (SHA-256 at rest), `current_key`, `consume_activation`
+    auth.py      API keys (SHA-256 at rest), `current_key`, the activation quota (positions)
     store.py     the job store: atomic admission under the caps, charging by compare-and-set
     db.py        tables, engines (SQLite/PostgreSQL), Alembic migrations (api/migrations)
     runs.py      the seam to Prefect: start / cancel / read many runs at once
@@ -11,7 +11,8 @@
     links.py     presigned links: S3 SigV4 presigning, HMAC links for local files
     schemas.py   response shapes (OpenAPI) and the harvest object of a job row
     guard.py     every request: a request id, the body cap (413), the one 500 for unexpected errors
-    ratelimit.py per-key request rates: a token bucket per key in the job store (429, Retry-After)
+    ratelimit.py per-key request rates: a token bucket per key in the job store (429, Retry-After);
+                 requests without a valid key: per client address, before the store
     openapi.py   the published document: bodies, every refusal, resolving refs, keys declared
     admin.py     `harvest keys create|list|revoke`, `harvest spend-cap on|off|status`
 
@@ -32,6 +33,13 @@ Choices where the spec is silent (documented here and in the routes' docstrings)
 - A run that cannot be started answers 503 `harvest_unavailable` naming the job id; the job
   is recorded failed, charged nothing.
 - `GET /v1/harvest` pages with `limit` (1..100, default 20) and `after` (a job_id), and
-  answers `{"object": "list", "data", "has_more", "first_id", "last_id"}`.
+  answers `{"object": "list", "data", "has_more", "first_id", "last_id"}`. Its harvest objects
+  carry no download links (a done job's `result` keeps its numbers): `GET /v1/harvest/{job_id}`
+  makes them.
+- A failed job's `error` is `code: sentence (ref 0123456789ab)`: our own refusals keep their
+  message, anything else is the vocabulary's sentence (`engine_failed`, `storage_failed`,
+  `internal_error`); the details are in the run's or the API's log under the reference.
+- The activation quota counts residual-stream positions returned (prompt + generated − 1 per
+  response), held at their most while a request runs.
 - The harvest object adds `object: "harvest"`, `lane` and `run_id` (the Prefect flow run).
 """

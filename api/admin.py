@@ -62,7 +62,7 @@ def _keys(argv: list[str]) -> int:
                         help="concurrent jobs in a lane (repeatable; default: the lane's key_limit)")
     create.add_argument("--monthly-jobs", type=int, help="harvests per month (default unlimited)")
     create.add_argument("--token-budget", type=int, help="harvest tokens per month (default unlimited)")
-    create.add_argument("--activation-quota", type=int, help="inline activation requests per month (default unlimited)")
+    create.add_argument("--activation-quota", type=int, help="inline residual-stream positions returned per month (default unlimited)")
     for kind in ("submit", "read"):
         create.add_argument(f"--{kind}-per-s", type=float, help=f"{kind}s a second, sustained (default HARVEST_RATE_{kind.upper()}_PER_S)")
         create.add_argument(f"--{kind}-burst", type=int, help=f"{kind}s at once (default HARVEST_RATE_{kind.upper()}_BURST)")

@@ -4,9 +4,10 @@ A key is `acs_` + 32 random url-safe bytes. Only its SHA-256 is stored: the key 
 ~256 bits of entropy, so a slow password hash would add latency to every request and no
 security (nothing to brute-force), which is why token services (GitHub, Stripe) do the same.
 
-For the inline-completions routes this module provides `current_key` (a FastAPI dependency:
-Bearer key → `ApiKey`, 401 otherwise) and `consume_activation(key)` (one activation request
-counted this month, 429 `activation_quota_exceeded` over the key's quota).
+For the routes this module provides `current_key` (a FastAPI dependency: Bearer key →
+`ApiKey`, 401 otherwise) and, for inline completions, the activation quota in residual-stream positions per month:
+`reserve_activations` holds the most a response may return (429 `activation_quota_exceeded`
+over the quota) and `settle_activations` keeps what it did return.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ __all__ = [
     "revoke_key",
     "authenticate",
     "current_key",
-    "consume_activation",
+    "reserve_activations",
+    "settle_activations",
+    "activations_used",
     "month_of",
 ]
 
@@ -53,7 +56,8 @@ class ApiKey:
     token_budget: int | None
     """Harvest tokens per calendar month (UTC), charged plus held; None is unlimited."""
     activation_quota: int | None
-    """Inline activation requests per calendar month (UTC); None is unlimited."""
+    """Inline residual-stream positions returned per calendar month (UTC), summed over the
+    key's activation responses (`shape[1]` of each: prompt + generated − 1); None is unlimited."""
     rates: dict[str, float | int] = field(default_factory=dict)
     """The key's own request rates (`rate_submit_per_s`, `rate_submit_burst`, `rate_read_per_s`,
     `rate_read_burst`); one not here is the service's `HARVEST_RATE_*` setting."""
@@ -186,29 +190,55 @@ def authenticate(authorization: str | None, engine=None) -> ApiKey:
 
 
 async def current_key(request: Request) -> ApiKey:
-    """FastAPI dependency: the caller's key, or 401."""
+    """FastAPI dependency: the caller's key, or 401 (routes use `api.ratelimit`'s dependencies,
+    which also limit requests without a valid key per client address)."""
     return await run_in_threadpool(authenticate, request.headers.get("authorization"))
 
 
-def consume_activation(key: ApiKey, engine=None) -> None:
-    """Count one inline activation request for this key this month, or refuse it (429).
+def reserve_activations(key: ApiKey, positions: int, engine=None) -> str:
+    """Hold `positions` residual-stream positions of the key's activation quota this month (the
+    most a response may return), or refuse with 429; returns the month held in.
 
     The count and the check happen under the key's row lock, so concurrent requests never
-    pass the quota together.
+    pass the quota together. `settle_activations` then keeps only the positions returned.
     """
     month = month_of(utcnow())
     with transaction(engine) as conn:
         locked(conn, api_keys, api_keys.c.id == key.id)
         row = locked(conn, usage, usage.c.key_id == key.id, usage.c.month == month)
         used = 0 if row is None else row["activations"]
-        if key.activation_quota is not None and used >= key.activation_quota:
+        if key.activation_quota is not None and used + positions > key.activation_quota:
+            left = max(key.activation_quota - used, 0)
             raise ActivationQuotaExceeded(
-                f"You have used your {key.activation_quota:,} activation requests for {month}. "
-                "The quota resets on the first day of next month (UTC).",
+                f"This request may return up to {positions:,} residual-stream positions (prompt + max_tokens - 1), "
+                f"and your key has {left:,} of its {key.activation_quota:,} activation positions for {month} left. "
+                "Ask for fewer tokens, or wait for the quota to reset on the first day of next month (UTC).",
             )
         if row is None:
-            conn.execute(insert(usage).values(key_id=key.id, month=month, activations=1))
+            conn.execute(insert(usage).values(key_id=key.id, month=month, activations=positions))
         else:
             conn.execute(
-                update(usage).where(usage.c.key_id == key.id, usage.c.month == month).values(activations=used + 1)
+                update(usage).where(usage.c.key_id == key.id, usage.c.month == month)
+                .values(activations=usage.c.activations + positions)
             )
+    return month
+
+
+def settle_activations(key: ApiKey, month: str, held: int, returned: int, engine=None) -> None:
+    """Keep `returned` of the `held` positions (0 when the request failed): the quota counts
+    what responses carried, never what they asked for."""
+    if held == returned:
+        return
+    with transaction(engine) as conn:
+        conn.execute(
+            update(usage).where(usage.c.key_id == key.id, usage.c.month == month)
+            .values(activations=usage.c.activations - (held - returned))
+        )
+
+
+def activations_used(key_id: str, month: str | None = None, engine=None) -> int:
+    """Positions counted against the key's activation quota in `month` (default this one)."""
+    month = month or month_of(utcnow())
+    with transaction(engine) as conn:
+        value = conn.execute(select(usage.c.activations).where(usage.c.key_id == key_id, usage.c.month == month)).scalar()
+    return int(value or 0)

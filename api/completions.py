@@ -1,8 +1,13 @@
 """`POST /v1/completions`: OpenAI-style completions with inline residual-stream activations.
 
-The route is thin: parse and check the request (`harvest.inline`), count the activation
-quota, await the model's batcher (`harvest.batcher`), and encode the response off the event
-loop. Every refusal is a `harvest.errors` exception, rendered by the app's one handler.
+The route is thin: parse and check the request (`harvest.inline`), hold the response's bytes
+in the replica's budget (`ResponseBudget`: 503 `replica_busy` with Retry-After over it), hold
+the activation quota, await the model's batcher (`harvest.batcher`), and stream the response:
+the body around the residual stream is rendered once, and the stream's `data` is compressed
+and base64-encoded piece by piece in worker threads as it is sent, so a replica never holds
+several whole copies of a payload (the bytes are what a JSONResponse of the same body would
+be; the response has no Content-Length). Every refusal is a `harvest.errors` exception,
+rendered by the app's one handler.
 
 The warm engines live in an `EnginePool` on `app.state.inline_engines`, created by this
 router's lifespan (FastAPI merges it into the app's) or on first use. `HARVEST_INLINE_PRELOAD`
@@ -20,8 +25,11 @@ Where the user docs are silent, this is what the endpoint does:
   counts from the start of the completion.
 - `activations.residual_stream.layers` (an addition to the docs' fields) lists which blocks
   `shape[0]` holds, ascending.
-- The activation quota counts requests with `output_residual_stream` only, once they pass
-  every check and before the engine runs. `GET /v1/models` needs a key, like every route.
+- The activation quota counts residual-stream positions returned (`shape[1]`, prompt +
+  generated − 1) of requests with `output_residual_stream`: the most a request may return
+  (prompt + max_tokens − 1) is held before the engine runs (429 when that would pass the
+  quota), and only what the response carries is kept once it is generated (nothing when the
+  request fails). `GET /v1/models` needs a key, like every route.
 - Fields OpenAI has and we do not implement are refused unless at their neutral value; any
   other unknown field is a 400 naming it in `param`.
 """
@@ -31,24 +39,33 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from contextlib import asynccontextmanager
 from functools import lru_cache
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey, consume_activation
+from api.auth import ApiKey, reserve_activations, settle_activations
 from api.deps import INLINE_MAX_BODY_BYTES, read_body
 from api.openapi import errors, request_body
 from api.ratelimit import submit_key
 from harvest.batcher import EnginePool
-from harvest.errors import InvalidRequest
-from harvest.inline import NULL_IS_DEFAULT, CompletionRequest, completion_response, parse_completion_request, prepare_completion
+from harvest.errors import InvalidRequest, ReplicaBusy
+from harvest.inline import (
+    NULL_IS_DEFAULT,
+    CompletionBody,
+    CompletionRequest,
+    completion_response,
+    parse_completion_request,
+    prepare_completion,
+)
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
 
-__all__ = ["router", "engine_pool", "registry_of"]
+__all__ = ["router", "engine_pool", "registry_of", "ResponseBudget", "response_budget"]
 
 # transformers resolves its top-level names lazily on first access, and that is not
 # thread-safe: a request tokenizing in one thread while an engine loads in another got
@@ -119,22 +136,115 @@ def _as_accepted(schema: dict) -> dict:
     return schema
 
 
+class ResponseBudget:
+    """Bytes of inline residual streams this replica holds at once (`inline_response_budget_bytes`).
+
+    A response holds its largest size (`PreparedCompletion.max_residual_bytes`) from before the
+    engine runs, down to its real size once generated, until its last byte is sent or its
+    client left. A hold that would pass the budget is refused with 503 `replica_busy` and
+    Retry-After, unless nothing else is held: a response bigger than the whole budget (legal
+    by the documented prompt cap) runs alone rather than never.
+    """
+
+    RETRY_AFTER_S = 2
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def hold(self, size: int) -> "Hold":
+        with self._lock:
+            if size and self.in_flight and self.in_flight + size > self.limit:
+                raise ReplicaBusy(
+                    f"This API replica is sending its most inline activation bytes at once ({self.limit:,} bytes); "
+                    f"this response needs up to {size:,}. Try again in {self.RETRY_AFTER_S} seconds.",
+                    retry_after=self.RETRY_AFTER_S,
+                )
+            self.in_flight += size
+            self.peak = max(self.peak, self.in_flight)
+        return Hold(self, size)
+
+    def _change(self, delta: int) -> None:
+        with self._lock:
+            self.in_flight += delta
+
+
+class Hold:
+    """One response's share of the budget; `release` is idempotent."""
+
+    def __init__(self, budget: ResponseBudget, size: int):
+        self.budget = budget
+        self.size = size
+
+    def shrink(self, size: int) -> None:
+        if size < self.size:
+            self.budget._change(size - self.size)
+            self.size = size
+
+    def release(self) -> None:
+        self.shrink(0)
+
+
+def response_budget(app: FastAPI) -> ResponseBudget:
+    """The app's budget of inline response bytes, made from the settings on first use."""
+    budget = getattr(app.state, "inline_budget", None)
+    if budget is None:
+        budget = app.state.inline_budget = ResponseBudget(get_settings().inline_response_budget_bytes)
+    return budget
+
+
+class _HeldStream(StreamingResponse):
+    """The completion's JSON, encoded piece by piece in worker threads while it is sent; its
+    budget hold is released when the response ends, however it ends (a client that leaves
+    mid-body included)."""
+
+    def __init__(self, body: CompletionBody, hold: Hold):
+        super().__init__(iter(body), media_type="application/json")
+        self._body = body
+        self._hold = hold
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._body.residual = None
+            self._hold.release()
+
+
 @router.post("/v1/completions", responses=errors(400, 401, 429, 503), openapi_extra=request_body(CompletionRequest, patch=_as_accepted))
-async def create_completion(request: Request, key: ApiKey = Depends(submit_key)) -> JSONResponse:
+async def create_completion(request: Request, key: ApiKey = Depends(submit_key)) -> StreamingResponse:
     """A completion; with `output_residual_stream`, the residual stream at every position that ran."""
     raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
     try:
-        body = json.loads(raw)
-    except ValueError:
+        body = await run_in_threadpool(json.loads, raw)  # a large body would stall the loop
+    except (ValueError, RecursionError):  # RecursionError: arrays nested too deep (`[[[[…`)
         raise InvalidRequest("The request body is not valid JSON.") from None
     parsed = parse_completion_request(body)
     # Tokenizing (and, the first time, reading the model's files) is blocking work.
     prepared = await run_in_threadpool(prepare_completion, parsed, registry_of(request.app))
-    if prepared.layers is not None:
-        await run_in_threadpool(consume_activation, key)
-    batcher = await engine_pool(request.app).get(prepared.model)
-    generation = await batcher.generate(prepared.prompt_ids, prepared.sampling, prepared.layers)
-    raw_bytes = 0 if generation.residual is None else generation.residual.numel() * 2
-    threads = -1 if raw_bytes > _THREADED_ZSTD_BYTES else 0  # -1: zstd uses every core
-    answer = await run_in_threadpool(completion_response, prepared, generation, zstd_threads=threads)
-    return JSONResponse(answer)
+    hold = response_budget(request.app).hold(prepared.max_residual_bytes)
+    try:
+        month = None
+        if prepared.layers is not None:
+            month = await run_in_threadpool(reserve_activations, key, prepared.max_positions)
+        try:
+            batcher = await engine_pool(request.app).get(prepared.model)
+            generation = await batcher.generate(prepared.prompt_ids, prepared.sampling, prepared.layers)
+            raw_bytes = 0 if generation.residual is None else generation.residual.numel() * 2
+            threads = -1 if raw_bytes > _THREADED_ZSTD_BYTES else 0  # -1: zstd uses every core
+            answer = await run_in_threadpool(completion_response, prepared, generation, zstd_threads=threads)
+        except BaseException:
+            if month is not None:  # shielded: a client that left cancels the request, not this
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(settle_activations, key, month, prepared.max_positions, 0)
+            raise
+        if month is not None:
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(settle_activations, key, month, prepared.max_positions, answer.positions)
+        hold.shrink(raw_bytes)
+    except BaseException:
+        hold.release()
+        raise
+    return _HeldStream(answer, hold)

@@ -1,11 +1,14 @@
 """The file route behind local-storage download links: `GET /v1/files/{job_id}/{name}`.
 
 It needs no API key: the link's HMAC signature and expiry are the credential (`api.links`).
-Expired, altered or foreign links get 403; a valid link to a file the retention sweep removed
-gets 404.
+Expired, altered, foreign or malformed links get 403 (an expiry or signature that is not the
+ASCII digits and hex this API writes is refused before anything reads it); a valid link to a
+file the retention sweep removed gets 404.
 """
 
 from __future__ import annotations
+
+import re
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
@@ -13,12 +16,17 @@ from fastapi.responses import FileResponse
 from api import deps
 from api.links import verify
 from api.openapi import errors
-from harvest.errors import FileGone
+from harvest.errors import FileGone, LinkRefused
 from harvest.jobfiles import JobFiles
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["files"])
+
+# What `api.links.sign` writes: unix seconds and a hex HMAC-SHA256. Spelled [0-9], not `\d` nor
+# str.isdigit(), which also take digits of other scripts (`²`, `٣`) that int() refuses.
+EXPIRES = re.compile(r"[0-9]{1,12}")
+SIGNATURE = re.compile(r"[0-9a-f]{64}")
 
 
 _FILE = {
@@ -35,6 +43,8 @@ _FILE = {
 @router.get("/files/{job_id}/{name}", response_class=FileResponse, responses={**_FILE, **errors(403, 404)})
 def download(job_id: str, name: str, expires: str | None = Query(None), signature: str | None = Query(None)):
     """A job's result file, for a signed unexpired link."""
+    if not (expires and EXPIRES.fullmatch(expires) and signature and SIGNATURE.fullmatch(signature)):
+        raise LinkRefused("This download link is not valid.")
     verify(job_id, name, expires, signature)
     files = JobFiles.for_job(job_id, deps.storage()).storage
     if not files.is_local:

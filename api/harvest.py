@@ -1,8 +1,11 @@
 """The bulk harvest routes: submit, read (with long-poll), cancel, list (SPEC §2, §3).
 
-The route is a thin facade: validate and estimate tokens (core), admit under the caps (job
-store), write the request next to the job's files, start the lane's run (run backend), and
-answer the harvest object. Status changes come from the watcher.
+The route is a thin facade: take a place in the replica's admission budget (`api.admission`)
+before reading the body, parse it and learn what the job costs off the event loop, cheapest
+facts first (`harvest.cost`: refused with a 400 before any tokenizer runs when the prompts'
+characters already say it is too big), admit under the caps (job store), write the request
+next to the job's files, start the lane's run (run backend), and answer the harvest object.
+Status changes come from the watcher.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import deps
+from api.admission import admission, declared_bytes
 from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
@@ -23,11 +27,12 @@ from api.openapi import KEYED, errors, request_body
 from api.ratelimit import read_key, submit_key
 from api.schemas import Harvest, HarvestList, render
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, run_stopped
+from harvest.cost import check_before_tokenizing, check_counts
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles, n_shards
 from harvest.lanes import load_lanes
-from harvest.pipeline import tokenize_job
 from harvest.request import HarvestRequest, resolve_job
+from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
 __all__ = ["router"]
 
@@ -44,9 +49,18 @@ router = APIRouter(prefix="/v1", tags=["harvest"])
 
 
 def _prepare(request: HarvestRequest) -> dict:
-    """Check the request against its model and estimate its tokens (400s come from here)."""
+    """Check the request against its model and learn its cost, cheapest facts first (every
+    400 comes from here); the job's row, its tokens counted."""
     job = resolve_job(request, deps.registry())
-    tokens = sum(len(t.ids) for t in tokenize_job(job))  # also refuses over 2,000,000
+    lane = load_lanes()[job.model.lane]
+    path = job.model.require_path()
+    chars_per_token = max_token_chars(path)
+    check_before_tokenizing(job, lane, chars_per_token=chars_per_token)
+    counts = count_tokens(
+        load_tokenizer(path), request.prompts, add_special_tokens=request.add_special_tokens,
+        max_len=job.model.max_model_len, chars_per_token=chars_per_token,
+    )
+    cost = check_counts(job, counts, lane)
     job_id = str(uuid.uuid4())
     files = JobFiles.for_job(job_id, deps.storage())
     return {
@@ -59,7 +73,7 @@ def _prepare(request: HarvestRequest) -> dict:
         "n_shards": n_shards(len(request.prompts), request.shard_size),
         "add_special_tokens": request.add_special_tokens,
         "contents": job.contents,
-        "reserved_tokens": tokens,
+        "reserved_tokens": cost.tokens,
         "request_url": files.request_url,
     }
 
@@ -122,12 +136,17 @@ _FOLLOW = {
 )
 async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
     """Submit a harvest: 202 with the harvest object, status pending."""
-    body = await deps.read_body(request)
-    # Strict: a JSON string is not a number nor a bool here, as the published schema says.
-    harvest_request = deps.parse(HarvestRequest, body, strict=True)
-    # With an Idempotency-Key, a repeat of the same request answers the job it made first.
-    idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
-    row = await run_in_threadpool(submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request))
+    async with admission(request.app).hold(key.id, declared_bytes(request, deps.MAX_BODY_BYTES)):
+        body = await deps.read_body(request)
+        # Parsed in a worker thread: 50 MB of JSON holds a thread for a while, never the loop.
+        # Strict: a JSON string is not a number nor a bool here, as the published schema says.
+        harvest_request = await run_in_threadpool(deps.parse, HarvestRequest, body, strict=True)
+        del body  # the parsed prompts are all that is kept
+        # With an Idempotency-Key, a repeat of the same request answers the job it made first.
+        idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
+        row = await run_in_threadpool(
+            submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request)
+        )
     request.app.state.watcher.kick()
     return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)
 
@@ -148,7 +167,7 @@ async def read_harvest(
     status = row["status"]
     if wait > 0 and status not in TERMINAL:
         watcher = deps.watcher(request)
-        if not watcher.try_enter():
+        if not watcher.try_enter(key.id):
             headers = {"X-Acs-Longpoll": "declined", "Retry-After": "3"}
         else:
             try:
@@ -164,7 +183,7 @@ async def read_harvest(
                         changed.clear()
                         row = await run_in_threadpool(get_job, job_id, key.id)
             finally:
-                watcher.leave()
+                watcher.leave(key.id)
     body = await run_in_threadpool(render, row, deps.storage(), deps.base_url(request), check_files=True)
     return JSONResponse(body, headers=headers)
 
@@ -205,15 +224,22 @@ async def list_harvests(
     after: str | None = Query(None, description="The last job_id of the previous page."),
     key: ApiKey = Depends(read_key),
 ):
-    """The caller's harvests, newest first, `limit` per page (page on with `after`)."""
-    rows, has_more = await run_in_threadpool(list_jobs, key.id, limit=limit, after=after)
-    data = [render(r, deps.storage(), deps.base_url(request)) for r in rows]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": has_more,
-            "first_id": data[0]["job_id"] if data else None,
-            "last_id": data[-1]["job_id"] if data else None,
-        }
-    )
+    """The caller's harvests, newest first, `limit` per page (page on with `after`); without
+    download links (read a job for its links)."""
+    page = await run_in_threadpool(_list_page, key.id, limit, after)
+    return JSONResponse(page)
+
+
+def _list_page(key_id: str, limit: int, after: str | None) -> dict:
+    """One page of the list, built in a worker thread: no links are signed for it (a page of
+    done jobs could otherwise need 100 × 4,096 signatures), so its cost is one query and
+    `limit` small objects."""
+    rows, has_more = list_jobs(key_id, limit=limit, after=after)
+    data = [render(r, deps.storage(), "", links=False) for r in rows]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "first_id": data[0]["job_id"] if data else None,
+        "last_id": data[-1]["job_id"] if data else None,
+    }

@@ -15,23 +15,33 @@ row-locks it and re-evaluates the condition after a concurrent writer commits, S
 serialises writers (BEGIN IMMEDIATE), so concurrent requests on any replicas never take the
 same token twice. It costs one short transaction per request. Time is each replica's wall
 clock (unix seconds); a replica whose clock is behind never refills a bucket backwards.
+
+Requests with no valid key (missing, unknown, revoked) have no key's bucket to drain, and
+each unknown key costs a job-store lookup. They are limited per client address instead, in
+the replica's memory (`AddressLimiter`, `HARVEST_RATE_ANONYMOUS_{PER_S,BURST}`): every
+request takes a token of its address before the store is asked, and a valid key gives it back,
+so only requests without a valid key spend them; an address with none left gets 429
+`rate_limit_exceeded` (Retry-After) without a query. Per replica is enough here: what it
+protects is this replica's time and the store's, and no key's quota is at stake.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import OrderedDict
 
-from fastapi import Depends
+from fastapi import Depends, FastAPI, Request
 from sqlalchemy import Float, case, literal, select, update
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey, current_key
+from api.auth import ApiKey, authenticate
 from api.db import ensure_row, rate_buckets, transaction
-from harvest.errors import RateLimited
+from harvest.errors import RateLimited, Unauthorized
 from harvest.settings import get_settings
 
-__all__ = ["take", "limits", "enforce", "submit_key", "read_key"]
+__all__ = ["take", "limits", "enforce", "AddressLimiter", "anonymous_limiter", "caller_key", "submit_key", "read_key"]
 
 
 def take(key_id: str, kind: str, *, per_s: float, burst: int, now: float | None = None, engine=None) -> float:
@@ -79,13 +89,82 @@ def enforce(key: ApiKey, kind: str) -> None:
         )
 
 
-async def submit_key(key: ApiKey = Depends(current_key)) -> ApiKey:
+class AddressLimiter:
+    """Token buckets per client address, in this process (see the module docstring).
+
+    At most `max_addresses` buckets are kept, least recently used dropped first: a dropped
+    bucket is a full one again, which only a flood from that many addresses at once could
+    exploit, and memory stays bounded whatever the addresses.
+    """
+
+    def __init__(self, per_s: float, burst: int, max_addresses: int = 65536):
+        self.per_s = per_s
+        self.burst = burst
+        self.max_addresses = max_addresses
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # address → [tokens, at]
+        self._lock = threading.Lock()
+
+    def take(self, address: str, now: float | None = None) -> None:
+        """Take one token of `address`, or raise 429 with the seconds until one is back."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            bucket = self._buckets.pop(address, None) or [float(self.burst), now]
+            bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.per_s)
+            bucket[1] = now
+            self._buckets[address] = bucket
+            while len(self._buckets) > self.max_addresses:
+                self._buckets.popitem(last=False)
+            if bucket[0] < 1.0:
+                retry_after = max(math.ceil((1.0 - bucket[0]) / self.per_s), 1)
+                raise RateLimited(
+                    f"Too many requests without a valid API key from your address. Send your key in the "
+                    f"Authorization header as 'Bearer YOUR_KEY'. Try again in {retry_after} "
+                    f"second{'s' if retry_after != 1 else ''}.",
+                    retry_after=retry_after,
+                )
+            bucket[0] -= 1.0
+
+    def give_back(self, address: str) -> None:
+        """Return the token a request with a valid key took."""
+        with self._lock:
+            bucket = self._buckets.get(address)
+            if bucket is not None:
+                bucket[0] = min(float(self.burst), bucket[0] + 1.0)
+
+
+def anonymous_limiter(app: FastAPI) -> AddressLimiter:
+    """The app's limiter of requests without a valid key, made from the settings on first use."""
+    limiter = getattr(app.state, "anonymous_limiter", None)
+    if limiter is None:
+        settings = get_settings()
+        limiter = app.state.anonymous_limiter = AddressLimiter(settings.rate_anonymous_per_s, settings.rate_anonymous_burst)
+    return limiter
+
+
+async def caller_key(request: Request) -> ApiKey:
+    """FastAPI dependency: the caller's key (401 otherwise), after its address's token for
+    requests without a valid key (429 when it has none left, before the job store is asked)."""
+    limiter = anonymous_limiter(request.app)
+    address = request.client.host if request.client is not None else ""
+    limiter.take(address)
+    try:
+        key = await run_in_threadpool(authenticate, request.headers.get("authorization"))
+    except Unauthorized:
+        raise  # the token stays spent
+    except BaseException:
+        limiter.give_back(address)  # the store failed, not the caller
+        raise
+    limiter.give_back(address)
+    return key
+
+
+async def submit_key(key: ApiKey = Depends(caller_key)) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), within its submit rate (429 otherwise)."""
     await run_in_threadpool(enforce, key, "submit")
     return key
 
 
-async def read_key(key: ApiKey = Depends(current_key)) -> ApiKey:
+async def read_key(key: ApiKey = Depends(caller_key)) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), within its read rate (429 otherwise)."""
     await run_in_threadpool(enforce, key, "read")
     return key

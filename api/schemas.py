@@ -101,8 +101,9 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else aware(value).isoformat()
 
 
-def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = False) -> dict:
-    """The harvest object of a job row, with fresh links when it is done.
+def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = False, links: bool = True) -> dict:
+    """The harvest object of a job row, with fresh links when it is done (`links=False`: the
+    result's numbers only, as the list gives them).
 
     Links expire `url_expiry_s` after this read, and never after the files' retention ends.
     Past retention (or when the sweep already removed the manifest) the result keeps its
@@ -134,6 +135,8 @@ def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = Fa
         return body
     result = dict(row["result"])
     body["result"] = result
+    if not links:
+        return body
     now = datetime.now(timezone.utc)
     purge_at = aware(row["completed_at"]) + timedelta(days=settings.retention_days)
     files = JobFiles.for_job(row["id"], storage)

@@ -20,6 +20,7 @@ what wakes long-poll waiters on any replica.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, func, insert, or_, select, update
@@ -46,6 +47,7 @@ from harvest.errors import (
     NotFound,
     QuotaExceeded,
     SpendCapped,
+    safe_job_error,
 )
 
 __all__ = [
@@ -68,6 +70,8 @@ __all__ = [
     "tokens_used",
     "key_usage",
 ]
+
+log = logging.getLogger("harvest.api.store")
 
 ACTIVE = ("pending", "running")
 SPEND_CAP = "spend_cap_retry_after"
@@ -303,10 +307,20 @@ def apply_state(job_id: str, state: RunState, *, result: dict | None = None, eng
                 started_at=started or utcnow(), shards_done=result.get("n_shards", row["n_shards"]),
             )
         if state.status == "failed":
-            return _end(conn, job_id, status="failed", tokens=0, error=state.message or "The harvest run failed.")
+            return _end(conn, job_id, status="failed", tokens=0, error=_run_error(job_id, state.message))
         if state.status == "cancelled":
             return _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if started else 0)
         return False
+
+
+def _run_error(job_id: str, message: str | None) -> str:
+    """A failed run's message as the job's `error`: kept when the run made it from the error
+    vocabulary (`harvest.errors.job_error`), else the vocabulary's sentence and a reference;
+    the run's own text (which can name host paths, sockets, memory figures) goes to the log."""
+    error, ref = safe_job_error(message)
+    if ref is not None:
+        log.error("job %s failed (ref %s): %s", job_id, ref, message or "the run gave no message")
+    return error
 
 
 def record_restart(job_id: str, max_restarts: int, engine=None) -> bool:

@@ -16,7 +16,10 @@ exactly once) and counts written shards for progress. It also finishes what othe
   so no run goes on unfollowed and uncharged.
 
 A `?wait=` reader never talks to Prefect: it sleeps on an asyncio event that is set when its
-job changes, announced by whichever replica changed it (`api.notify`).
+job changes, announced by whichever replica changed it (`api.notify`). A replica holds at most
+`longpoll_max_waiters` such readers, and one key at most its share of them
+(`longpoll_key_share`, at least one); a reader over either is answered at once, as an
+immediate read with `X-Acs-Longpoll: declined` and `Retry-After: 3` (the documented answer).
 
 """
 
@@ -43,6 +46,7 @@ from api.store import (
     unstarted_jobs,
 )
 from harvest.jobfiles import JobFiles
+from harvest.settings import get_settings
 from harvest.storage import Storage
 
 __all__ = ["Watcher"]
@@ -55,7 +59,7 @@ class Watcher:
 
     def __init__(
         self, runs: Runs, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
-        max_restarts: int = 3, orphan_after_s: float = 30.0,
+        max_restarts: int = 3, orphan_after_s: float = 30.0, per_key: int | None = None,
     ):
         self.runs = runs
         self.storage = storage
@@ -65,6 +69,10 @@ class Watcher:
         self.max_restarts = max_restarts
         self.orphan_after_s = orphan_after_s
         self.waiting = 0
+        if per_key is None:  # a share of the slots, at least one (`longpoll_key_share`)
+            per_key = max(1, int(max_waiters * get_settings().longpoll_key_share))
+        self.per_key = per_key
+        self._held: dict[str, int] = defaultdict(int)  # waiter slots held, by key id
         self.ticks = 0
         self.run_reads = 0
         self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
@@ -202,15 +210,21 @@ class Watcher:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.notify, job_id)
 
-    def try_enter(self) -> bool:
-        """Take a waiter slot, or False when `max_waiters` are already held."""
-        if self.waiting >= self.max_waiters:
+    def try_enter(self, key_id: str) -> bool:
+        """Take a waiter slot for the key, or False when `max_waiters` are already held, or the
+        key holds its share of them (`per_key`), so one key cannot keep the others' reads from
+        waiting. The declined read is answered at once (`X-Acs-Longpoll: declined`)."""
+        if self.waiting >= self.max_waiters or self._held[key_id] >= self.per_key:
             return False
         self.waiting += 1
+        self._held[key_id] += 1
         return True
 
-    def leave(self) -> None:
+    def leave(self, key_id: str) -> None:
         self.waiting -= 1
+        self._held[key_id] -= 1
+        if self._held[key_id] <= 0:
+            del self._held[key_id]
 
     @contextmanager
     def subscription(self, job_id: str):

@@ -84,6 +84,8 @@ def fuzz_env(home: Path) -> dict[str, str]:
         "HARVEST_MODELS_FILE": str(models),
         "HARVEST_RATE_READ_BURST": "1000000", "HARVEST_RATE_READ_PER_S": "1000000",
         "HARVEST_RATE_SUBMIT_BURST": "1000000", "HARVEST_RATE_SUBMIT_PER_S": "1000000",
+        # Its auth checks send requests without a key from one address and expect 401 each.
+        "HARVEST_RATE_ANONYMOUS_BURST": "1000000", "HARVEST_RATE_ANONYMOUS_PER_S": "1000000",
         "HARVEST_WATCH_INTERVAL_S": "0.5",
         # Every ?wait= is declined at once (X-Acs-Longpoll: declined, a documented answer):
         # fuzzed jobs never change status, so each long-poll would hold the run up to 60 s.

@@ -22,7 +22,8 @@ shards already written and verified (size + sha256 record beside each) are skipp
 re-run of the same flow run (rescheduled after its host died) costs only the shard in flight.
 
 How a run ends is decided in one place, `ending`: done returns the summary; a cancel ends
-Cancelled; any error ends Failed with a short reason (e.g. `capture_failed: …`), and no
+Cancelled; any error ends Failed with a short reason from the error vocabulary and a
+reference (e.g. `engine_failed: … (ref 3f2a…)`, details in the run's log under it), and no
 manifest is written.
 """
 
@@ -36,7 +37,7 @@ from prefect.states import Failed, State
 from flows.placement import WORKERS_LABEL, choose_workers, place_run
 from flows.progress import RunProgress, summary_artifact
 from flows.scale_out import collect_helpers, split_ranges, start_helpers
-from harvest.errors import HarvestError
+from harvest.errors import job_error
 from harvest.jobfiles import JobFiles
 from harvest.pipeline import Cancelled, tokenize_job
 from harvest.registry import load_registry
@@ -47,16 +48,6 @@ from harvest.warm.client import open_engine
 from tasks.shards import ShardWork, finalize_job, run_shard_range
 
 __all__ = ["harvest", "ending"]
-
-
-def _short(exc: BaseException) -> str:
-    """A one-line reason for the job's `error` field: the error code and its message."""
-    if isinstance(exc, HarvestError):
-        text = f"{exc.code}: {exc.message}"
-    else:
-        text = f"{type(exc).__name__}: {exc}"
-    text = " ".join(text.split())
-    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def ending(exc: BaseException, job_id: str, files: JobFiles, run: RunProgress | None, helper: bool) -> State:
@@ -73,10 +64,13 @@ def ending(exc: BaseException, job_id: str, files: JobFiles, run: RunProgress | 
         if run is not None and run.cancelling():
             run.client.set_flow_run_state(run.id, CancelledState(message="Cancelled by request."), force=True)
         raise exc
-    logger.error("job %s failed", job_id, exc_info=exc)
+    # The job's error names the reference; the details (an engine server's log tail, paths,
+    # memory figures) stay in this log, under it.
+    message, ref = job_error(exc)
+    logger.error("job %s failed (ref %s)", job_id, ref, exc_info=exc)
     if not helper:
         files.discard_manifest()  # a failed job leaves no manifest
-    return Failed(message=_short(exc))
+    return Failed(message=message)
 
 
 @flow(name="harvest", persist_result=False, log_prints=False)

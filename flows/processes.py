@@ -57,7 +57,8 @@ class Managed:
     """One child process (in its own session) and how to stop it and everything it started.
 
     Every instance is listed in `Managed.started`, so a supervisor interrupted half-way
-    through starting things can still stop all of them.
+    through starting things can still stop all of them. `restart()` starts the same command
+    again in the same object (a supervisor restarting a child that died).
     """
 
     started: list["Managed"] = []
@@ -66,12 +67,31 @@ class Managed:
         self.name = name
         self.signals = signals
         self.log_path = log
+        self._command = (argv, env, cwd)
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")
-        self.proc = subprocess.Popen(
+        self.proc = self._popen()
+        Managed.started.append(self)
+
+    def _popen(self) -> subprocess.Popen:
+        argv, env, cwd = self._command
+        return subprocess.Popen(
             argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True
         )
-        Managed.started.append(self)
+
+    def restart(self) -> None:
+        """Start the same command again once the process has exited, after killing whatever of
+        its session is left (e.g. the Prefect worker of a run starter that was killed), so the
+        new one never runs beside an old one."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} (pid {self.pid}) is still running")
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self._log.closed:
+            self._log = open(self.log_path, "ab")
+        self.proc = self._popen()
 
     @property
     def pid(self) -> int:

@@ -10,7 +10,10 @@
 Each role reads only its own configuration: `PREFECT_API_URL` (api, worker),
 `HARVEST_DATABASE_URL` (api), `HARVEST_STORAGE_URL` with `HARVEST_S3_ENDPOINT_URL` and the
 AWS variables (api, worker), Prefect's `PREFECT_API_DATABASE_CONNECTION_URL` (server), and
-`HARVEST_HOME` as the host's own scratch: model cache, logs, Prefect's home. Each runs its
+`HARVEST_HOME` as the host's own scratch: model cache, logs, Prefect's home. The control
+plane requires a password (`flows.prefect_auth`): `harvest server` takes
+`PREFECT_SERVER_API_AUTH_STRING` or generates one into its HARVEST_HOME; the other roles send
+`PREFECT_API_AUTH_STRING` (or the one in their HARVEST_HOME, on one host). Each runs its
 children with `HARVEST_HOME` as working directory, and flow code is imported from the
 installed package (deployments have module entrypoints and no pull steps), so no role reads
 the source checkout or another role's files. Each prints its ready line(s) on stdout once it
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
 from flows.processes import WILDCARDS, Managed, free_port, local_address, start_server, start_worker, wait_http
 
 __all__ = [
@@ -56,23 +60,51 @@ def advertised(host: str) -> str:
 
 
 class Supervisor:
-    """The children of one role (or of `harvest up`): watched, and stopped together."""
+    """The children of one role (or of `harvest up`): watched, restarted one by one when they
+    die, and stopped together.
+
+    A child that dies (an API replica OOM-killed, a worker crashed) is started again on its own
+    command, port and log, while the others keep running: at most `restart_limit` times within
+    `restart_window_s` (settings); one more death means it cannot stay up, and the supervisor
+    stops everything and exits 1, saying which child and where its log is.
+    """
 
     # Stop order: API first (no new jobs), then workers (and their flow runs), the server last.
     ORDER = {"api": 0, "prefect-server": 2}
 
-    def __init__(self, prog: str):
+    def __init__(self, prog: str, restart_limit: int | None = None, restart_window_s: float | None = None):
+        from harvest.settings import get_settings
+
+        settings = get_settings()
         self.prog = prog
         self.stopping = threading.Event()
+        self.restart_limit = settings.restart_limit if restart_limit is None else restart_limit
+        self.restart_window_s = restart_window_s or settings.restart_window_s
+        self.restarts: dict[int, list[float]] = {}  # id(child) -> monotonic times of its restarts
 
     def watch(self) -> int:
-        """Block until a child dies (→ 1); a signal unwinds it with KeyboardInterrupt."""
+        """Block, restarting children that die, until one dies too often (→ 1); a signal
+        unwinds it with KeyboardInterrupt."""
         while not self.stopping.wait(1.0):
-            for child in Managed.started:
-                if not child.alive():
-                    say(self.prog, f"{child.name} exited with {child.proc.returncode}; stopping (log: {child.log_path})")
+            for child in list(Managed.started):
+                if not child.alive() and not self.restart(child):
                     return 1
         return 0
+
+    def restart(self, child: Managed) -> bool:
+        """Restart a child that exited; False when it has used up its restarts."""
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(id(child), []) if now - t < self.restart_window_s]
+        code = child.proc.returncode
+        if len(recent) >= self.restart_limit:
+            say(self.prog, f"{child.name} exited with {code} after {len(recent)} restarts in {self.restart_window_s:.0f} s; "
+                           f"stopping (log: {child.log_path})")
+            return False
+        child.restart()
+        self.restarts[id(child)] = [*recent, now]
+        say(self.prog, f"{child.name} exited with {code}; restarted as pid {child.pid} "
+                       f"({len(recent) + 1} of {self.restart_limit} in {self.restart_window_s:.0f} s; log: {child.log_path})")
+        return True
 
     def down(self) -> None:
         self.stopping.set()
@@ -131,8 +163,12 @@ def _prefect_home(home: Path) -> Path:
 
 def start_control_plane(home: Path, host: str, port: int, timeout: float = 90) -> tuple[Managed, str]:
     """The Prefect server (its database from PREFECT_API_DATABASE_CONNECTION_URL, else SQLite
-    under PREFECT_HOME), then pools, deployments, schedules and liveness automations."""
-    server, api_url = start_server(_prefect_home(home), port, {"HARVEST_HOME": str(home)}, timeout, host=host, advertise=advertised(host))
+    under PREFECT_HOME), with basic auth on (`flows.prefect_auth.server_auth`), then pools,
+    deployments, schedules and liveness automations."""
+    auth = server_auth(home)
+    use_client_auth(auth)  # our own deploy calls
+    env = {"HARVEST_HOME": str(home), SERVER_ENV: auth}
+    server, api_url = start_server(_prefect_home(home), port, env, timeout, host=host, advertise=advertised(host))
     apply_control_plane(api_url)
     return server, api_url
 
@@ -225,6 +261,12 @@ def _prefect_api_url(prog: str) -> str:
     url = os.environ.get("PREFECT_API_URL")
     if not url:
         raise SystemExit(f"{prog}: set PREFECT_API_URL to the control plane's (what `harvest server` printed)")
+    auth = client_auth(_home())
+    if auth is None:
+        say(prog, "no PREFECT_API_AUTH_STRING: a control plane with its password on (as `harvest server` "
+                  "runs) answers 401; set it to the server's PREFECT_SERVER_API_AUTH_STRING")
+    else:
+        use_client_auth(auth)  # this role's own calls and every child's
     return url
 
 

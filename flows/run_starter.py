@@ -19,6 +19,10 @@ loaded (`harvest.warm`). On a worker host this module removes that cost with a f
   preloading) it becomes `python -m prefect.engine` itself. It imports only the standard
   library, so it starts in tens of milliseconds.
 
+Both ends check the other's uid (SO_PEERCRED) before trusting it: the starter runs code for
+whoever connects, and the launcher hands over the worker's environment, credentials included;
+a socket served by another user is not used (the run starts the slow way).
+
 A launcher that dies (SIGKILL after a cancel's grace, or with its worker) takes its run along:
 the starter sees its connection close and kills the run's process group. Forking is safe
 because the starter stays single-threaded (one `selectors` loop, no threads), never touches
@@ -40,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["STARTER_ENV", "REREAD", "launch", "RunStarter", "main"]
+__all__ = ["STARTER_ENV", "REREAD", "launch", "connect_to_starter", "RunStarter", "main"]
 
 STARTER_ENV = "HARVEST_RUN_STARTER"
 _LENGTH = struct.Struct("!I")
@@ -54,14 +58,28 @@ REREAD = ("PREFECT_", "HARVEST_", "FSSPEC_", "AWS_")
 # --- the launcher (standard library only) ----------------------------------------------------
 
 
-def _connect(path: str) -> socket.socket | None:
+def _peer_uid(sock: socket.socket) -> int:
+    """The uid of the process on the other end of a Unix socket, from the kernel (SO_PEERCRED)."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+
+
+def connect_to_starter(path: str) -> socket.socket | None:
+    """A connection to the host's starter at `path`, or None: nothing listens there, or what
+    listens runs as another user. The launcher sends the worker's whole environment (its
+    credentials) down this socket, so it checks who listens before sending a byte."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-        return sock
+        uid = _peer_uid(sock)
     except OSError:
         sock.close()
         return None
+    if uid != os.getuid():
+        sock.close()
+        print(f"run starter: {path} is served by uid {uid}, not by us (uid {os.getuid()}): not used, "
+              "this run starts the slow way", file=sys.stderr, flush=True)
+        return None
+    return sock
 
 
 def _engine_argv(argv: list[str]) -> list[str]:
@@ -72,7 +90,7 @@ def _engine_argv(argv: list[str]) -> list[str]:
 def launch(argv: list[str]) -> int:
     """Run this flow run in the host's starter; returns its exit status."""
     path = os.environ.get(STARTER_ENV)
-    sock = _connect(path) if path else None
+    sock = connect_to_starter(path) if path else None
     if sock is None:
         os.execv(sys.executable, _engine_argv(argv))
     payload = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "argv": argv}).encode()
@@ -217,7 +235,7 @@ class RunStarter:
         conn, _ = listener.accept()
         fds: list[int] = []
         try:
-            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            uid = _peer_uid(conn)
             if uid != os.getuid():
                 raise PermissionError(f"a launcher of uid {uid}")
             conn.settimeout(10)

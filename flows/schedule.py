@@ -120,12 +120,14 @@ def main(argv: list[str]) -> int:
         print("harvest schedule: no Prefect server: start the stack (`harvest up`) or set PREFECT_API_URL.", file=sys.stderr)
         return 2
 
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+    from flows.prefect_auth import client_auth
     from harvest.errors import HarvestError
 
+    auth = client_auth(get_settings().home)  # the control plane's password (`flows.prefect_auth`)
     try:
-        with temporary_settings({PREFECT_API_URL: api_url}):
+        with temporary_settings({PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: auth} if auth else {})}):
             return _run(args)
     except HarvestError as exc:
         print(f"harvest schedule: {exc.message}", file=sys.stderr)

@@ -4,7 +4,9 @@ The fleet's roles (`flows.roles`) on one box, sharing one HARVEST_HOME, started 
 each waited for:
 
 1. the control plane: the Prefect server on 127.0.0.1:$HARVEST_PREFECT_PORT (default 4200),
-   SQLite under `$HARVEST_HOME/prefect` (PREFECT_HOME) — meanwhile the embedded model is built
+   SQLite under `$HARVEST_HOME/prefect` (PREFECT_HOME), its API behind basic auth
+   (`flows.prefect_auth`: PREFECT_API_AUTH_STRING, else `$HARVEST_HOME/prefect-auth`,
+   generated on the first start), which every child is given — meanwhile the embedded model is built
    if needed and the dev API key created (first start only; kept in `$HARVEST_HOME/dev-key`);
    then pools, deployments and liveness automations (idempotent, limits re-applied);
 2. one worker host per lane of infra/lanes.toml (`small`, `large`);
@@ -18,7 +20,9 @@ Then prints, on stdout:
 
 and `$HARVEST_HOME/stack.json` records the URLs (for `harvest schedule`). Ctrl-C or SIGTERM
 stops every child, the workers' flow-run processes included, and leaves no process behind.
-If a child dies on its own, the stack stops and exits 1, saying which and where its log is.
+A child that dies on its own (an API OOM-killed) is restarted alone, on the same port, while
+the others run on (`flows.roles.Supervisor`, a bounded number of times; then the stack stops
+and exits 1, saying which and where its log is).
 Logs: `$HARVEST_HOME/logs/`.
 """
 
@@ -33,6 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flows.prefect_auth import SERVER_ENV, server_auth, use_client_auth
 from flows.roles import apply_control_plane, serve, start_api_replica, start_worker_host
 from flows.processes import start_server
 from harvest.lanes import load_lanes
@@ -84,12 +89,16 @@ def _import_flows() -> None:
 def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
     """Start everything (children go to `Managed.started`); returns the ready lines."""
     started = time.monotonic()
+    # One password for the server and every client on this box; set before anything imports
+    # Prefect (its settings are read at import), so all children inherit it.
+    auth = server_auth(home)
+    use_client_auth(auth)
     env = {**os.environ, "HARVEST_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     prefect_home = Path(os.environ.get("PREFECT_HOME") or home / "prefect")
     # Everything that does not need the server runs while it starts (~10 s): the dev key, the
     # embedded model, and importing the flows (torch, transformers) for the deploy.
     with ThreadPoolExecutor(8) as pool:
-        server_f = pool.submit(start_server, prefect_home, prefect_port, env, 90)
+        server_f = pool.submit(start_server, prefect_home, prefect_port, {**env, SERVER_ENV: auth}, 90)
         key_f = pool.submit(dev_key, home, env)
         models_f = pool.submit(_build_models)
         imports_f = pool.submit(_import_flows)

@@ -24,7 +24,15 @@
     │   ├── CapacityExceeded              429 harvest_capacity_exceeded
     │   └── ActivationQuotaExceeded       429 activation_quota_exceeded
     ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs not startable)
-    └── CaptureFailed                     500 capture_failed (a hook missed a layer)
+    ├── CaptureFailed                     500 capture_failed (a hook missed a layer)
+    ├── ReplicaBusy                       503 replica_busy (this API replica's budget is spent; Retry-After)
+    ├── EngineFailed                      500 engine_failed (a job's engine died or erred; details in the logs)
+    └── StorageFailed                     500 storage_failed (a job's files could not be read or written)
+        └── StorageFull                   500 storage_full (no space left for a job's files)
+
+A job's `error` never carries an exception's own text (it can hold host paths, socket names,
+memory figures): `job_error` turns any exception into a sentence of this vocabulary plus a
+reference, and the caller logs the details under that reference.
 
 Each class fixes its HTTP status, `type` and `code` (a raise site cannot invent a code), so
 the API maps any of them to the error body `{"error": {message, type, param, code}}` in one
@@ -36,6 +44,9 @@ that names the offending field: the API's routes, the inline route and the CLI a
 
 from __future__ import annotations
 
+import errno
+import re
+import secrets
 from typing import Iterable, Mapping
 
 __all__ = [
@@ -63,8 +74,16 @@ __all__ = [
     "CapacityExceeded",
     "ActivationQuotaExceeded",
     "ModelUnavailable",
+    "ReplicaBusy",
     "CaptureFailed",
     "invalid_from_pydantic",
+    "EngineFailed",
+    "StorageFailed",
+    "StorageFull",
+    "JOB_ERROR",
+    "new_reference",
+    "job_error",
+    "safe_job_error",
 ]
 
 
@@ -255,6 +274,21 @@ class ModelUnavailable(HarvestError):
     code = "harvest_unavailable"
 
 
+class ReplicaBusy(HarvestError):
+    """This API replica is spending its whole budget for this kind of work (submits being
+    read and tokenized at once, `api.admission`; inline response bytes in flight,
+    `api.completions`); `retry_after` (seconds) becomes the
+    Retry-After header. Another replica, or this one a moment later, takes the request."""
+
+    status = 503
+    type = "server_error"
+    code = "replica_busy"
+
+    def __init__(self, message: str, *, retry_after: int):
+        super().__init__(message)
+        self.headers["Retry-After"] = str(retry_after)
+
+
 class CaptureFailed(HarvestError):
     """A capture missed a layer: the request fails rather than return a short tensor."""
 
@@ -292,3 +326,74 @@ def invalid_from_pydantic(errors: list[dict], *, hints: Mapping[str, str] | None
         return InvalidRequest(f"Invalid value for {param!r}: {hints[param]}.", param=param)
     message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
     return InvalidRequest(f"Invalid value for {'.'.join(loc)!r}: {message}.", param=param)
+
+
+# --- serving bounds and job errors: the replica's byte budget, the vocabulary of job errors ---
+
+class EngineFailed(HarvestError):
+    """The engine running a job died or failed (out of memory, a lost engine server)."""
+
+    code = "engine_failed"
+
+
+class StorageFailed(HarvestError):
+    """A job's files could not be read or written."""
+
+    code = "storage_failed"
+
+
+class StorageFull(StorageFailed):
+    """The storage had no space left for a job's files."""
+
+    code = "storage_full"
+
+
+_SENTENCES = {
+    StorageFull.code: "The storage had no space left for the harvest's files.",
+    EngineFailed.code: "The engine running this harvest failed.",
+    StorageFailed.code: "The harvest's files could not be read or written.",
+    HarvestError.code: "The harvest failed on our side.",
+}
+JOB_ERROR = re.compile(r"^[a-z_]+: [^\n]{1,600} \(ref [0-9a-f]{12}\)$")
+"""What every job `error` made by `job_error` looks like: `code: sentence (ref 0123456789ab)`."""
+
+
+def new_reference() -> str:
+    """A short random id that ties a job's `error` to the log lines holding its details."""
+    return secrets.token_hex(6)
+
+
+def _kind(exc: BaseException) -> type[HarvestError]:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return StorageFull
+    if isinstance(exc, OSError) and not isinstance(exc, (ConnectionError, TimeoutError)):
+        return StorageFailed  # fsspec and s3fs raise OSError subclasses (FileNotFoundError, PermissionError)
+    if isinstance(exc, (RuntimeError, MemoryError, ConnectionError, TimeoutError, EOFError)):
+        return EngineFailed  # a lost or failed engine server, an out-of-memory torch error
+    return HarvestError
+
+
+def job_error(exc: BaseException) -> tuple[str, str]:
+    """A job's `error` for the exception that failed it, and its reference.
+
+    Our own refusals (a request the model cannot run, a capture that missed a layer) keep
+    their message: we wrote it for the user. Anything else is the vocabulary's sentence for its
+    kind; the caller logs the exception under the reference.
+    """
+    ref = new_reference()
+    if isinstance(exc, HarvestError) and type(exc).code not in _SENTENCES:
+        text = " ".join(exc.message.split())
+        text = text if len(text) <= 500 else text[:497] + "..."
+        return f"{exc.code}: {text} (ref {ref})", ref
+    kind = type(exc) if isinstance(exc, HarvestError) else _kind(exc)
+    return f"{kind.code}: {_SENTENCES[kind.code]} (ref {ref})", ref
+
+
+def safe_job_error(message: str | None) -> tuple[str, str | None]:
+    """A run's failure message as a job's `error`: kept when `job_error` made it, else replaced
+    by the vocabulary's sentence and a new reference (returned, for the caller to log the
+    original under)."""
+    if message and JOB_ERROR.match(message):
+        return message, None
+    ref = new_reference()
+    return f"{HarvestError.code}: {_SENTENCES[HarvestError.code]} (ref {ref})", ref

@@ -23,9 +23,11 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from harvest.engines.base import Generation, SamplingSpec
 from harvest.errors import (
@@ -38,7 +40,8 @@ from harvest.errors import (
 )
 from harvest.layers import resolve_layers
 from harvest.registry import ModelInfo, Registry
-from harvest.residual_codec import encode_residual
+from harvest.request import WholeInt
+from harvest.residual_codec import encode_residual_chunks
 from harvest.tokenize import load_tokenizer
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "activation_prompt_cap",
     "prepare_completion",
     "completion_response",
+    "CompletionBody",
 ]
 
 MAX_STOP = 4
@@ -68,27 +72,27 @@ class CompletionRequest(BaseModel):
 
     model: str
     """Served model name, as listed by `GET /v1/models`."""
-    prompt: str | list[StrictInt]
+    prompt: str | list[WholeInt]
     """Text (tokenized with BOS) or token ids (run verbatim)."""
-    max_tokens: StrictInt = Field(default=16, ge=1)
+    max_tokens: WholeInt = Field(default=16, ge=1)
     """Tokens to generate; prompt + max_tokens must fit in max_model_len."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """0 is greedy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    seed: StrictInt | None = None
+    seed: WholeInt | None = None
     """The same seed on the same engine reproduces the same draw."""
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     """Up to 4 strings; the completion ends before the first of them and leaves it out."""
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: WholeInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Log-probabilities of the sampled tokens plus this many most likely alternatives."""
-    output_residual_stream: StrictBool | list[StrictInt] = False
+    output_residual_stream: StrictBool | list[WholeInt] = False
     """true: every decoder layer; a list: those layers (returned ascending, deduplicated)."""
     # OpenAI fields accepted at their neutral values only.
-    n: StrictInt = 1
+    n: WholeInt = 1
     stream: StrictBool = False
     echo: StrictBool = False
-    best_of: StrictInt | None = None
+    best_of: WholeInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -189,6 +193,19 @@ class PreparedCompletion:
     def sampling(self) -> SamplingSpec:
         return self.request.sampling()
 
+    @property
+    def max_positions(self) -> int:
+        """Residual-stream positions the response holds at most (every max_tokens sampled)."""
+        return len(self.prompt_ids) + self.request.max_tokens - 1
+
+    @property
+    def max_residual_bytes(self) -> int:
+        """Bytes of the captured residual stream at most (bf16), 0 without activations: what
+        the replica holds for this response while it runs, encodes and sends it."""
+        if self.layers is None:
+            return 0
+        return len(self.layers) * self.max_positions * self.model.hidden_size * 2
+
 
 def _prompt_ids(request: CompletionRequest, model: ModelInfo) -> list[int]:
     path = model.require_path()
@@ -260,7 +277,44 @@ def _logprobs_body(generation: Generation, tokenizer) -> dict:
     }
 
 
-def completion_response(prepared: PreparedCompletion, generation: Generation, *, zstd_threads: int = 0) -> dict:
+_DATA_MARK = "\u0000residual-data\u0000"
+"""Stands for the residual stream's `data` while the rest of the body is rendered: a JSON
+string no engine output can hold (a NUL inside a key's value we set ourselves)."""
+
+
+def _render(body: dict) -> bytes:
+    """JSON exactly as the API's JSONResponse renders it (Starlette's own settings)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+@dataclass
+class CompletionBody:
+    """A completion's response body, ready to stream: JSON bytes in pieces.
+
+    Without activations it is one piece. With them, the body around the residual stream's
+    `data` is rendered once, and `data` is encoded while it is sent (`encode_residual_chunks`),
+    so the replica never holds the whole payload as text; the bytes are those of
+    `completion_response`'s dict rendered by a JSONResponse. Iterating is blocking work (zstd):
+    a streaming response runs it in worker threads, off the event loop.
+    """
+
+    head: bytes
+    tail: bytes = b""
+    residual: torch.Tensor | None = None
+    zstd_threads: int = 0
+    positions: int = 0
+    """Residual-stream positions in the body (`shape[1]`): what the activation quota counts."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.head
+        if self.residual is None:
+            return
+        yield from encode_residual_chunks(self.residual, threads=self.zstd_threads)
+        self.residual = None  # the tensor's memory goes as soon as the last piece is out
+        yield self.tail
+
+
+def completion_response(prepared: PreparedCompletion, generation: Generation, *, zstd_threads: int = 0) -> CompletionBody:
     """The response body: OpenAI's text_completion, plus `activations` when they were asked."""
     n_prompt, n_generated = len(generation.prompt_ids), len(generation.token_ids)
     logprobs = None
@@ -274,13 +328,24 @@ def completion_response(prepared: PreparedCompletion, generation: Generation, *,
         "choices": [{"index": 0, "text": generation.text, "logprobs": logprobs, "finish_reason": generation.finish_reason}],
         "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated},
     }
-    if prepared.layers is not None:
-        residual = generation.residual
-        expected = [len(prepared.layers), n_prompt + n_generated - 1, prepared.model.hidden_size]
-        if residual is None or list(residual.shape) != expected:
-            got = None if residual is None else list(residual.shape)
-            raise CaptureFailed(f"The engine returned a residual stream of shape {got}, expected {expected}.")
-        stream = encode_residual(residual, threads=zstd_threads)
-        stream["layers"] = list(prepared.layers)  # which blocks shape[0] holds, ascending
-        body["activations"] = {"residual_stream": stream}
-    return body
+    if prepared.layers is None:
+        return CompletionBody(head=_render(body))
+    residual = generation.residual
+    expected = [len(prepared.layers), n_prompt + n_generated - 1, prepared.model.hidden_size]
+    if residual is None or list(residual.shape) != expected:
+        got = None if residual is None else list(residual.shape)
+        raise CaptureFailed(f"The engine returned a residual stream of shape {got}, expected {expected}.")
+    if residual.dtype != torch.bfloat16:
+        raise CaptureFailed(f"The engine returned a residual stream of {residual.dtype}, not bfloat16.")
+    body["activations"] = {"residual_stream": {
+        "data": _DATA_MARK,
+        "dtype": "int16",
+        "original_dtype": "torch.bfloat16",
+        "shape": expected,
+        "compression": "zstd",
+        "layers": list(prepared.layers),  # which blocks shape[0] holds, ascending
+    }}
+    head, mark, tail = _render(body).rpartition(json.dumps(_DATA_MARK, ensure_ascii=False).encode("utf-8")[1:-1])
+    if not mark:
+        raise AssertionError("the residual stream's place in the body was lost")
+    return CompletionBody(head=head, tail=tail, residual=residual, zstd_threads=zstd_threads, positions=expected[1])

@@ -3,8 +3,8 @@
 A lane is a fleet of worker hosts serving the same class of models: its Prefect work pool has
 the lane's name and its deployment is `harvest-<lane>` (`flows.deploy`), the registry checks
 that every model names a declared lane (`harvest.registry`), and the API caps jobs per key and
-service-wide per lane (`api.store`). Nothing else spells a lane: adding one is a config edit
-plus `harvest server`.
+service-wide per lane (`api.store`) and refuses shards too big for the lane's hosts
+(`harvest.cost`). Nothing else spells a lane: adding one is a config edit plus `harvest server`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class Lane(BaseModel, frozen=True):
     """Jobs queued or running across the service; more are refused with harvest_capacity_exceeded."""
     gpus_per_run: int = Field(default=1, ge=1)
     """GPUs one flow run of this lane uses."""
+    max_shard_bytes: int | None = Field(default=None, ge=1)
+    """Most bytes of one shard file: what a worker host's disk (where a shard is staged) or
+    one object of the store holds. A submit whose shards would be bigger is refused at
+    admission naming the largest shard_size that fits (`harvest.cost`); None is no limit."""
     description: str = ""
 
     @property

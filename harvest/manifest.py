@@ -46,6 +46,8 @@ class Manifest(BaseModel):
     hidden_size: int
     add_special_tokens: bool
     bos_token_id: int | None
+    """The BOS id the model's tokenizer puts at position 0 with `add_special_tokens`, or null
+    when it adds none (SmolLM2's): then position 0 is the prompt's own first token."""
     max_model_len: int
     shard_size: int
     shards: list[ShardRecord]
@@ -73,5 +75,8 @@ def statistics_sentence(contents: str) -> str:
     return (
         f"stats.safetensors holds the per-layer mean and standard deviation (population, float32, "
         f"computed in float64 with Welford/Chan merging) of {what}, over every token position "
-        f"except the first of each prompt; count is the number of positions."
+        f"except the first of each prompt; count is the number of positions. The first position is "
+        f"left out because its vector is an outlier: the BOS token where the tokenizer adds one "
+        f"(bos_token_id), else the prompt's first real token (bos_token_id null), an attention sink "
+        f"either way, whose norm can be ~100x the others' (SmolLM2-135M: ~22,700 against 140-570)."
     )

@@ -26,7 +26,7 @@ from harvest.request import ResolvedJob, check_token_total
 from harvest.shards import ShardRecord, encode_shard, shard_name, shard_ranges, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
-from harvest.tokenize import TokenizedPrompt, load_tokenizer, tokenize_prompts
+from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts
 
 __all__ = [
     "Timings", "JobSummary", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards", "finalize", "run_job",
@@ -247,7 +247,7 @@ def finalize(
         dtype="bfloat16" if job.directions is None else "float32",
         hidden_size=job.model.hidden_size,
         add_special_tokens=job.request.add_special_tokens,
-        bos_token_id=load_tokenizer(job.model.require_path()).bos_token_id,
+        bos_token_id=added_bos_token_id(load_tokenizer(job.model.require_path())),
         max_model_len=job.model.max_model_len,
         shard_size=job.request.shard_size,
         shards=records,

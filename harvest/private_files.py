@@ -4,15 +4,25 @@ written first and chmodded after: in between any local user could read them.
 
     write_private(path, text)                  atomically create or replace `path`, mode 0600
     write_private(path, text, replace=False)   create it only if absent (the first writer wins)
+    private_dir(path)                          a folder only we can enter (made 0700, or checked)
+
+A folder in a place every user can write (`/tmp`) may have been made by someone else before
+us: `private_dir` uses it only when it is a real folder (not a link), ours, and 0700.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 
-__all__ = ["write_private"]
+__all__ = ["write_private", "private_dir", "NotPrivate"]
+
+
+class NotPrivate(PermissionError):
+    """A folder we were to keep private already exists and is not (another owner, a wider mode,
+    a link). Never used, never repaired: whoever made it may already hold a way in."""
 
 
 def write_private(path: Path, text: str, *, replace: bool = True) -> bool:
@@ -36,3 +46,21 @@ def write_private(path: Path, text: str, *, replace: bool = True) -> bool:
             return False
     finally:
         staging.unlink(missing_ok=True)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a folder only this user can enter: created 0700 when absent, else used only
+    when it is a folder (not a link), owned by us, mode 0700; `NotPrivate` otherwise."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700)  # the mode applies at creation (a umask can only narrow it)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotPrivate(f"{path} exists and is not a folder: refusing to use it; remove it")
+    if info.st_uid != os.getuid():
+        raise NotPrivate(f"{path} belongs to uid {info.st_uid}, not to us (uid {os.getuid()}): refusing to use it; remove it")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        raise NotPrivate(f"{path} has mode {stat.S_IMODE(info.st_mode):o}, not 700: refusing to use it; remove it")
+    return path

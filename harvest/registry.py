@@ -10,9 +10,10 @@ import json
 import logging
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from harvest.built_checkpoints import ensure_builtin, is_built
 from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable
 from harvest.lanes import load_lanes
 from harvest.settings import Settings, get_settings
@@ -43,6 +44,10 @@ class ModelInfo:
     tensor_parallel_size: int = 1
     """GPUs one run of the model spreads it over; a worker host's slots must have this many
     (`harvest.placement.check_fits`)."""
+    build_target: Path | None = None
+    """For a project-built checkpoint not built yet: where `require_path` builds it."""
+    build_entry: dict | None = field(default=None, compare=False)
+    """Its registry entry (which builder, from what source); plain data, so ModelInfo pickles."""
 
     @property
     def display_name(self) -> str:
@@ -54,6 +59,8 @@ class ModelInfo:
         return self.path is not None
 
     def require_path(self) -> Path:
+        if self.path is None and self.build_target is not None:
+            self._build()
         if self.path is None:
             # The message goes to users: it names the model, never where the server looked
             # (its directories are nobody's business outside it; operators have the log line).
@@ -65,6 +72,18 @@ class ModelInfo:
                 "or use another model from GET /v1/models."
             )
         return self.path
+
+    def _build(self) -> None:
+        """Build the checkpoint on first use of its weights (listing the model needs only its
+        declared shapes), check them against its config, and hold its folder from then on."""
+        path = ensure_builtin(self.build_target, self.name, self.build_entry or {})
+        if path is None:
+            return
+        shapes = _shapes_from_config(path)
+        if (shapes["n_layers"], shapes["hidden_size"]) != (self.n_layers, self.hidden_size):
+            raise ValueError(f"models.toml: {self.name} declares {self.n_layers} layers of {self.hidden_size}, "
+                             f"but its built config says {shapes['n_layers']} of {shapes['hidden_size']}")
+        object.__setattr__(self, "path", path)  # frozen for callers; set once, as the registry would have
 
     def capabilities(self) -> dict:
         return {
@@ -116,7 +135,8 @@ def _shapes_from_config(path: Path) -> dict:
 
 
 class Registry:
-    """Served models by name; builds the embedded model the first time it is asked for."""
+    """Served models by name; builds the project's own checkpoints (`builtin = true`) the first
+    time they are asked for (`harvest.built_checkpoints`)."""
 
     def __init__(self, entries: dict[str, dict], settings: Settings):
         self._entries = entries
@@ -150,10 +170,12 @@ class Registry:
         if lane not in lanes:
             raise ValueError(f"models.toml: {name} has lane {lane!r}; the lanes are {', '.join(lanes)} ({self._settings.lanes_file})")
         weights = entry["weights"]
-        if entry.get("builtin"):
-            from harvest.tiny_model import ensure_tiny_model
-
-            path = ensure_tiny_model(self._settings.home / weights)
+        build_target = None
+        if entry.get("builtin") and "declared" in entry and not is_built(self._settings.home / weights):
+            # Shapes are declared: list it now, build it when its weights are first needed.
+            path, build_target = None, self._settings.home / weights
+        elif entry.get("builtin"):
+            path = ensure_builtin(self._settings.home / weights, name, entry)
         else:
             path = _find_checkpoint(weights, self._settings)
         declared = entry.get("declared", {})
@@ -183,6 +205,8 @@ class Registry:
             max_activation_prompt_tokens=int(entry.get("max_activation_prompt_tokens", max_model_len)),
             builtin=bool(entry.get("builtin", False)),
             tensor_parallel_size=tensor_parallel_size,
+            build_target=build_target,
+            build_entry=dict(entry) if build_target is not None else None,
         )
 
 

@@ -7,9 +7,9 @@ against the registry (layers, directions) so a bad request is refused before a G
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
 from harvest.capture import CaptureSpec
 from harvest.errors import InvalidRequest
@@ -17,10 +17,23 @@ from harvest.layers import resolve_layers
 from harvest.projection import Directions, decode_directions
 from harvest.registry import ModelInfo, Registry
 
-__all__ = ["MAX_PROMPTS", "MAX_TOKENS", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
+__all__ = ["MAX_PROMPTS", "MAX_TOKENS", "WholeInt", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
 
 MAX_PROMPTS = 4096
 MAX_TOKENS = 2_000_000
+
+
+def _whole(value: Any) -> Any:
+    """A JSON number with no fraction (`514.0`, `5.14e2`) is that integer, as JSON Schema's
+    `integer` says; anything else goes on to the strict check (`514.5`, `"514"` and `true`
+    are refused there)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+WholeInt = Annotated[int, Strict(), BeforeValidator(_whole)]
+"""An integer field of a request: a whole number, whether written `514` or `514.0`."""
 
 
 class ProjectOnto(BaseModel):
@@ -32,7 +45,7 @@ class ProjectOnto(BaseModel):
     """base64 of the raw little-endian bytes, `n_directions × hidden × itemsize` long."""
     dtype: Literal["float32", "float16", "bfloat16"]
     """Element type of `data`."""
-    shape: list[int]
+    shape: list[WholeInt]
     """`[n_directions, hidden_size]`; at most 64 directions."""
     compression: str | None = "none"
     """Only "none" is accepted."""
@@ -47,12 +60,13 @@ class HarvestRequest(BaseModel):
     """Served model name, as in `GET /v1/models`."""
     prompts: list[str] = Field(min_length=1, max_length=MAX_PROMPTS)
     """1 to 4096 non-empty prompt texts."""
-    layers: list[int] | Literal["all"] | None = None
+    layers: list[WholeInt] | Literal["all"] | None = None
     """Block indices to keep, "all", or None for the quartile blocks."""
-    shard_size: int = Field(default=32, ge=1, le=4096)
-    """Prompts per shard file."""
-    batch_size: int | None = Field(default=None, ge=1, le=4096)
-    """Forward batch (prompts) on the HF reference engine only; vLLM batches on its own."""
+    shard_size: WholeInt = Field(default=32, ge=1, le=4096)
+    """Prompts per shard file; the lane's `max_shard_bytes` bounds what one may hold."""
+    batch_size: WholeInt | None = Field(default=None, ge=1, le=4096)
+    """Forward batch (prompts) on the HF reference engine only, a hint: a forward pass never
+    holds more padded tokens than the engine's token budget; vLLM batches on its own."""
     add_special_tokens: bool = True
     """True prepends the model's BOS token to each prompt; false tokenizes the text verbatim."""
     project_onto: ProjectOnto | None = None

@@ -11,18 +11,25 @@ bench/RESULTS.md): the whole gain (ratio ~1.28) is zstd's entropy coding of the 
 sign/exponent byte; the mantissa byte is noise, so levels 1-9 give the same ratio and 15-19
 add ~1% at 100× the time. Level 2 was the fastest of the equal-ratio levels; negative
 (fast) levels skip the entropy stage and gain nothing.
+
+`encode_residual_chunks` is the same `data` text in pieces, for a response that streams it:
+it reads the tensor's memory in place and holds one piece at a time (never the raw bytes,
+the compressed bytes and the base64 text of the whole stream at once). The zstd frame
+records the content size, as a one-shot compression does, so `ZstdDecompressor().decompress`
+(the user docs' snippet) reads it.
 """
 
 from __future__ import annotations
 
 import base64
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 import zstandard
 
-__all__ = ["ZSTD_LEVEL", "encode_residual", "decode_residual", "residual_payload_bytes"]
+__all__ = ["ZSTD_LEVEL", "encode_residual", "encode_residual_chunks", "decode_residual", "residual_payload_bytes"]
 
 ZSTD_LEVEL = 2
 """Measured in bench/bench_inline.py: see bench/RESULTS.md for ratio and speed per level."""
@@ -38,6 +45,50 @@ def _le_int16_bytes(residual: torch.Tensor) -> bytes:
     if sys.byteorder != "little":  # the wire format is little-endian whatever the host is
         bits = bits.byteswap()
     return bits.tobytes()
+
+
+def _le_int16_view(residual: torch.Tensor) -> memoryview:
+    """The tensor's bf16 bits as little-endian int16 bytes, in C order, without a copy where
+    the tensor is already contiguous on the host of a little-endian machine."""
+    if residual.dtype != torch.bfloat16:
+        raise TypeError(f"the residual stream must be bfloat16, not {residual.dtype}")
+    bits = residual.detach().contiguous().cpu().view(torch.int16).numpy()
+    if sys.byteorder != "little":
+        bits = bits.byteswap()
+    return memoryview(bits).cast("B")
+
+
+def encode_residual_chunks(
+    residual: torch.Tensor, *, level: int = ZSTD_LEVEL, threads: int = 0, piece_bytes: int = 256 << 10
+) -> Iterator[bytes]:
+    """The base64 text of `encode_residual(residual)["data"]`, as ASCII bytes in pieces.
+
+    Raw bytes go to zstd `piece_bytes` at a time; what comes out is base64-encoded in multiples
+    of 3 bytes (the last piece carries the padding), so the pieces join to exactly the one-shot
+    text.
+    """
+    raw = _le_int16_view(residual)
+    compressor = zstandard.ZstdCompressor(level=level, threads=threads)
+    chunker = compressor.chunker(size=len(raw), chunk_size=piece_bytes)
+    carry = b""
+
+    def encoded(block: bytes) -> bytes | None:
+        nonlocal carry
+        if carry:
+            block = carry + block
+        cut = len(block) - len(block) % 3
+        carry = block[cut:]
+        return base64.b64encode(memoryview(block)[:cut]) if cut else None
+
+    for start in range(0, len(raw), piece_bytes):
+        for block in chunker.compress(raw[start : start + piece_bytes]):
+            if (text := encoded(block)) is not None:
+                yield text
+    for block in chunker.finish():
+        if (text := encoded(block)) is not None:
+            yield text
+    if carry:
+        yield base64.b64encode(carry)
 
 
 def encode_residual(residual: torch.Tensor, *, level: int = ZSTD_LEVEL, threads: int = 0) -> dict:

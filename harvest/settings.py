@@ -150,6 +150,15 @@ class Settings(BaseSettings):
     """Automatic scale-out gives every run at least this many shards: a job is spread over more
     runs only when each would still do this much (every run loads the model once)."""
 
+    # --- supervision: `harvest up` and the roles restart a child process that dies ---
+    restart_limit: int = Field(default=5, ge=0)
+    """Restarts of one child (an API replica, a worker, the Prefect server) within
+    `restart_window_s`; one more death and the supervisor stops everything and exits 1 (a
+    child that cannot stay up). 0: never restart, stop at the first death."""
+
+    restart_window_s: float = Field(default=300.0, gt=0)
+    """The window `restart_limit` counts restarts in, seconds."""
+
 
     # --- API hardening (issue 12): links, request rates, request ids ---
     trust_host_header: bool = False
@@ -169,6 +178,47 @@ class Settings(BaseSettings):
 
     rate_read_burst: int = Field(default=500, ge=1)
     """Per key: reads allowed at once before the sustained rate applies."""
+
+    # --- admission (per API replica): what a submit may cost before its cost is known ---
+    admission_concurrency: int = Field(default=2, ge=1)
+    """Submits (POST /v1/harvest) this replica reads, parses and tokenizes at once (each in a
+    worker thread, off the event loop); more wait their turn (`api.admission`)."""
+
+    admission_bytes: int = Field(default=128 << 20, ge=1 << 20)
+    """Request bodies, in bytes, that submits being admitted hold at once on this replica: a
+    submit counts its Content-Length (the route's 50 MB cap when it sends none) from before
+    its body is read until it is answered. One body bigger than this is admitted only alone."""
+
+    admission_key_share: int = Field(default=1, ge=1)
+    """Submits of one key this replica admits at once: a key's burst of large bodies queues
+    behind itself, and other keys' submits take the other places."""
+
+    admission_queue: int = Field(default=64, ge=0)
+    """Submits waiting for a place on this replica; one more is answered at once with 503
+    `replica_busy` and Retry-After."""
+
+    admission_wait_s: float = Field(default=20.0, gt=0)
+    """How long a submit waits for a place before it is answered 503 `replica_busy` with
+    Retry-After (its body still unread: the client sends it again later, or to another replica)."""
+
+    # --- serving bounds of an API replica: inline bytes, long-poll shares, callers without a key ---
+    inline_response_budget_bytes: int = Field(default=512 << 20, ge=1 << 20)
+    """Per replica: bytes of inline residual streams in flight (captured, encoding or being
+    sent), counted at their largest (layers × (prompt + max_tokens − 1) × hidden × 2) from
+    before the engine runs until the response is sent. A request that would pass it is answered
+    503 `replica_busy` with `Retry-After`; one bigger than the whole budget runs only alone."""
+
+    longpoll_key_share: float = Field(default=0.25, gt=0, le=1)
+    """Per key: the share of a replica's `longpoll_max_waiters` one key may hold (at least one
+    slot); its further `?wait=` reads are answered at once, `X-Acs-Longpoll: declined`."""
+
+    rate_anonymous_per_s: float = Field(default=2.0, gt=0)
+    """Per client address, per replica: sustained requests that carry no valid key (a missing,
+    unknown or revoked key) per second; over it 429 `rate_limit_exceeded` before the job store
+    is asked. The address is the connection's (uvicorn's `--proxy-headers` behind a proxy)."""
+
+    rate_anonymous_burst: int = Field(default=100, ge=1)
+    """Per client address, per replica: requests without a valid key allowed at once."""
 
 
 @lru_cache(maxsize=1)

@@ -10,11 +10,11 @@ special. head_dim is 64 because vLLM's CPU attention only supports some head siz
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-__all__ = ["TINY_CONFIG", "BOS", "EOS", "build_tiny_model", "ensure_tiny_model"]
+from harvest.built_checkpoints import ensure_built, plain_tokenizer_config, write_atomically
+
+__all__ = ["TINY_CONFIG", "BOS", "EOS", "write_tiny_model", "build_tiny_model", "ensure_tiny_model"]
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -59,24 +59,16 @@ def _train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def build_tiny_model(target: Path, *, config_overrides: dict | None = None, vocab_size: int = 2048) -> Path:
-    """Write a deterministic random-weight Llama checkpoint into `target` (replaced atomically)."""
+def write_tiny_model(folder: Path, *, config_overrides: dict | None = None, vocab_size: int = 2048) -> None:
+    """Write the deterministic random-weight Llama checkpoint into the empty `folder`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-
+    staging = Path(folder)
     tokenizer = _train_tokenizer(vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS)
     fast.save_pretrained(staging)
-    # Name the generic fast class so older readers (vLLM's tokenizer loader) accept it too.
-    config_path = staging / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config["model_max_length"] = TINY_CONFIG["max_position_embeddings"]
-    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    plain_tokenizer_config(staging, TINY_CONFIG["max_position_embeddings"])
 
     params = {**TINY_CONFIG, **(config_overrides or {})}
     # Round the embedding table up to a multiple of 64, as real checkpoints do.
@@ -93,29 +85,15 @@ def build_tiny_model(target: Path, *, config_overrides: dict | None = None, voca
     model.save_pretrained(staging, safe_serialization=True)
     (staging / "BUILT_BY").write_text(json.dumps({"builder": "harvest.tiny_model", "seed": SEED}) + "\n")
 
-    if target.exists():
-        import shutil
 
-        shutil.rmtree(target)
-    os.replace(staging, target)
-    return target
+def build_tiny_model(target: Path, *, config_overrides: dict | None = None, vocab_size: int = 2048) -> Path:
+    """Write the checkpoint into `target` (replaced atomically), whether or not it is there."""
+    return write_atomically(
+        target, lambda folder: write_tiny_model(folder, config_overrides=config_overrides, vocab_size=vocab_size)
+    )
 
 
 def ensure_tiny_model(target: Path) -> Path:
-    """Build the checkpoint the first time it is needed; later calls only check it is there.
-
-    The first requests of a fresh API replica or worker host arrive together, from threads and
-    processes alike: an exclusive lock file beside the checkout makes one of them build it and
-    the others wait and find it, instead of replacing it under a reader's feet.
-    """
-    import fcntl
-
-    target = Path(target)
-    if (target / "model.safetensors").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (target / "model.safetensors").exists():
-            build_tiny_model(target)
-    return target
+    """Build the checkpoint the first time it is needed (once per host, under a lock:
+    `harvest.built_checkpoints`); later calls only check it is there."""
+    return ensure_built(target, write_tiny_model)

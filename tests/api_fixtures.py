@@ -13,7 +13,8 @@ Fixtures (each server starts only when a test asks for it, and is killed at sess
     ``activation_quota``; default: small 3, large 1, no quotas).
 ``harvest_api`` → ``ApiServer`` for the harvest tests: a test registry that adds
     ``llama-tiny-large`` (the tiny model on the large lane) and ``llama-tiny-noharvest``
-    (served, not harvested), a 0.2 s watcher, a waiter limit of 2 and a large-lane capacity of 2. Its ``.make_key(**limits)``
+    (served, not harvested), and ``llama-tiny-xl`` on a lane ``xl`` whose shards hold at most 1 MiB,
+    a 0.2 s watcher, a waiter limit of 2 and a large-lane capacity of 2. Its ``.make_key(**limits)``
     works like ``make_key``.
 For real Prefect runs, give an ``ApiServer`` ``HARVEST_RUN_BACKEND=api.runs:PrefectRuns`` and
 ``PREFECT_API_URL`` (as tests/test_api_stack.py does against a live ``harvest up``).
@@ -51,13 +52,15 @@ __all__ = ["ApiServer", "FileRuns", "set_run", "finish_run", "free_port"]
 REPO = Path(__file__).resolve().parent.parent
 
 # The service's lanes with a smaller service-wide capacity on `large` (so a test can fill it)
-# and one lane more, `xl`, declared in config only (as an operator adds one).
+# and one lane more, `xl`, declared in config only (as an operator adds one), whose shards
+# may hold at most 1 MiB (so a test can go over it with the tiny model).
 TEST_LANES = """
 [lanes.xl]
 pool_limit = 1
 key_limit = 2
 capacity = 10
 gpus_per_run = 8
+max_shard_bytes = 1048576
 description = "an added lane (tests)"
 """
 

@@ -3,10 +3,13 @@ and one process worker per lane. Loaded for every test by `tests/conftest.py`.
 
 Fixtures (all session-scoped; the server and workers start only when a test asks for them):
 
-``prefect_server`` → ``PrefectServer(api_url, ui_url, process)``
+``prefect_server`` → ``PrefectServer(api_url, ui_url, process, auth)``
     `prefect server start` on a free loopback port, SQLite under the session's HARVEST_HOME
-    (~10 s, once). Sets ``PREFECT_API_URL`` in ``os.environ`` (so subprocesses such as a
-    uvicorn API inherit it) and in this process's Prefect settings. Stopped at session end.
+    (~10 s, once), with basic auth on as every role runs it (`flows.prefect_auth`; ``auth`` is
+    its ``user:password``). Sets ``PREFECT_API_URL`` and ``PREFECT_API_AUTH_STRING`` in
+    ``os.environ`` (so subprocesses such as a uvicorn API inherit them) and in this process's
+    Prefect settings. Stopped at session end. A test restarting the server passes
+    ``server_env(auth)`` to ``start_server``.
 
 ``prefect_deployments`` → list of deployment names
     infra/prefect.yaml applied: pools ``small`` (limit 3) and ``large`` (limit 1),
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool"]
+__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool", "server_env"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,27 +72,39 @@ class PrefectServer:
     api_url: str
     ui_url: str
     process: object
+    auth: str
+    """The server's basic-auth ``user:password``."""
+
+
+def server_env(auth: str) -> dict[str, str]:
+    """The environment of a Prefect server that requires `auth`."""
+    from flows.prefect_auth import SERVER_ENV
+
+    return {SERVER_ENV: auth}
 
 
 @pytest.fixture(scope="session")
 def prefect_server(harvest_home: Path):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+    from flows.prefect_auth import CLIENT_ENV
     from flows.processes import free_port, start_server
 
     port = free_port()
-    server, api_url = start_server(harvest_home / "prefect-server", port, timeout=90)
-    previous = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = api_url
-    current = PrefectServer(api_url=api_url, ui_url=f"http://127.0.0.1:{port}", process=server)
+    auth = f"harvest-test:{secrets.token_urlsafe(24)}"
+    server, api_url = start_server(harvest_home / "prefect-server", port, server_env(auth), timeout=90)
+    previous = {name: os.environ.get(name) for name in ("PREFECT_API_URL", CLIENT_ENV)}
+    os.environ.update({"PREFECT_API_URL": api_url, CLIENT_ENV: auth})
+    current = PrefectServer(api_url=api_url, ui_url=f"http://127.0.0.1:{port}", process=server, auth=auth)
     try:
-        with temporary_settings({PREFECT_API_URL: api_url}):
+        with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}):
             yield current
     finally:
-        if previous is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         # Whichever process serves now: a test may have restarted the server on the same port.
         current.process.stop()
         if current.process is not server:

@@ -76,7 +76,8 @@ print(stats["mean"].shape, stats["std"].shape)
 def stack(tmp_path_factory, harvest_home, tiny):
     home = tmp_path_factory.mktemp("stack-home")
     shutil.copytree(harvest_home / "models", home / "models")  # the built tiny model, not rebuilt
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL") and k != "PREFECT_HOME"}
+    # No PREFECT_API_AUTH_STRING either: the stack makes its own control-plane password.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "PREFECT_API_AUTH")) and k != "PREFECT_HOME"}
     env.update({"HARVEST_HOME": str(home), "HARVEST_ENGINE": "hf", "PREFECT_WORKER_QUERY_SECONDS": "1"})
     port, prefect_port = free_port(), free_port()
     log = open(home / "up.log", "w")
@@ -97,6 +98,7 @@ def stack(tmp_path_factory, harvest_home, tiny):
             assert time.monotonic() < deadline, "harvest up was not ready in 240 s"
         info["home"] = str(home)
         info["prefect_api_url"] = json.loads((home / "stack.json").read_text())["prefect_api_url"]
+        info["prefect_auth"] = (home / "prefect-auth").read_text().strip()
         yield info
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -158,6 +160,7 @@ def test_api_killed_mid_job_follows_the_same_flow_run(stack):
     server = ApiServer(home, f"restart-{uuid.uuid4().hex[:6]}", {
         "HARVEST_RUN_BACKEND": "api.runs:PrefectRuns",
         "PREFECT_API_URL": stack["prefect_api_url"],
+        "PREFECT_API_AUTH_STRING": stack["prefect_auth"],
         "HARVEST_STORAGE_URL": f"file://{home / 'storage'}",
         "HARVEST_WATCH_INTERVAL_S": "0.5",
     }).start()
@@ -198,12 +201,12 @@ def test_a_jobs_runs_are_found_and_cancelled_by_its_tag(stack):
     """What a failed start relies on (`api.harvest._submit`, the watcher's `stop_run`): the
     run Prefect created is found by the job's tag alone, with no run id, and cancelled."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from flows.submit import cancel_job_runs, start_harvest_run
 
     job_id = str(uuid.uuid4())
-    with temporary_settings({PREFECT_API_URL: stack["prefect_api_url"]}):
+    with temporary_settings({PREFECT_API_URL: stack["prefect_api_url"], PREFECT_API_AUTH_STRING: stack["prefect_auth"]}):
         run_id = start_harvest_run(job_id, "file:///nowhere/request.json", "llama-tiny", "small", "key-tag-test")
         assert cancel_job_runs(job_id) == 1
         assert cancel_job_runs(str(uuid.uuid4())) == 0  # another job's tag finds nothing

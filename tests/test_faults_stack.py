@@ -53,6 +53,7 @@ def _prefect_runs_of(job_id: str) -> list:
 
 def test_prefect_server_restarted_mid_job_ends_done_and_charged_once(faults_api, prefect_server, harvest_home):
     from flows.processes import start_server
+    from tests.prefect_fixtures import server_env
 
     faults_api.flow_env(**slow_shards(1.0))
     try:
@@ -70,7 +71,7 @@ def test_prefect_server_restarted_mid_job_ends_done_and_charged_once(faults_api,
     prefect_server.process.stop()  # SIGTERM; the session fixture stops whichever process is current
     down_at = time.monotonic()
     assert faults_api.read(job_id)["status"] == "running"  # the API answers from its store meanwhile
-    prefect_server.process, _ = start_server(harvest_home / "prefect-server", port, timeout=120)
+    prefect_server.process, _ = start_server(harvest_home / "prefect-server", port, server_env(prefect_server.auth), timeout=120)
     print(f"Prefect server down for {time.monotonic() - down_at:.1f} s")
 
     job = faults_api.wait(job_id, timeout=240)

@@ -12,12 +12,16 @@ namespaces of their own, files on moto's S3 server, nothing else shared.
   LastModified), charged once.
 - Replica death: the replica holding the watcher lease is SIGKILLed; the other takes the lease
   over within seconds, and a long-poll already waiting on it wakes on the job's next change.
+- The control plane is closed: from a worker host's namespace, a call to the Prefect API
+  without the password answers 401 (with it, 200); every job above runs with auth on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -121,6 +125,28 @@ def _expected_tokens(prompts) -> int:
     return sum(len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts)
 
 
+_PROBE = """
+import base64, sys, httpx
+headers = {"Authorization": "Basic " + base64.b64encode(sys.argv[2].encode()).decode()} if len(sys.argv) > 2 else {}
+print(httpx.post(sys.argv[1] + "/flow_runs/filter", json={}, headers=headers, timeout=10).status_code)
+"""
+
+
+def test_the_control_plane_refuses_a_worker_host_without_its_password(fleet):
+    host = fleet.hosts[0].host
+
+    def status(*auth: str) -> int:
+        argv = host.argv([sys.executable, "-c", _PROBE, fleet.prefect_api_url, *auth])
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=str(fleet.root))
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.strip())
+
+    assert status() == 401
+    assert status("harvest:wrong") == 401
+    assert status(fleet.prefect_auth) == 200
+    assert (fleet.root / "control-plane" / "prefect-auth").stat().st_mode & 0o777 == 0o600
+
+
 def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_links(fleet):
     a, b = fleet.replicas
     assert sorted(r.health()["watcher"] for r in fleet.replicas) == [False, True]  # one follows Prefect
@@ -193,9 +219,10 @@ def test_a_host_that_dies_mid_job_loses_nothing(fleet):
     assert _charged(fleet, job["job_id"]) == manifest["tokens"] == _expected_tokens(prompts)
 
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: fleet.prefect_api_url}), get_client(sync_client=True) as client:
+    settings = {PREFECT_API_URL: fleet.prefect_api_url, PREFECT_API_AUTH_STRING: fleet.prefect_auth}
+    with temporary_settings(settings), get_client(sync_client=True) as client:
         run = client.read_flow_run(run_id)
         history = [s.name for s in client.read_flow_run_states(run_id)]
     assert run.run_count == 2 and "Crashed" in history, history

@@ -162,15 +162,126 @@ def test_refusals(client, base_url):
     _error(httpx.post(f"{base_url}/completions", json={"model": "llama-tiny", "prompt": "x"}), 401, "invalid_api_key")
 
 
-def test_activation_quota(base_url):
-    from api.auth import create_key
+def test_activation_quota_counts_the_positions_returned(base_url, client):
+    """The quota counts residual-stream positions that responses carried (the usage record
+    against the returned shape), not requests nor what max_tokens asked for."""
+    from api.auth import activations_used, create_key
 
-    key, _ = create_key("inline-quota", activation_quota=1)
+    # A greedy run stopped early by a stop string from its own text returns fewer positions
+    # than max_tokens asked for.
+    free = _complete(client, prompt=[5, 17, 200, 31], max_tokens=12, temperature=0).json()["choices"][0]["text"]
+    stop = next(free[i:i + 3] for i in range(2, len(free) - 3) if free[i:i + 3].strip() and free[i:i + 3] not in free[:i])
+    key, record = create_key("inline-quota", activation_quota=40)
     with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as limited:
-        assert _complete(limited, max_tokens=1, output_residual_stream=[0]).status_code == 200
-        _error(_complete(limited, max_tokens=1, output_residual_stream=[0]), 429, "activation_quota_exceeded")
+        early = _complete(limited, prompt=[5, 17, 200, 31], max_tokens=12, temperature=0, stop=stop, output_residual_stream=[0])
+        assert early.status_code == 200, early.text
+        assert early.json()["choices"][0]["finish_reason"] == "stop"
+        returned = decode_residual_stream(early.json()).shape[1]
+        assert returned < 4 + 12 - 1
+        assert activations_used(record.id) == returned
+        # What is left (40 - returned) is under what the next request may return: refused,
+        # and nothing more counted.
+        over = _complete(limited, prompt=[5, 17, 200, 31], max_tokens=40 - returned - 2, output_residual_stream=[0])
+        _error(over, 429, "activation_quota_exceeded")
+        assert activations_used(record.id) == returned
         # plain completions are not activation requests
         assert _complete(limited, max_tokens=1).status_code == 200
+        assert activations_used(record.id) == returned
+
+
+def test_a_large_response_streams_its_payload_in_pieces(client):
+    """The body is streamed (no Content-Length), renders exactly as a JSONResponse of the same
+    object would, and the docs' decoder reads it."""
+    import json
+
+    with client.stream("POST", "/completions", json={
+        "model": "llama-tiny", "prompt": [7], "max_tokens": 200, "temperature": 0, "output_residual_stream": True,
+    }) as answer:
+        assert answer.status_code == 200
+        assert "content-length" not in answer.headers and answer.headers["content-type"] == "application/json"
+        pieces = list(answer.iter_raw())
+    raw = b"".join(pieces)
+    body = json.loads(raw)
+    assert raw == json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+    assert decode_residual_stream(body).shape == (8, 200, 256)
+
+
+def test_encoding_a_response_holds_one_piece_at_a_time():
+    """Before, the whole payload existed as compressed bytes, base64 bytes, a str and the
+    JSON text at once (~4 copies of the raw size) on the event loop; the streamed body's
+    Python allocations stay a fraction of the raw size, and its text is the one-shot text."""
+    import tracemalloc
+
+    from harvest.engines.base import Generation
+    from harvest.inline import CompletionRequest, PreparedCompletion, completion_response
+    from harvest.registry import load_registry
+    from harvest.residual_codec import encode_residual
+
+    model = load_registry().get("llama-tiny")
+    n_tokens = 2000
+    residual = torch.randn(8, n_tokens, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    raw_bytes = residual.numel() * 2  # 8 MiB
+    prepared = PreparedCompletion(CompletionRequest(model="llama-tiny", prompt=[1], max_tokens=n_tokens, output_residual_stream=True),
+                                  model, [1], list(range(8)))
+    generation = Generation(prompt_ids=[1], token_ids=[2] * n_tokens, text="x", finish_reason="length", residual=residual)
+    tracemalloc.start()
+    try:
+        sent = 0
+        for piece in completion_response(prepared, generation):
+            sent += len(piece)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sent > raw_bytes  # random bf16 barely compresses: the payload passed through whole
+    assert peak < raw_bytes / 4, f"{peak / 2**20:.1f} MiB held to send {raw_bytes / 2**20:.0f} MiB"
+    import json
+
+    body = json.loads(b"".join(completion_response(prepared, generation)))
+    assert body["activations"]["residual_stream"]["shape"] == [8, n_tokens, 256]
+    assert torch.equal(torch.from_numpy(decode_residual_stream(body).view(np.int16).copy()), residual.view(torch.int16))
+    one_shot = encode_residual(residual)
+    assert decode_residual_stream({"activations": {"residual_stream": one_shot}}).tobytes() == decode_residual_stream(body).tobytes()
+
+
+def _given_back(budget) -> None:
+    """The server releases a hold once its last byte is sent, a moment after the client has it."""
+    deadline = time.monotonic() + 10
+    while budget.in_flight:
+        assert time.monotonic() < deadline, f"{budget.in_flight} bytes still held"
+        time.sleep(0.05)
+
+
+def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(base_url, key, inline_app):
+    """Two concurrent responses that do not fit the budget together: one runs, the other is
+    503 replica_busy with Retry-After before any engine work or quota; one response bigger
+    than the whole budget still runs alone; every hold is given back."""
+    from api.auth import activations_used, create_key
+    from api.completions import ResponseBudget
+
+    one = 8 * (1 + 300 - 1) * 256 * 2  # all layers, a 1-token prompt, 300 tokens: its most bytes
+    budget = ResponseBudget(limit=one + one // 2)
+    inline_app.state.inline_budget = budget
+    quota_key, record = create_key("inline-budget", activation_quota=10_000)
+    body = {"model": "llama-tiny", "prompt": [7], "max_tokens": 300, "temperature": 0, "output_residual_stream": True}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {quota_key}"}, timeout=120) as session:
+            return await asyncio.gather(session.post("/completions", json=body), session.post("/completions", json=body))
+
+    try:
+        answers = asyncio.run(both())
+        assert sorted(a.status_code for a in answers) == [200, 503], [a.text[:200] for a in answers]
+        busy = next(a for a in answers if a.status_code == 503)
+        assert busy.json()["error"]["code"] == "replica_busy" and busy.headers["Retry-After"] == "2"
+        assert activations_used(record.id) == 300  # the refused one held no quota
+        _given_back(budget)
+        assert budget.peak <= budget.limit
+        budget.limit = one // 2  # smaller than one response: it runs when alone
+        with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as session:
+            assert session.post("/completions", json=body).status_code == 200
+        _given_back(budget)
+    finally:
+        del inline_app.state.inline_budget
 
 
 def test_a_capture_that_misses_a_layer_fails_the_request(client, inline_app, hf_engine):

@@ -1,5 +1,7 @@
-"""`make run` smoke test: the whole stack starts, says it is ready, runs a harvest submitted
-over HTTP, and stops on SIGTERM leaving no process behind.
+"""`make run` smoke test: the whole stack starts, says it is ready, keeps its control plane
+closed (Prefect's API answers 401 without the password it generated), restarts an API that
+was killed without touching the rest, runs a harvest submitted over HTTP, and stops on SIGTERM
+leaving no process behind. The tests share one stack, in this order.
 
 It runs `make run` when the install stamp is current (`make -q install`), else the command
 `make run` ends in (`.venv/bin/harvest up`), so the test never reinstalls the environment.
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -43,10 +46,21 @@ def _command() -> list[str]:
     return ["make", "run"] if up_to_date else [str(REPO / ".venv" / "bin" / "harvest"), "up"]
 
 
-def test_make_run_starts_serves_a_harvest_and_stops_clean(tmp_path):
+@dataclass
+class Stack:
+    proc: subprocess.Popen
+    home: Path
+    env: dict[str, str]
+    lines: dict[str, str]
+    errors: list[str]
+    ready_s: float
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
     from flows.processes import free_port
 
-    home = tmp_path / "home"
+    home = tmp_path_factory.mktemp("stack") / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
     env.update(
         HARVEST_HOME=str(home),
@@ -71,8 +85,61 @@ def test_make_run_starts_serves_a_harvest_and_stops_clean(tmp_path):
                 lines[key] = value
             if len(lines) == len(READY) or time.monotonic() - started > 240:
                 break
-        ready_s = time.monotonic() - started
         assert set(lines) == set(READY), "".join(errors)[-3000:]
+        yield Stack(proc, home, env, lines, errors, time.monotonic() - started)
+    finally:
+        if proc.poll() is None:  # the last test stops it; a failure before it ends here
+            os.killpg(proc.pid, signal.SIGKILL)
+            for p in _ours(home):
+                p.kill()
+
+
+def _children(stack: Stack, *words: str) -> list[psutil.Process]:
+    """The stack's processes whose command line has all these words."""
+    return [p for p in _ours(stack.home) if set(words) <= set(p.cmdline())]
+
+
+def test_the_control_plane_refuses_calls_without_its_password(stack):
+    from flows.prefect_auth import basic_header
+
+    secret = stack.home / "prefect-auth"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    auth = secret.read_text().strip()
+    api = stack.lines["PREFECT_UI"] + "/api"
+    assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
+    assert httpx.post(f"{api}/flow_runs/filter", json={}, headers=basic_header("harvest:wrong"), timeout=10).status_code == 401
+    answer = httpx.post(f"{api}/flow_runs/filter", json={}, headers=basic_header(auth), timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert httpx.get(f"{api}/health", timeout=5).status_code == 200  # health checks stay open
+
+
+def test_a_killed_api_comes_back_alone_on_its_port(stack):
+    workers = {p.pid for p in _children(stack, "flows.run_starter", "--socket")}
+    server = {p.pid for p in _children(stack, "prefect", "server")}
+    (api,) = _children(stack, "api.app:app")
+    assert len(workers) == 2 and len(server) == 1
+    api.kill()  # as the OOM killer would
+    health = stack.lines["ACS_API_BASE"].removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + 90
+    while True:
+        assert time.monotonic() < deadline, "".join(stack.errors)[-3000:]
+        try:
+            if httpx.get(health, timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    (again,) = _children(stack, "api.app:app")
+    assert again.pid != api.pid
+    assert {p.pid for p in _children(stack, "flows.run_starter", "--socket")} == workers
+    assert {p.pid for p in _children(stack, "prefect", "server")} == server
+    assert stack.proc.poll() is None
+    assert any("api exited with -9; restarted" in line for line in stack.errors), "".join(stack.errors)[-3000:]
+
+
+def test_make_run_starts_serves_a_harvest_and_stops_clean(stack):
+    proc, home, env, lines = stack.proc, stack.home, stack.env, stack.lines
+    try:
         base, key = lines["ACS_API_BASE"], lines["ACS_API_KEY"]
         assert base == f"http://127.0.0.1:{env['HARVEST_PORT']}/v1" and key
         assert httpx.get(lines["PREFECT_UI"] + "/api/health", timeout=5).status_code == 200
@@ -98,7 +165,7 @@ def test_make_run_starts_serves_a_harvest_and_stops_clean(tmp_path):
         signature = parse_qs(urlparse(link).query)["signature"][0]
         logs = "".join(p.read_text(errors="replace") for p in (home / "logs").glob("*.log"))
         assert f"/v1/files/{job_id}/" in logs and signature not in logs
-        print(f"ready in {ready_s:.1f} s")
+        print(f"ready in {stack.ready_s:.1f} s")
         assert len(_ours(home)) >= 4  # server, two workers, API (and the supervisor)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # what a terminal's process group gets

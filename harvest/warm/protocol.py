@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-from harvest.private_files import write_private
+from harvest.private_files import private_dir, write_private
 
 __all__ = ["unix_socket_path", "GroupFiles", "group_name", "send", "receive", "error_reply", "raise_error", "stop_engine_servers"]
 
@@ -26,12 +26,12 @@ _MAX_SOCKET_PATH = 100
 
 def unix_socket_path(directory: Path, name: str) -> Path:
     """`<directory>/<name>.sock`, or the same name in a private folder under /tmp when that path
-    is too long for a Unix socket."""
+    is too long for a Unix socket (one that is ours and 0700, else `NotPrivate`: a socket in a
+    folder another user controls could be swapped for theirs)."""
     path = Path(directory) / f"{name}.sock"
     if len(str(path)) > _MAX_SOCKET_PATH:
         short = Path("/tmp") / f"harvest-engines-{hashlib.sha1(str(directory).encode()).hexdigest()[:12]}"
-        short.mkdir(mode=0o700, exist_ok=True)
-        path = short / f"{name}.sock"
+        path = private_dir(short) / f"{name}.sock"
     return path
 
 

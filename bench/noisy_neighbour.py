@@ -1,0 +1,488 @@
+"""A noisy neighbour: what one key sending the worst legal requests does to another key.
+
+Against a whole `harvest up` stack on loopback whose job store and Prefect server are on
+PostgreSQL (fresh ones at 127.0.0.1:5432, dropped at the end), with the service's default
+request rates and caps, two phases of `--seconds` each on the same stack:
+
+1. baseline: the victim key alone runs small jobs (submit, long-poll to done) and reads
+   (its done job, its list page);
+2. attack: the same victim, while the attacker key, from another client address
+   (127.0.0.2), sends at its full allowed rate the worst legal requests of every route:
+   the largest harvest bodies of the longest prompts (refused for their tokens), harvests of
+   the largest shard bytes (`layers: "all"`, `shard_size` 4096, prompts at `max_model_len`,
+   up to the 2,000,000-token cap), the longest inline generation with every layer's
+   activations, list pages of 100, long-polls of 60 s, and bad file links and bad keys
+   without a valid key.
+
+It prints the victim's submit-to-done and read p50/p95 in each phase and their ratio (target
+≤ 2×), every process's peak RSS (psutil over the stack's processes, engine servers
+included) by role against its documented bound, answers by status per route (a 5xx other
+than the documented 503s `harvest_unavailable` and `replica_busy` is a failure), and the
+ledger: every job ended with exactly one charge row of the right tokens, and the attacker's
+activation usage equal to the positions its responses carried. Exits 1 on a failure.
+
+    .venv/bin/python bench/noisy_neighbour.py [--seconds 60] [--scale 1.0]
+
+`--scale` < 1 shrinks the attacker's refused bodies, `--shard-scale` < 1 its largest shard
+(on a shared machine: at 1.0 a single shard is ~8 GB, and on a branch without bounded
+shards its engine server needs several times that); the report says what ran. Prefect workers poll every second here
+(`PREFECT_WORKER_QUERY_SECONDS=1`, as in bench/load_api.py), so submit-to-done is not
+masked by the shipped 10 s poll; both phases run with the same setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.load_api import (  # noqa: E402 - after the path
+    TERMINAL,
+    _check_ledger,
+    _drop_database,
+    _drop_schema,
+    _percentile,
+    _pg_schema,
+    _prefect_database,
+    _stop_stack,
+)
+
+DOCUMENTED_503 = {"harvest_unavailable", "replica_busy"}
+ATTACKER_ADDRESS = "127.0.0.2"  # another client address on loopback: the per-address limits are its own
+WORDS = "the residual stream carries every feature a probe reads and every token adds its own part".split()
+
+# Bounds the README documents for each process (None: no documented bound on this branch).
+BOUNDS = {
+    "api": "inline payloads ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES (512 MiB) or one response",
+    "prefect-server": None,
+    "worker": None,
+    "run-starter": None,
+    "run": None,
+    "engine-server": None,
+    "harvest-up": None,
+}
+
+
+def _role(process: psutil.Process) -> str:
+    try:
+        line = " ".join(process.cmdline())
+    except psutil.Error:
+        return "gone"
+    for needle, role in (("api.app", "api"), ("uvicorn", "api"), ("harvest.warm.server", "engine-server"),
+                         ("flows.run_starter", "run-starter"), ("prefect server", "prefect-server"),
+                         ("prefect worker", "worker"), ("harvest up", "harvest-up"), ("harvest worker", "worker"),
+                         ("harvest server", "prefect-server"), ("harvest api", "api")):
+        if needle in line:
+            return role
+    return "run" if "flow" in line or "prefect" in line else line[:40]
+
+
+class RssSampler(threading.Thread):
+    """Peak RSS per process of the stack (its process tree, plus detached processes whose
+    HARVEST_HOME is the stack's), sampled every `interval` s."""
+
+    def __init__(self, root_pid: int, home: Path, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.root = root_pid
+        self.home = str(home)
+        self.interval = interval
+        self.peak: dict[int, tuple[str, int]] = {}  # pid -> (role, peak bytes)
+        self.stop = threading.Event()
+        self._ours: dict[int, bool] = {}
+
+    def _members(self) -> list[psutil.Process]:
+        try:
+            tree = psutil.Process(self.root)
+            members = {p.pid: p for p in [tree, *tree.children(recursive=True)]}
+        except psutil.Error:
+            members = {}
+        for process in psutil.process_iter():
+            if process.pid in members:
+                continue
+            if process.pid not in self._ours:
+                try:
+                    self._ours[process.pid] = process.environ().get("HARVEST_HOME") == self.home
+                except psutil.Error:
+                    self._ours[process.pid] = False
+            if self._ours[process.pid]:
+                members[process.pid] = process
+        return list(members.values())
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for process in self._members():
+                try:
+                    rss = process.memory_info().rss
+                except psutil.Error:
+                    continue
+                role, peak = self.peak.get(process.pid, (None, 0))
+                if role is None:
+                    role = _role(process)
+                self.peak[process.pid] = (role, max(peak, rss))
+            self.stop.wait(self.interval)
+
+    def by_role(self) -> dict[str, tuple[int, int]]:
+        """role -> (processes seen, largest peak RSS of one of them)."""
+        roles: dict[str, tuple[int, int]] = {}
+        for role, peak in self.peak.values():
+            seen, top = roles.get(role, (0, 0))
+            roles[role] = (seen + 1, max(top, peak))
+        return roles
+
+
+def _start_stack(home: Path, db_url: str, prefect_db_url: str) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`harvest up` with the service's default rates and caps (only the worker poll lowered)."""
+    from flows.processes import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
+    env.update(
+        HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"), HARVEST_DATABASE_URL=db_url,
+        HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()), HARVEST_ENGINE="hf",
+        PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_API_DATABASE_CONNECTION_URL=prefect_db_url,
+        PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_LOGGING_LEVEL="CRITICAL", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    log = open(home / "up.log", "w")
+    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "harvest"), "up"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=log, text=True, start_new_session=True)
+    info: dict[str, str] = {}
+    deadline = time.monotonic() + 300
+    while "PREFECT_UI" not in info:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"harvest up exited {proc.poll()}: see {home / 'up.log'}")
+        name, _, value = line.strip().partition("=")
+        info[name] = value
+        if time.monotonic() > deadline:
+            raise RuntimeError("harvest up was not ready in 300 s")
+    return proc, info
+
+
+class Record:
+    """Latencies and statuses per (who, route); the victim's submit-to-done times."""
+
+    def __init__(self):
+        self.latency: dict[tuple[str, str], list[float]] = defaultdict(list)
+        self.statuses: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.failures: list[str] = []
+        self.turnaround: list[float] = []
+        self.positions_returned = 0
+
+    async def call(self, who: str, route: str, client: httpx.AsyncClient, method: str, url: str, **kwargs) -> httpx.Response | None:
+        started = time.perf_counter()
+        try:
+            answer = await client.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            self.statuses[(who, route)]["no answer"] += 1
+            self.failures.append(f"{who} {route}: {type(exc).__name__} {exc}")
+            return None
+        self.latency[(who, route)].append(time.perf_counter() - started)
+        code = answer.status_code
+        label = str(code)
+        if code >= 500:
+            try:
+                error_code = answer.json()["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                error_code = "?"
+            label = f"{code} {error_code}"
+            if not (code == 503 and error_code in DOCUMENTED_503):
+                self.failures.append(f"{who} {route}: {code} {answer.text[:200]}")
+        self.statuses[(who, route)][label] += 1
+        return answer
+
+
+# --- the victim -------------------------------------------------------------------------------
+
+async def victim(base: str, key: str, record: Record, stop_at: float, done_jobs: list[str]) -> None:
+    auth = {"Authorization": f"Bearer {key}"}
+    rng = random.Random(1)
+    async with httpx.AsyncClient(headers=auth, timeout=120) as client:
+        while time.monotonic() < stop_at:
+            started = time.monotonic()
+            body = {"model": "llama-tiny", "prompts": [f"victim {rng.random():.6f}", "and a second prompt"], "layers": [2, 5]}
+            answer = await record.call("victim", "POST /v1/harvest", client, "POST", f"{base}/harvest", json=body)
+            if answer is None or answer.status_code != 202:
+                await asyncio.sleep(1)
+                continue
+            job_id = answer.json()["job_id"]
+            status = "pending"
+            while status not in TERMINAL and time.monotonic() < stop_at + 120:
+                polled = await record.call("victim", "GET /v1/harvest/{id}?wait=20", client, "GET",
+                                           f"{base}/harvest/{job_id}", params={"wait": 20})
+                if polled is None or polled.status_code != 200:
+                    await asyncio.sleep(1)
+                    continue
+                if polled.headers.get("X-Acs-Longpoll") == "declined":
+                    await asyncio.sleep(float(polled.headers.get("Retry-After", 3)))
+                status = polled.json()["status"]
+            if status == "done":
+                record.turnaround.append(time.monotonic() - started)
+                done_jobs.append(job_id)
+            # reads between jobs: the done job (with its links) and the first page of the list
+            for _ in range(3):
+                if done_jobs:
+                    await record.call("victim", "read", client, "GET", f"{base}/harvest/{done_jobs[-1]}")
+                await record.call("victim", "read", client, "GET", f"{base}/harvest", params={"limit": 20})
+
+
+# --- the attacker -------------------------------------------------------------------------------
+
+def _text(chars: int, rng: random.Random) -> str:
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:chars]
+
+
+def attack_bodies(scale: float, shard_scale: float, rng: random.Random) -> dict[str, bytes]:
+    """The attacker's request bodies, made once (JSON bytes).
+
+    `scale` shrinks the characters of the refused bodies' prompts (at 0.21 and more they are
+    still over the 2,000,000-token cap); `shard_scale` the number of prompts of the largest
+    shard (1.0: 976 prompts cut to the 2,048-token context, all 8 layers: ~8 GB in one shard).
+    """
+    big_prompt = _text(int(12_000 * scale) or 1, rng)
+    too_many_tokens = {"model": "llama-tiny", "prompts": [big_prompt] * 4000, "layers": "all"}
+    # Prompts past the model's context (cut to its 2,048 tokens), as many as fit under the
+    # 2,000,000-token cap, all layers, every prompt in one shard.
+    at_context = _text(2048 * 8, rng)
+    largest_shard = {"model": "llama-tiny", "prompts": [at_context] * max(1, int(976 * shard_scale)),
+                     "layers": "all", "shard_size": 4096}
+    inline = {"model": "llama-tiny", "prompt": [7], "max_tokens": 2047, "temperature": 0, "output_residual_stream": True}
+    return {name: json.dumps(body).encode() for name, body in
+            (("too_many_tokens", too_many_tokens), ("largest_shard", largest_shard), ("inline", inline))}
+
+
+async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: dict[str, bytes], waiters: int) -> None:
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    transport = lambda: httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS)  # noqa: E731
+    jobs: list[str] = []
+
+    async def submitter(name: str) -> None:
+        async with httpx.AsyncClient(headers=auth, timeout=300, transport=transport()) as client:
+            while time.monotonic() < stop_at:
+                answer = await record.call("attacker", f"POST /v1/harvest ({name})", client, "POST", f"{base}/harvest",
+                                           content=bodies[name])
+                if answer is not None and answer.status_code == 202:
+                    jobs.append(answer.json()["job_id"])
+                elif answer is not None and answer.status_code == 429:
+                    await asyncio.sleep(min(float(answer.headers.get("Retry-After", 1)), 1.0))
+
+    async def inline() -> None:
+        async with httpx.AsyncClient(headers=auth, timeout=600, transport=transport()) as client:
+            while time.monotonic() < stop_at:
+                answer = await record.call("attacker", "POST /v1/completions (activations)", client, "POST",
+                                           f"{base}/completions", content=bodies["inline"])
+                if answer is not None and answer.status_code == 200:
+                    usage = answer.json()["usage"]
+                    record.positions_returned += usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                elif answer is not None:
+                    await asyncio.sleep(min(float(answer.headers.get("Retry-After", 1)), 1.0))
+
+    async def lister() -> None:
+        async with httpx.AsyncClient(headers=auth, timeout=120, transport=transport()) as client:
+            while time.monotonic() < stop_at:
+                await record.call("attacker", "GET /v1/harvest?limit=100", client, "GET", f"{base}/harvest", params={"limit": 100})
+
+    async def long_poller() -> None:
+        async with httpx.AsyncClient(headers=auth, timeout=120, transport=transport()) as client:
+            while time.monotonic() < stop_at:
+                if not jobs:
+                    await asyncio.sleep(0.5)
+                    continue
+                await record.call("attacker", "GET /v1/harvest/{id}?wait=60", client, "GET", f"{base}/harvest/{jobs[-1]}",
+                                  params={"wait": 60})
+
+    async def no_key() -> None:
+        async with httpx.AsyncClient(timeout=60, transport=transport()) as client:
+            while time.monotonic() < stop_at:
+                job = uuid.uuid4()
+                await record.call("no key", "GET /v1/files (bad link)", client, "GET",
+                                  f"{base}/files/{job}/manifest.json", params={"expires": "1", "signature": "0" * 64})
+                await record.call("no key", "GET /v1/harvest/{id} (bad key)", client, "GET", f"{base}/harvest/{job}",
+                                  headers={"Authorization": "Bearer acs_" + uuid.uuid4().hex})
+
+    await asyncio.gather(
+        submitter("too_many_tokens"), submitter("too_many_tokens"), submitter("largest_shard"),
+        inline(), inline(), lister(), *(long_poller() for _ in range(waiters)), no_key(), no_key(),
+    )
+
+
+# --- one run -------------------------------------------------------------------------------------
+
+async def _until(work, seconds: float) -> None:
+    """The attacker stops at the clock, requests in flight included (its clients hang up)."""
+    try:
+        await asyncio.wait_for(work, seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float, bodies, waiters: int) -> Record:
+    record = Record()
+    done: list[str] = []
+
+    async def run():
+        stop_at = time.monotonic() + seconds
+        tasks = [victim(base, victim_key, record, stop_at, done)]
+        if attacker_key is not None:
+            tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters), seconds + 2))
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    return record
+
+
+def _warm_up(base: str, key: str) -> None:
+    """One job to done and one inline completion first: both phases measure warm engines."""
+    auth = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(headers=auth, timeout=600) as client:
+        job = client.post(f"{base}/harvest", json={"model": "llama-tiny", "prompts": ["warm up"], "layers": [2, 5]}).json()
+        while client.get(f"{base}/harvest/{job['job_id']}", params={"wait": 20}).json()["status"] not in TERMINAL:
+            pass
+        client.post(f"{base}/completions", json={"model": "llama-tiny", "prompt": [7], "max_tokens": 2, "output_residual_stream": [0]})
+
+
+def _drain(base: str, jobs: dict[str, str], wait_s: float) -> dict[str, dict]:
+    """Every stored job to an end: cancel what is active after `wait_s`."""
+    async def one(client: httpx.AsyncClient, job_id: str, key: str) -> dict:
+        auth = {"Authorization": f"Bearer {key}"}
+        deadline = time.monotonic() + wait_s
+        body = (await client.get(f"{base}/harvest/{job_id}", headers=auth)).json()
+        while body["status"] not in TERMINAL and time.monotonic() < deadline:
+            body = (await client.get(f"{base}/harvest/{job_id}", headers=auth, params={"wait": 10})).json()
+        if body["status"] not in TERMINAL:
+            await client.delete(f"{base}/harvest/{job_id}", headers=auth)
+            for _ in range(60):
+                body = (await client.get(f"{base}/harvest/{job_id}", headers=auth)).json()
+                if body["status"] in TERMINAL:
+                    break
+                await asyncio.sleep(1)
+        return body
+
+    async def all_of_them():
+        limits = httpx.Limits(max_connections=20)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            bodies = await asyncio.gather(*(one(client, job_id, key) for job_id, key in jobs.items()))
+        return {b["job_id"]: b for b in bodies}
+
+    return asyncio.run(all_of_them())
+
+
+def _table(record: Record) -> list[str]:
+    lines = ["| who | route | requests | p50 ms | p95 ms | answers |", "|---|---|---:|---:|---:|---|"]
+    for (who, route) in sorted(record.statuses):
+        ms = [s * 1000 for s in record.latency.get((who, route), [])] or [float("nan")]
+        answers = ", ".join(f"{k}: {v}" for k, v in sorted(record.statuses[(who, route)].items()))
+        lines.append(f"| {who} | {route} | {len(record.latency.get((who, route), []))} | {statistics.median(ms):.0f} | "
+                     f"{_percentile(ms, 0.95):.0f} | {answers} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink the attacker's refused bodies (shared machines)")
+    parser.add_argument("--shard-scale", type=float, default=1.0, help="shrink the attacker's largest shard (shared machines)")
+    parser.add_argument("--drain", type=float, default=60, help="seconds for jobs to end before they are cancelled")
+    args = parser.parse_args(argv)
+
+    home = Path(tempfile.mkdtemp(prefix="harvest-noisy-"))
+    schema, db_url = _pg_schema()
+    prefect_db, prefect_url = _prefect_database()
+    proc = sampler = None
+    try:
+        proc, info = _start_stack(home, db_url, prefect_url)
+        base = info["ACS_API_BASE"]
+        sampler = RssSampler(proc.pid, home)
+        sampler.start()
+        from api.auth import create_key
+        from api.db import make_engine
+        from harvest.settings import Settings
+
+        waiters = Settings().longpoll_max_waiters
+        engine = make_engine(db_url)
+        victim_key, victim_record = create_key("victim", engine=engine)
+        attacker_key, attacker_record = create_key("attacker", engine=engine)
+        engine.dispose()
+        bodies = attack_bodies(args.scale, args.shard_scale, random.Random(0))
+        sizes = ", ".join(f"{k} {len(v) / 2**20:.1f} MiB" for k, v in bodies.items())
+        print(f"stack ready: {base}; attacker bodies: {sizes}", flush=True)
+
+        _warm_up(base, victim_key)
+        baseline = _phase(base, victim_key, None, args.seconds, bodies, waiters)
+        print(f"baseline done: {len(baseline.turnaround)} victim jobs", flush=True)
+        attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters)
+        print(f"attack done: {len(attack.turnaround)} victim jobs", flush=True)
+
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(db_url)
+        with engine.connect() as conn:
+            stored = dict(conn.execute(text("SELECT id, key_id FROM jobs")).all())
+            used = conn.execute(text("SELECT coalesce(sum(activations), 0) FROM usage WHERE key_id = :k"),
+                                {"k": attacker_record.id}).scalar_one()
+        engine.dispose()
+        keys = {victim_record.id: victim_key, attacker_record.id: attacker_key}
+        ended = _drain(base, {job_id: keys[key_id] for job_id, key_id in stored.items()}, args.drain)
+        problems = _check_ledger(db_url, home, ended)
+        if int(used) != attack.positions_returned:
+            problems.append(f"attacker activation usage {used} != positions its responses carried {attack.positions_returned}")
+        sampler.stop.set()
+
+        def p95(values):
+            return _percentile(values, 0.95) if values else float("nan")
+
+        reads = lambda r: r.latency.get(("victim", "read"), [])  # noqa: E731
+        print(f"\nnoisy neighbour, {args.seconds:.0f} s per phase, attacker scale {args.scale}, shard scale "
+              f"{args.shard_scale}: {sizes}\n")
+        print("| victim | baseline p50 / p95 | under attack p50 / p95 | p95 ratio |")
+        print("|---|---:|---:|---:|")
+        for name, before, after in (("submit → done (s)", baseline.turnaround, attack.turnaround),
+                                    ("read (ms)", [s * 1000 for s in reads(baseline)], [s * 1000 for s in reads(attack)])):
+            ratio = p95(after) / p95(before) if before and after else float("nan")
+            print(f"| {name} ({len(before)} / {len(after)}) | {statistics.median(before or [float('nan')]):.2f} / {p95(before):.2f} | "
+                  f"{statistics.median(after or [float('nan')]):.2f} / {p95(after):.2f} | {ratio:.2f}× |")
+        print("\nunder attack, every route:\n")
+        print("\n".join(_table(attack)))
+        print("\n| process (role) | processes | peak RSS of one | documented bound |\n|---|---:|---:|---|")
+        for role, (seen, peak) in sorted(sampler.by_role().items()):
+            print(f"| {role} | {seen} | {peak / 2**20:.0f} MiB | {BOUNDS.get(role) or 'none on this branch'} |")
+        statuses = defaultdict(int)
+        for body in ended.values():
+            statuses[body["status"]] += 1
+        print(f"\njobs: {len(ended)} (" + ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())) + ")")
+        print(f"ledger: {len(problems)} problem(s)" + "".join(f"\n  {p}" for p in problems[:20]))
+        failures = baseline.failures + attack.failures
+        print(f"5xx other than documented 503s, or no answer: {len(failures)}" + "".join(f"\n  {f}" for f in failures[:20]))
+        return 1 if problems or failures else 0
+    finally:
+        if sampler is not None:
+            sampler.stop.set()
+        if proc is not None:
+            _stop_stack(proc)
+        _drop_schema(schema)
+        _drop_database(prefect_db)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

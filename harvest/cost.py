@@ -1,0 +1,163 @@
+"""What a harvest request costs, known before it is paid for: tokens, output bytes, bytes per shard.
+
+Admission (`api.harvest`) learns a request's cost in the order of the price of knowing it,
+and refuses (400, naming the limit and the number) as soon as one is over:
+
+1. `check_before_tokenizing`: from cheap facts only. No token of the model's vocabulary
+   stands for more than `chars_per_token` characters (`harvest.tokenize.max_token_chars`),
+   so a prompt of c characters runs at least `min(ceil(c / chars_per_token), max_model_len)`
+   tokens (plus BOS when added). Summed, that bounds the job's tokens from below; with the
+   layers kept, the hidden size (or the directions) and the stored dtype, it bounds the
+   bytes of every prompt from below. Nothing is tokenized to refuse here.
+2. `check_counts`: from each prompt's token count (`harvest.tokenize.count_tokens`), the
+   exact tokens, output bytes and bytes of every shard.
+
+Limits: `MAX_TOKENS` per job (SPEC §2) and the lane's `max_shard_bytes` (infra/lanes.toml:
+what a worker host's disk or one object of the store can hold). A shard always holds
+shard_size prompts in the order of the prompts; a job whose shards would be too big is
+refused naming the largest shard_size whose shards all fit, never cut some other way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from harvest.errors import InvalidRequest
+from harvest.lanes import Lane
+from harvest.request import MAX_TOKENS, ResolvedJob
+
+__all__ = [
+    "PROMPT_HEADER_BYTES",
+    "Cost",
+    "bytes_per_token",
+    "least_tokens",
+    "shard_bytes",
+    "largest_fitting_shard_size",
+    "check_before_tokenizing",
+    "check_counts",
+]
+
+PROMPT_HEADER_BYTES = 256
+"""At most what one prompt adds to its shard's safetensors header: two entries
+(`prompt_<i>` and `tokens_<i>`, dtype, shape and offsets), each under 128 bytes of JSON."""
+SHARD_HEADER_BYTES = 64
+"""The header's length field, its metadata and its padding, at most."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a job writes, from its token counts."""
+
+    tokens: int
+    """Token positions that run (BOS included where added), every prompt cut to the context."""
+    output_bytes: int
+    """Bytes of every shard file together (headers counted at their most)."""
+    largest_shard_bytes: int
+    """Bytes of the job's biggest shard file (header counted at its most)."""
+
+
+def bytes_per_token(job: ResolvedJob) -> int:
+    """Bytes one token position adds to its shard: a value per layer kept and feature (bf16
+    activations, float32 projections) and its int32 id."""
+    spec = job.spec
+    itemsize = 2 if spec.directions is None else 4
+    return len(job.layers) * spec.n_features(job.model.hidden_size) * itemsize + 4
+
+
+def least_tokens(prompts: list[str], *, chars_per_token: int, max_len: int, add_special_tokens: bool) -> np.ndarray:
+    """Per prompt, the fewest tokens it can run: its characters over the most any token
+    stands for, cut to the context (one for BOS counted only where it is surely added)."""
+    chars = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+    least = -(-chars // chars_per_token) + (1 if add_special_tokens else 0)
+    return np.minimum(least, max_len)
+
+
+def shard_bytes(counts: np.ndarray, shard_size: int, per_token: int) -> np.ndarray:
+    """Bytes of each shard file (shard k: prompts k*shard_size … (k+1)*shard_size − 1)."""
+    per_prompt = np.asarray(counts, dtype=np.int64) * per_token + PROMPT_HEADER_BYTES
+    starts = np.arange(0, len(per_prompt), shard_size)
+    return np.add.reduceat(per_prompt, starts) + SHARD_HEADER_BYTES
+
+
+def largest_fitting_shard_size(counts: np.ndarray, per_token: int, limit: int, below: int) -> int:
+    """The largest shard_size under `below` whose every shard fits in `limit` bytes (0: none,
+    a single prompt is already too big). Not monotonic in general (shards of 3 may fit where
+    shards of 2 do not), so each size is tried, from the top: prefix sums make each try cost
+    n / size, all of them n·log n."""
+    per_prompt = np.asarray(counts, dtype=np.int64) * per_token + PROMPT_HEADER_BYTES
+    prefix = np.concatenate([[0], np.cumsum(per_prompt)])
+    n = len(per_prompt)
+    for size in range(below - 1, 0, -1):
+        edges = np.append(np.arange(0, n, size), n)
+        if int(np.diff(prefix[edges]).max()) + SHARD_HEADER_BYTES <= limit:
+            return size
+    return 0
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: exact, with a rounded figure in GiB or MiB alongside."""
+    unit, scale = ("GiB", 1 << 30) if n >= 1 << 30 else ("MiB", 1 << 20)
+    return f"{n:,} bytes ({n / scale:.1f} {unit})"
+
+
+def check_before_tokenizing(job: ResolvedJob, lane: Lane, *, chars_per_token: int) -> None:
+    """Refuse, from the prompts' characters alone, a job certainly over a limit."""
+    request = job.request
+    least = least_tokens(request.prompts, chars_per_token=chars_per_token, max_len=job.model.max_model_len,
+                         add_special_tokens=request.add_special_tokens)
+    total = int(least.sum())
+    if total > MAX_TOKENS:
+        chars = sum(len(p) for p in request.prompts)
+        raise InvalidRequest(
+            f"The prompts come to at least {total:,} tokens ({len(request.prompts):,} prompts, {chars:,} characters; "
+            f"no token of {job.model.name} is longer than {chars_per_token} characters, and a prompt runs at most "
+            f"{job.model.max_model_len:,} tokens); a harvest takes at most {MAX_TOKENS:,}. Split them into several jobs.",
+            param="prompts",
+        )
+    if lane.max_shard_bytes is not None:
+        per_token = bytes_per_token(job)
+        biggest = int(least.argmax())
+        alone = int(least[biggest]) * per_token + PROMPT_HEADER_BYTES + SHARD_HEADER_BYTES
+        if alone > lane.max_shard_bytes:
+            raise _too_big_alone(job, lane, biggest, alone, least=True)
+
+
+def check_counts(job: ResolvedJob, counts: list[int], lane: Lane) -> Cost:
+    """The job's cost from its token counts; refuse it when over a limit."""
+    request = job.request
+    counts_array = np.asarray(counts, dtype=np.int64)
+    tokens = int(counts_array.sum())
+    if tokens > MAX_TOKENS:
+        raise InvalidRequest(
+            f"The prompts come to {tokens:,} tokens; a harvest takes at most {MAX_TOKENS:,}. Split them into several jobs.",
+            param="prompts",
+        )
+    per_token = bytes_per_token(job)
+    shards = shard_bytes(counts_array, request.shard_size, per_token)
+    biggest = int(shards.argmax())
+    cost = Cost(tokens=tokens, output_bytes=int(shards.sum()), largest_shard_bytes=int(shards[biggest]))
+    limit = lane.max_shard_bytes
+    if limit is not None and cost.largest_shard_bytes > limit:
+        fits = largest_fitting_shard_size(counts_array, per_token, limit, request.shard_size)
+        if fits == 0:
+            alone = int(counts_array.max()) * per_token + PROMPT_HEADER_BYTES + SHARD_HEADER_BYTES
+            raise _too_big_alone(job, lane, int(counts_array.argmax()), alone, least=False)
+        raise InvalidRequest(
+            f"Shard {biggest} of this job would be {_size(cost.largest_shard_bytes)} "
+            f"({request.shard_size} prompts of {len(job.layers)} layers); shards of the {lane.name} lane are at most "
+            f"{_size(limit)} (max_shard_bytes). The largest shard_size whose shards all fit is {fits}.",
+            param="shard_size",
+        )
+    return cost
+
+
+def _too_big_alone(job: ResolvedJob, lane: Lane, index: int, size: int, *, least: bool) -> InvalidRequest:
+    return InvalidRequest(
+        f"Prompt {index} alone would make a shard of {'at least ' if least else ''}{_size(size)} with {len(job.layers)} layers; "
+        f"shards of the {lane.name} lane are at most {_size(lane.max_shard_bytes)} (max_shard_bytes), so no shard_size fits. "
+        "Keep fewer layers, project onto directions, or shorten the prompt.",
+        param="prompts",
+    )

@@ -1,0 +1,268 @@
+"""Admission on an API replica: a submit's cost known before it is paid for, within a budget.
+
+Against the real app under uvicorn (the harvest tests' replica, whose `xl` lane takes shards
+of at most 1 MiB) and the real tiny model's tokenizer; expected numbers come from the
+tokenizer run in full and from the model's config, never from the code under test:
+- refusals from the prompts' characters alone (no tokenizer run), naming limit and number;
+- token counts equal to a full tokenization, prompts cut to the context;
+- shards over the lane's `max_shard_bytes` refused naming the largest shard_size that fits;
+- the replica's budget: places, bytes, a key's share, the queue, 503 `replica_busy`;
+- six concurrent 48 MB bodies: the replica's RSS stays within its bound and another key's
+  small submit is served meanwhile;
+- integers written `514.0` accepted, `514.5` refused, on every request schema;
+- malformed input on the routes without a key (bad links, JSON nested 100,000 deep) is 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from harvest.errors import InvalidRequest, ReplicaBusy
+from harvest.lanes import Lane
+from tests.api_fixtures import ApiServer
+
+SHARD_LIMIT = 1 << 20
+"""max_shard_bytes of the `xl` lane of the `harvest_api` replica (tests/api_fixtures.py)."""
+
+
+@pytest.fixture(scope="module")
+def replica(harvest_api):
+    """The harvest tests' API replica: every admission setting at its default."""
+    return harvest_api
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny.path)
+
+
+def _longest_entry(tokenizer) -> int:
+    return max(len(entry) for entry in tokenizer.get_vocab())
+
+
+def _post(server: ApiServer, key: str, body, route: str = "harvest", **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.base_url}/{route}", content=content, timeout=kwargs.pop("timeout", 120),
+                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, **kwargs)
+
+
+def _error(response: httpx.Response, status: int, code: str, param: str | None) -> str:
+    assert response.status_code == status, response.text[:2000]
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+    return error["message"]
+
+
+# --- the cost, cheapest facts first -------------------------------------------------------------
+
+
+def test_token_counts_equal_a_full_tokenization_cut_to_the_context(tokenizer):
+    from harvest.tokenize import count_tokens
+
+    longest = _longest_entry(tokenizer)
+    prompts = ["The sky is", "Photosynthesis " * 90, "<|begin_of_text|>" * 7, "zq " * 500, "é" * 400, "a"]
+    for max_len, add in ((16, True), (40, False), (2048, True)):
+        full = [min(len(ids), max_len) for ids in tokenizer(prompts, add_special_tokens=add)["input_ids"]]
+        # A tiny slice makes every prompt a tokenizer call of its own: the same counts.
+        for slice_chars in (1, 1 << 20):
+            assert count_tokens(tokenizer, prompts, add_special_tokens=add, max_len=max_len, chars_per_token=longest,
+                                slice_chars=slice_chars) == full
+
+
+def test_a_job_certainly_over_two_million_tokens_is_refused_from_its_characters(tiny, tokenizer):
+    """4,000 prompts of 12,000 characters: no tokenizer runs to refuse them."""
+    from harvest.cost import check_before_tokenizing
+    from harvest.request import HarvestRequest, resolve_job
+    from harvest.registry import load_registry
+
+    longest = _longest_entry(tokenizer)
+    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=["x" * 12_000] * 4_000), load_registry())
+    least = 4_000 * min(math.ceil(12_000 / longest) + 1, tiny.max_model_len)
+    with pytest.raises(InvalidRequest) as refused:
+        check_before_tokenizing(job, Lane(name="small"), chars_per_token=longest)
+    assert refused.value.param == "prompts"
+    assert f"at least {least:,} tokens" in refused.value.message and "at most 2,000,000" in refused.value.message
+
+
+def _brute_largest_fitting(counts: list[int], per_token: int, limit: int, below: int) -> int:
+    """Every shard_size under `below`, every shard, in plain Python (headers at their most)."""
+    for size in range(below - 1, 0, -1):
+        shards = [counts[i:i + size] for i in range(0, len(counts), size)]
+        if all(sum(c * per_token + 256 for c in shard) + 64 <= limit for shard in shards):
+            return size
+    return 0
+
+
+def test_the_largest_fitting_shard_size_is_the_largest_whose_shards_all_fit():
+    from harvest.cost import largest_fitting_shard_size
+
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        counts = [int(c) for c in rng.integers(1, 400, size=int(rng.integers(1, 80)))]
+        per_token, below = int(rng.integers(100, 3000)), int(rng.integers(2, 100))
+        limit = int(rng.integers(50_000, 3_000_000))
+        assert largest_fitting_shard_size(np.array(counts), per_token, limit, below) == \
+            _brute_largest_fitting(counts, per_token, limit, below)
+
+
+def test_shards_over_the_lanes_max_shard_bytes_are_refused_naming_the_shard_size_that_fits(replica, tiny, tokenizer):
+    key = replica.make_key(name="shards")
+    prompts = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (3 + i % 5) for i in range(64)]
+    counts = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+    config = json.loads((tiny.path / "config.json").read_text())
+    per_token = 1 * config["hidden_size"] * 2 + 4  # one layer of bf16, and an int32 id
+    fits = _brute_largest_fitting(counts, per_token, SHARD_LIMIT, 64)
+    assert 1 < fits < 64
+    message = _error(_post(replica, key, {"model": "llama-tiny-xl", "prompts": prompts, "layers": [3], "shard_size": 64}),
+                     400, "invalid_request", "shard_size")
+    assert f"The largest shard_size whose shards all fit is {fits}." in message, message
+    assert f"the xl lane are at most {SHARD_LIMIT:,} bytes" in message and "max_shard_bytes" in message
+    accepted = _post(replica, key, {"model": "llama-tiny-xl", "prompts": prompts, "layers": [3], "shard_size": fits})
+    assert accepted.status_code == 202, accepted.text
+    body = accepted.json()
+    assert (body["shard_size"], body["progress"]["n_shards"], body["reserved_tokens"]) == (fits, -(-64 // fits), sum(counts))
+
+
+# --- the replica's budget --------------------------------------------------------------------------
+
+
+def test_the_budget_holds_places_bytes_and_a_keys_share_then_answers_503_with_retry_after():
+    from api.admission import AdmissionBudget
+
+    async def scenario() -> dict:
+        budget = AdmissionBudget(concurrency=2, max_bytes=100, key_share=1, queue=1, wait_s=0.3)
+        seen: dict = {}
+        async with budget.hold("a", 60):
+            # The key's share is taken: a second submit of "a" waits, then is refused.
+            with pytest.raises(ReplicaBusy) as waited:
+                async with budget.hold("a", 1):
+                    pass
+            seen["key_share"] = waited.value
+            # 60 + 60 is over 100 bytes: "b" waits for the bytes, and gets them once "a" is done.
+            started = time.monotonic()
+            with pytest.raises(ReplicaBusy):
+                async with budget.hold("b", 60):
+                    pass
+            seen["bytes_wait"] = time.monotonic() - started
+            async with budget.hold("b", 40):  # fits beside it
+                # Both places taken: one may wait, the next is refused at once (queue of 1).
+                waiter = asyncio.ensure_future(budget.hold("c", 1).__aenter__())
+                await asyncio.sleep(0.05)
+                started = time.monotonic()
+                with pytest.raises(ReplicaBusy) as full:
+                    async with budget.hold("d", 1):
+                        pass
+                seen["queue_full_s"] = time.monotonic() - started
+                seen["queue_full"] = full.value
+                with pytest.raises(ReplicaBusy):
+                    await waiter
+        async with budget.hold("e", 500):  # alone, a body over the whole budget is admitted
+            seen["alone"] = (budget.active, budget.bytes)
+        seen["after"] = (budget.active, budget.bytes, budget.waiting)
+        return seen
+
+    seen = asyncio.run(scenario())
+    for refusal in (seen["key_share"], seen["queue_full"]):
+        assert (refusal.status, refusal.code) == (503, "replica_busy")
+        assert int(refusal.headers["Retry-After"]) >= 1
+    assert seen["bytes_wait"] >= 0.3 and seen["queue_full_s"] < 0.1
+    assert seen["alone"] == (1, 500) and seen["after"] == (0, 0, 0)
+
+
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def test_six_concurrent_48_mb_bodies_stay_within_the_replicas_bound_and_another_key_is_served(replica):
+    """The shape that took a replica from 0.7 GB to 8.9 GB: 6 × 4,000 prompts of 12,000
+    characters from one key, each over 2,000,000 tokens. Bound: the admission budget's
+    bodies (128 MiB) a few times over; here `3 × admission_bytes` above the idle replica."""
+    attacker, neighbour = replica.make_key(name="flood", small=50), replica.make_key(name="neighbour", small=50)
+    small = {"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]}
+    assert _post(replica, neighbour, small).status_code == 202  # tokenizer and routes warm
+    pid = replica.process.pid
+    idle = _rss(pid)
+    body = json.dumps({"model": "llama-tiny", "prompts": [("lorem ipsum dolor sit amet " * 445)[:12_000]] * 4_000}).encode()
+    assert 47_000_000 < len(body) < 50 * 1024 * 1024
+
+    peak, stop = [idle], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss(pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            flood = [pool.submit(_post, replica, attacker, body, timeout=300) for _ in range(6)]
+            time.sleep(1.0)
+            started = time.monotonic()
+            served = _post(replica, neighbour, small, timeout=60)
+            neighbour_s = time.monotonic() - started
+            pending_meanwhile = sum(not f.done() for f in flood)
+            answers = [f.result() for f in flood]
+    finally:
+        stop.set()
+        sampler.join()
+    budget = 128 << 20
+    assert served.status_code == 202, served.text
+    assert pending_meanwhile >= 1 and neighbour_s < 15, (pending_meanwhile, neighbour_s)
+    for answer in answers:
+        if answer.status_code == 503:  # waited its turn past admission_wait_s: told when to come back
+            assert answer.json()["error"]["code"] == "replica_busy" and answer.headers["Retry-After"]
+        else:
+            message = _error(answer, 400, "invalid_request", "prompts")
+            assert "at most 2,000,000" in message and "at least" in message  # refused before tokenizing
+    assert sum(a.status_code == 400 for a in answers) >= 1
+    grown = peak[0] - idle
+    print(f"replica RSS idle {idle / 2**20:.0f} MiB, peak {peak[0] / 2**20:.0f} MiB (+{grown / 2**20:.0f} MiB); "
+          f"neighbour served in {neighbour_s:.2f} s with {pending_meanwhile} flood requests pending")
+    assert grown < 3 * budget, f"the replica grew by {grown / 2**20:.0f} MiB"
+
+
+# --- integers, and malformed input without a key -----------------------------------------------------
+
+
+def test_integers_written_with_a_zero_fraction_are_integers_and_fractions_are_refused(replica):
+    key = replica.make_key(name="integers", small=50)
+    accepted = _post(replica, key, {"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1.0, 3.0],
+                                    "shard_size": 2.0, "batch_size": 514.0})
+    assert accepted.status_code == 202, accepted.text
+    assert (accepted.json()["layers"], accepted.json()["shard_size"]) == ([1, 3], 2)
+    for field, value in (("batch_size", 514.5), ("shard_size", 2.5), ("batch_size", "514"), ("batch_size", True)):
+        _error(_post(replica, key, {"model": "llama-tiny", "prompts": ["a"], field: value}), 400, "invalid_request", field)
+    _error(_post(replica, key, {"model": "llama-tiny", "prompts": ["a"], "layers": [1.5]}), 400, "invalid_request", "layers")
+
+    completion = _post(replica, key, {"model": "llama-tiny", "prompt": "The sky is", "max_tokens": 2.0, "seed": 3.0,
+                                      "temperature": 0, "output_residual_stream": [1.0]}, route="completions")
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 2
+    assert completion.json()["activations"]["residual_stream"]["layers"] == [1]
+    _error(_post(replica, key, {"model": "llama-tiny", "prompt": "a", "max_tokens": 2.5}, route="completions"),
+           400, "invalid_request", "max_tokens")
+
+
+def test_malformed_input_on_routes_without_a_key_is_4xx_never_500(replica):
+    job = "0b7c2a9e-5a8e-4a3e-9a51-0d6f1f1d2c3b"
+    for query in ("expires=1&signature=%C3%A9", "expires=%C2%B2&signature=abc", "expires=%D9%A3&signature=" + "0" * 64,
+                  "expires=1&signature=" + "é" * 64, "expires=99999999999999999999999&signature=" + "0" * 64):
+        response = httpx.get(f"{replica.base_url}/files/{job}/manifest.json?{query}", timeout=30)
+        assert response.status_code == 403, (query, response.text)
+        assert response.json()["error"]["code"] == "link_invalid"
+    key = replica.make_key(name="nested", small=50)
+    for route in ("completions", "harvest"):
+        _error(_post(replica, key, b"[" * 100_000, route=route), 400, "invalid_request", None)
