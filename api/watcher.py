@@ -145,9 +145,12 @@ class Watcher:
                     moved = self._restart_crashed(row, state)
                 else:
                     moved = self._apply(row, state)
-                    shards_done = JobFiles.for_job(row["id"], self.storage).shards_done
-                    if state.status == "running" and set_progress(row["id"], shards_done()):
-                        moved = True
+                    if state.status == "running":
+                        shards_done = JobFiles.for_job(row["id"], self.storage).shards_done()
+                        # Written only when it moved: a write per job per tick would hold the
+                        # store's write lock for every active job every second.
+                        if shards_done != row["shards_done"] and set_progress(row["id"], shards_done):
+                            moved = True
             except Exception:  # storage briefly away: this job waits for the next tick, the others go on
                 log.exception("could not follow job %s", row["id"])
                 continue
@@ -197,6 +200,8 @@ class Watcher:
 
     def _apply(self, row: dict, state: RunState) -> bool:
         """Record the run's state; a done run's result numbers come from its manifest."""
+        if state.status == "pending" or (state.status == "running" and row["status"] == "running"):
+            return False  # nothing to record (`apply_state` would change nothing): no write transaction
         result = JobFiles.for_job(row["id"], self.storage).read_result() if state.status == "done" else None
         return apply_state(row["id"], state, result=result)
 

@@ -10,6 +10,7 @@ Everything lives in a fresh HARVEST_HOME on free ports, apart from the session's
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -135,6 +136,56 @@ def test_a_killed_api_comes_back_alone_on_its_port(stack):
     assert {p.pid for p in _children(stack, "prefect", "server")} == server
     assert stack.proc.poll() is None
     assert any("api exited with -9; restarted" in line for line in stack.errors), "".join(stack.errors)[-3000:]
+
+
+def _harvest(stack: Stack, *args: str) -> subprocess.CompletedProcess:
+    """The `harvest` CLI, as a user types it beside the running stack (same HARVEST_HOME)."""
+    return subprocess.run(
+        [str(REPO / ".venv" / "bin" / "harvest"), *args], cwd=stack.home, env=stack.env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_schedule_fires_by_itself_and_its_dated_part_appears(stack):
+    """A cron refresh made with `harvest schedule create` runs with nobody starting it: Prefect's
+    scheduler makes the run, a worker of the stack runs it, the dated part lands in storage."""
+    from flows.prefect_auth import basic_header
+
+    corpus = stack.home.parent / "every-minute.jsonl"
+    lines = [f"scheduled line {i} of the corpus" for i in range(5)]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    made = _harvest(stack, "schedule", "create", "--corpus", str(corpus), "--model", "llama-tiny", "--layers", "1,3",
+                    "--shard-size", "2", "--cron", "* * * * *", "--name", "every-minute")
+    assert made.returncode == 0, made.stderr[-3000:]
+    api = stack.lines["PREFECT_UI"] + "/api"
+    auth = basic_header((stack.home / "prefect-auth").read_text().strip())
+    dated = stack.home / "storage" / "corpus" / "every-minute"
+
+    def runs(*states: str) -> list[dict]:
+        answer = httpx.post(f"{api}/flow_runs/filter", headers=auth, timeout=10, json={
+            "deployments": {"name": {"any_": ["every-minute"]}}, "flow_runs": {"state": {"type": {"any_": list(states)}}},
+        })
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    try:
+        deadline = time.monotonic() + 150  # the next minute's boundary, then the run itself
+        while not (done := runs("COMPLETED", "FAILED", "CRASHED")):
+            assert time.monotonic() < deadline, f"no scheduled run ended: {runs('SCHEDULED', 'PENDING', 'RUNNING')}"
+            time.sleep(2)
+        started = runs("PENDING", "RUNNING", "COMPLETED", "FAILED", "CRASHED")
+    finally:
+        gone = _harvest(stack, "schedule", "delete", "every-minute")  # no more runs behind the next tests
+    assert gone.returncode == 0, gone.stderr[-3000:]
+    assert [run["state_type"] for run in done] == ["COMPLETED"], done
+    # Every run that started was made by Prefect's scheduler, none by a call of ours.
+    assert started and all(run["auto_scheduled"] for run in started), started
+    day = done[0]["start_time"][:10]  # the UTC day the refresh began names its folder
+    part = dated / day / "part-0000"
+    manifest = json.loads((part / "manifest.json").read_text())
+    assert manifest["n_prompts"] == len(lines) and manifest["layer_indices"] == [1, 3]
+    shards = sorted(p.name for p in part.glob("shard_*.safetensors"))
+    assert shards == [s["file"] for s in manifest["shards"]] and len(shards) == 3  # 5 prompts, 2 a shard
+    assert all((part / name).stat().st_size > 0 for name in shards)
 
 
 def test_make_run_starts_serves_a_harvest_and_stops_clean(stack):
