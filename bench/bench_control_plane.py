@@ -21,7 +21,7 @@ storage calls per tick (fsspec calls), the p95 of `GET /v1/harvest/{id}` over re
 the watcher ticks, and the job store's rows and bytes per job (SQLite pages in use).
 
 Run: `.venv/bin/python bench/bench_control_plane.py [--jobs 10,100,1000] [--hosts 1,10] [--ticks 5] [--seconds 6]`
-(~4 min on the 2-core CI box).
+(~12 min on the 2-core CI box under load, most of it making the 1,000 runs; `--jobs 10,100` takes ~2).
 """
 
 from __future__ import annotations
