@@ -131,11 +131,16 @@ class Load:
         self.done: dict[str, list[str]] = defaultdict(list)  # key -> done job ids
         self.links: list[str] = []
         self.failures: list[str] = []
+        self.overloaded: dict[str, int] = defaultdict(int)  # documented 503 + Retry-After, by code
 
     def record(self, route: str, answer: httpx.Response, seconds: float) -> None:
         self.latency[route].append(seconds)
         self.statuses[route][answer.status_code] += 1
-        if answer.status_code >= 500:
+        if answer.status_code == 503 and "retry-after" in answer.headers:
+            # The documented overload answer (a busy replica, a run start past its bound): the
+            # client is told when to come back and nothing was charged; the ledger checks that.
+            self.overloaded[_error_code(answer)] += 1
+        elif answer.status_code >= 500:
             self.failures.append(f"{route}: {answer.status_code} {answer.text[:200]}")
 
     async def call(self, client: httpx.AsyncClient, route: str, method: str, url: str, **kwargs) -> httpx.Response | None:
@@ -360,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             statuses[body["status"]] += 1
         print(f"\nlong-polls declined over the waiter limit (200 + X-Acs-Longpoll: declined): {load.declined}")
         print(f"jobs in the store {len(ended)}: " + ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())))
-        print(f"  of which the client heard no 202 (its request timed out): {len(unanswered)}"
+        print(f"  of which the client heard no 202 (a 503 with Retry-After, or a timeout): {len(unanswered)}"
               + "".join(f"\n    {j}: {ended[j]['status']}, {ended[j].get('error')}" for j in unanswered[:10]))
         print(f"ledger: {len(problems)} problem(s)" + "".join(f"\n  {p}" for p in problems[:20]))
+        print("documented 503s with Retry-After, by code: "
+              + (", ".join(f"{code} {n}" for code, n in sorted(load.overloaded.items())) or "none"))
         print(f"server errors / no answer: {len(load.failures)}" + "".join(f"\n  {f}" for f in load.failures[:20]))
         print(f"429 answers by code are expected (per-key cap small=3): "
               f"{sum(c.get(429, 0) for c in load.statuses.values())}")
@@ -373,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         _drop_schema(schema)
         if prefect_db:
             _drop_database(prefect_db)
+
+
+def _error_code(answer: httpx.Response) -> str:
+    try:
+        return answer.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
 
 
 if __name__ == "__main__":
