@@ -34,10 +34,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -60,6 +58,7 @@ from bench.load_api import (  # noqa: E402 - after the path
     _percentile,
     _pg_schema,
     _prefect_database,
+    _start_stack,
     _stop_stack,
 )
 
@@ -67,14 +66,14 @@ DOCUMENTED_503 = {"harvest_unavailable", "replica_busy"}
 ATTACKER_ADDRESS = "127.0.0.2"  # another client address on loopback: the per-address limits are its own
 WORDS = "the residual stream carries every feature a probe reads and every token adds its own part".split()
 
-# Bounds the README documents for each process (None: no documented bound on this branch).
+# Bounds the README documents for each process (None: none documented).
 BOUNDS = {
-    "api": "inline payloads ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES (512 MiB) or one response",
+    "api": "submits ≤ a few × HARVEST_ADMISSION_BYTES (128 MiB); inline payloads ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES (512 MiB) or one response",
     "prefect-server": None,
     "worker": None,
     "run-starter": None,
-    "run": None,
-    "engine-server": None,
+    "run": "one piece in flight: HARVEST_ENGINE_PIECE_BYTES (256 MiB), plus S3 upload parts",
+    "engine-server": "models + one forward pass of HARVEST_ENGINE_BATCH_TOKENS (16,384) and its captures (~3 × HARVEST_ENGINE_PIECE_BYTES on the CPU)",
     "harvest-up": None,
 }
 
@@ -144,33 +143,6 @@ class RssSampler(threading.Thread):
             seen, top = roles.get(role, (0, 0))
             roles[role] = (seen + 1, max(top, peak))
         return roles
-
-
-def _start_stack(home: Path, db_url: str, prefect_db_url: str) -> tuple[subprocess.Popen, dict[str, str]]:
-    """`harvest up` with the service's defaults: rates, caps, bounds and worker poll."""
-    from flows.processes import free_port
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
-    env.update(
-        HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"), HARVEST_DATABASE_URL=db_url,
-        HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()), HARVEST_ENGINE="hf",
-        PREFECT_API_DATABASE_CONNECTION_URL=prefect_db_url,
-        PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_LOGGING_LEVEL="CRITICAL", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-    )
-    log = open(home / "up.log", "w")
-    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "harvest"), "up"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=log, text=True, start_new_session=True)
-    info: dict[str, str] = {}
-    deadline = time.monotonic() + 300
-    while "PREFECT_UI" not in info:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"harvest up exited {proc.poll()}: see {home / 'up.log'}")
-        name, _, value = line.strip().partition("=")
-        info[name] = value
-        if time.monotonic() > deadline:
-            raise RuntimeError("harvest up was not ready in 300 s")
-    return proc, info
 
 
 class Record:
