@@ -159,7 +159,7 @@ def main() -> None:
                     shutil.rmtree(dest)
             base = statistics.median(times["sequential loop"])
             print(f"\ndownload of the same {shard_bytes / 1e6:.1f} MB ({args.rounds} rounds, median):")
-            print(f"| arm | seconds | MB/s | vs sequential |\n|---|---:|---:|---:|")
+            print("| arm | seconds | MB/s | vs sequential |\n|---|---:|---:|---:|")
             for name, values in times.items():
                 median = statistics.median(values)
                 print(f"| {name} | {median:.2f} | {shard_bytes / 1e6 / median:.1f} | {base / median:.2f} |")

@@ -20,7 +20,6 @@ refused naming the largest shard_size whose shards all fit, never cut some other
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

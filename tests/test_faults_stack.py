@@ -14,7 +14,6 @@ import time
 
 import httpx
 import psycopg
-import pytest
 from sqlalchemy import create_engine, text
 
 from tests.slow_engine import slow_shards
