@@ -25,10 +25,9 @@ import os
 import torch
 from safetensors.torch import save as save_tensors
 
-__all__ = ["ShardLayout", "shard_layout", "StagedShard", "HASH_CHUNK_BYTES"]
+from harvest.storage import HASH_CHUNK_BYTES
 
-HASH_CHUNK_BYTES = 8 << 20
-"""Read size of the hashing pass (one buffer, reused)."""
+__all__ = ["ShardLayout", "shard_layout", "StagedShard"]
 
 _DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32"}
 
