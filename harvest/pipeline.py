@@ -252,15 +252,18 @@ def stored_records(job: ResolvedJob, storage: Storage, n_shards: int) -> tuple[l
     Two processes can write the same shard: a scale-out helper taken over while still alive, a
     crashed run rescheduled while its cut-off process goes on. Their values agree only to one
     bf16 rounding (batching differs), so their files can differ, and each publishes its file
-    then its record: the record that stays can be the other write's. So the shards are hashed
-    again here, streamed, `HASH_THREADS` at a time, and where a file is not its record's, its
-    statistics are read from the file too. The alternative, each write under a name of its own
-    renamed once into place, was priced out: S3 has no rename, so it costs a server-side copy of
-    every shard (time growing with its size, as a read does), changes the job folder's layout,
-    and still lets two finalizers list one copy beside the other's file; one read of each
-    shard, once per job, from a store that just took the writes, keeps every name and is right
-    for any number of writers and finalizers, as long as the writes are over (a write landing
-    while this runs can still come after its hash).
+    then its record: the record that stays can be the other write's. So each shard is hashed
+    again here, streamed (`Storage.digest`), `HASH_THREADS` at a time, and where a file is not
+    its record's, its statistics are read from the file too.
+
+    Why re-hash rather than write each attempt under a name of its own and rename it once into
+    place: the cost is one read of each shard per job (on local disk mostly from the page cache
+    the writes just filled; on S3 a streamed GET, like a resume's check), with no name changed.
+    A rename on S3 is a server-side copy, which also takes time in proportion to the shard's
+    size, doubles its storage until the original is deleted, moves the shards out of the job
+    folder's layout until the end, and still lets two finalizers each list one copy. Re-hashing
+    is right for any number of writers and finalizers, once the writes are over: a write landing
+    while this runs can still come after its hash.
     """
     parts = []
     for k in range(n_shards):
