@@ -30,7 +30,7 @@ from fsspec.core import url_to_fs
 
 from harvest.settings import get_settings
 
-__all__ = ["Storage", "open_storage", "HASH_CHUNK_BYTES"]
+__all__ = ["Storage", "open_storage", "stream_digest", "HASH_CHUNK_BYTES"]
 
 HASH_CHUNK_BYTES = 8 << 20
 """Read size of a hashing pass (one buffer, reused)."""
@@ -141,14 +141,8 @@ class Storage:
     def digest(self, name: str) -> tuple[int, str]:
         """Size and sha256 of file `name` as stored now, read `HASH_CHUNK_BYTES` at a time into
         one reused buffer: a shard can be larger than memory."""
-        sha = hashlib.sha256()
-        size = 0
-        buffer = bytearray(HASH_CHUNK_BYTES)
         with self.fs.open(self._fresh(self.path(name)), "rb", block_size=HASH_CHUNK_BYTES, cache_type="none") as handle:
-            while n := handle.readinto(buffer):
-                sha.update(memoryview(buffer)[:n])
-                size += n
-        return size, sha.hexdigest()
+            return stream_digest(handle)
 
     def exists(self, name: str) -> bool:
         return self.fs.exists(self._fresh(self.path(name)))
@@ -170,6 +164,18 @@ class Storage:
         if not self.fs.exists(self._fresh(self.root)):
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
+
+
+def stream_digest(handle) -> tuple[int, str]:
+    """Size and sha256 of what an open binary file holds from its position on, one
+    `HASH_CHUNK_BYTES` buffer at a time."""
+    sha = hashlib.sha256()
+    size = 0
+    buffer = bytearray(HASH_CHUNK_BYTES)
+    while n := handle.readinto(buffer):
+        sha.update(memoryview(buffer)[:n])
+        size += n
+    return size, sha.hexdigest()
 
 
 def _fsync_path(path: str) -> None:
