@@ -1,4 +1,4 @@
-"""The HTTP facade: bulk harvests (SPEC §2, §3, §6) and inline completions (§7) in one FastAPI app.
+"""The HTTP facade: bulk harvests and inline completions in one FastAPI app.
 
     app.py       the app: routers, the one error handler, lifespan (migrate, start the watcher)
     harvest.py   POST/GET/DELETE /v1/harvest[/{job_id}]: validate, admit, write request, start run

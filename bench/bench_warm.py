@@ -1,4 +1,4 @@
-"""Warm engines and overlapped writes, side by side in one run (issue 11).
+"""Warm engines and overlapped writes, side by side in one run.
 
 Sections (all by default; `--section latency|process|overlap` for one):
 

@@ -5,7 +5,7 @@ its concurrency limit, and a deployment `harvest-<lane>` of the harvest flow on 
 maintenance deployments (corpus refresh, retention sweep) come from infra/prefect.yaml.
 
 Idempotent, so `harvest server` runs it on every start: a pool that exists is updated and its
-concurrency limit re-applied (DESIGN: `--overwrite` resets limits, so we never rely on it);
+concurrency limit re-applied (`--overwrite` resets limits, so we never rely on it);
 deployments are upserted by (flow, name), schedules replaced. Deployments are created through
 the client rather than `prefect deploy` so that no prompt, build step or git state is involved
 and a start takes ~1 s.

@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     """Endpoint of an S3-compatible server (MinIO, moto) for `s3://` storage; None is AWS."""
 
-    # --- API (issue 5): job store, keys, links, long-poll, caps ---------------------------
+    # --- API: job store, keys, links, long-poll, caps ---------------------------
     database_url: str | None = None
     """SQLAlchemy URL of the job store; default SQLite at `<home>/harvest.db` (PostgreSQL in production)."""
 
@@ -182,7 +182,7 @@ class Settings(BaseSettings):
     """The window `restart_limit` counts restarts in, seconds."""
 
 
-    # --- API hardening (issue 12): links, request rates, request ids ---
+    # --- API hardening: links, request rates, request ids ---
     trust_host_header: bool = False
     """Build download links from the request's Host header (only behind a proxy that sets it
     itself). Off: links use `public_base_url`, else `http://<host>:<port>` of this replica, so

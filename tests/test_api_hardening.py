@@ -1,4 +1,4 @@
-"""Hardening of the HTTP surface (issue 12), against the real app under uvicorn on loopback:
+"""Hardening of the HTTP surface, against the real app under uvicorn on loopback:
 every body capped, one answer with a request id for unexpected errors, links that ignore the
 client's Host, messages without server paths, per-key request rates shared by replicas, and a
 failed start that leaves no run going.

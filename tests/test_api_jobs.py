@@ -91,7 +91,7 @@ def test_a_done_job_has_a_result_with_links_that_need_no_key(harvest_api, key, d
     assert result["layer_indices"] == [2, 4, 7] and result["contents"] == "activations"
     assert set(result["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}
     assert result["bytes_written"] > 0 and job["urls_expired"] is False
-    # The seeds' reading code, with plain HTTP and no key.
+    # The documented reading code, with plain HTTP and no key.
     shard = load_tensors(httpx.get(result["shard_urls"][0], timeout=30).content)
     assert shard["prompt_0"].dtype == torch.bfloat16
     n_tokens = shard["tokens_0"].shape[0]
@@ -343,7 +343,7 @@ def test_the_api_killed_mid_job_follows_on_and_charges_once(harvest_api, hf_engi
         server.start()
 
         # The status is the database's, whichever process reads it: still running (never back
-        # to pending), and a cancel now charges what a started GPU run costs (SPEC §6).
+        # to pending), and a cancel now charges what a started GPU run costs.
         for job in (finishing, cancelled):
             assert _get(server, key, job).json()["status"] == "running"
         reserved = _get(server, key, cancelled).json()["reserved_tokens"]

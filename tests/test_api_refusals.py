@@ -1,5 +1,5 @@
-"""Every refusal of SPEC §2, §3 and §6 over HTTP, against the real app under uvicorn: status,
-`code`, `param`, message and headers. No run is started by a refused submit."""
+"""Every documented refusal of a harvest (submit, read, cancel, caps) over HTTP, against the
+real app under uvicorn: status, `code`, `param`, message and headers. No run is started by a refused submit."""
 
 from __future__ import annotations
 

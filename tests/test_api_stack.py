@@ -1,4 +1,4 @@
-"""Against a live `harvest up` stack (what `make run` runs): the seeds' curl and Python
+"""Against a live `harvest up` stack (what `make run` runs): the documented curl and Python
 examples, unchanged but for `"model": "llama-tiny"` and its layers; then the API killed and
 restarted mid-job while its Prefect flow run goes on, re-attached and charged once."""
 

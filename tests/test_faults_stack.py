@@ -129,7 +129,7 @@ def test_postgres_connection_killed_mid_admission_fails_clean_or_admits_never_ha
             assert count_jobs() == jobs_before + 1
             assert faults_api.server.storage().exists(f"jobs/{job['job_id']}/request.json")
             _assert_charged_once(faults_api, faults_api.wait(job["job_id"]))
-        else:  # refused whole: the SPEC error body, no row, no files
+        else:  # refused whole: the service's error body, no row, no files
             error = answer.json()["error"]
             assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
             assert count_jobs() == jobs_before
