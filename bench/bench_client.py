@@ -45,7 +45,7 @@ def live_stack():
     if os.environ.get("ACS_API_BASE") and os.environ.get("ACS_API_KEY"):
         yield os.environ["ACS_API_BASE"], os.environ["ACS_API_KEY"]
         return
-    from flows.processes import free_port
+    from fleet.processes import free_port
 
     home = Path(tempfile.mkdtemp(prefix="bench-client-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}

@@ -6,7 +6,7 @@ Sections (all by default; `--section latency|process|overlap` for one):
   server and process workers, on two pools side by side: "cold", a worker whose runs start as
   fresh processes and load the model themselves (the path before warm engines), and "warm", a
   worker host as `harvest worker` runs one: its runs forked from its run starter
-  (`flows.run_starter`) and using its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`;
+  (`fleet.run_starter`) and using its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`;
   once per engine (`--engine hf|vllm`, default both: HF loads `llama-tiny` in a tenth of a
   second, vLLM in seconds, as a big model would on a GPU).
 - process: `harvest run` as a whole process (imports, tokenizer, engine choice, files) against
@@ -63,8 +63,7 @@ def latency(jobs: int, engine: str) -> None:
     from prefect.flows import load_flow_from_entrypoint
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.deploy import RUN_COMMAND
-    from flows.processes import free_port, start_server, start_worker
+    from fleet.processes import RUN_COMMAND, free_port, start_server, start_worker
     from flows.submit import read_harvest_run, start_harvest_run
     from harvest.jobfiles import JobFiles
     from harvest.request import HarvestRequest
@@ -164,7 +163,7 @@ def process(rounds: int) -> None:
 
     arms = {
         "bare HF forward script": lambda r: run([PY, "-c", BARE, str(tiny.path), str(corpus)]),
-        "harvest run (auto engine)": lambda r: run([PY, "-m", "harvest.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus),
+        "harvest run (auto engine)": lambda r: run([PY, "-m", "fleet.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus),
                                                     "--out", str(work / f"out-{r}")]),
     }
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -184,7 +183,7 @@ def process(rounds: int) -> None:
 def overlap(rounds: int) -> None:
     import boto3
 
-    from flows.processes import free_port
+    from fleet.processes import free_port
     from harvest.engines.hf import HFEngine
     from harvest.pipeline import capture_shard, run_job, tokenize_job
     from harvest.registry import load_registry

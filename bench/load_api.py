@@ -80,7 +80,7 @@ def _drop_database(name: str) -> None:
 def _start_stack(home: Path, db_url: str, prefect_db_url: str | None, **settings: str) -> tuple[subprocess.Popen, dict[str, str]]:
     """`harvest up` in its own session on a fresh home and job store, as shipped but for
     `settings` (what a benchmark measures), read until it prints its addresses."""
-    from flows.processes import free_port
+    from fleet.processes import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
     env.update(

@@ -185,7 +185,7 @@ def test_a_key_can_have_its_own_rates(guarded):
     guarded.make_key(name="plain-rates")
     env = {**os.environ, "HARVEST_DATABASE_URL": guarded.env["HARVEST_DATABASE_URL"],
            "HARVEST_RATE_READ_BURST": "4", "HARVEST_RATE_READ_PER_S": "1"}
-    cli = [sys.executable, "-m", "harvest.cli", "keys"]
+    cli = [sys.executable, "-m", "fleet.cli", "keys"]
     made = subprocess.run([*cli, "create", "--name", "own-rates", "--read-burst", "2", "--read-per-s", "0.5"],
                           env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     own = made.stdout.strip().splitlines()[-1]

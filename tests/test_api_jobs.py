@@ -418,7 +418,7 @@ def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
 
     env = {**os.environ, "HARVEST_DATABASE_URL": harvest_api.env["HARVEST_DATABASE_URL"]}
     out = subprocess.run(
-        [sys.executable, "-m", "harvest.cli", "keys", "create", "--name", "cli", "--limit", "small=1", "--limit", "large=0",
+        [sys.executable, "-m", "fleet.cli", "keys", "create", "--name", "cli", "--limit", "small=1", "--limit", "large=0",
          "--monthly-jobs", "9", "--token-budget", "1000", "--activation-quota", "5"],
         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
     )
@@ -428,7 +428,7 @@ def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
     refused = httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), json={"model": "llama-tiny", "prompts": ["b"]})
     assert refused.status_code == 429 and "1 harvest on small models" in refused.json()["error"]["message"]
     _cancel(harvest_api, key, one["job_id"])
-    listing = subprocess.run([sys.executable, "-m", "harvest.cli", "keys", "list"], env=env, capture_output=True,
+    listing = subprocess.run([sys.executable, "-m", "fleet.cli", "keys", "list"], env=env, capture_output=True,
                              text=True, check=True).stdout
     assert "cli" in listing and key not in listing and key[:10] in listing
 

@@ -82,7 +82,7 @@ def stack(tmp_path_factory, harvest_home, tiny):
     port, prefect_port = free_port(), free_port()
     log = open(home / "up.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "up", "--port", str(port), "--prefect-port", str(prefect_port)],
+        [sys.executable, "-m", "fleet.cli", "up", "--port", str(port), "--prefect-port", str(prefect_port)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
     )
     info: dict[str, str] = {}

@@ -239,7 +239,7 @@ def _harvest_cli(tmp_path: Path, name: str, engine: str | None) -> tuple[subproc
     env = {k: v for k, v in os.environ.items() if k != "HARVEST_ENGINE"}
     if engine is not None:
         env["HARVEST_ENGINE"] = engine
-    cmd = [sys.executable, "-m", "harvest.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus), "--out", str(out), "--shard-size", "2", "--layers", "0,7"]
+    cmd = [sys.executable, "-m", "fleet.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus), "--out", str(out), "--shard-size", "2", "--layers", "0,7"]
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out
 

@@ -51,7 +51,7 @@ def _prefect_runs_of(job_id: str) -> list:
 
 
 def test_prefect_server_restarted_mid_job_ends_done_and_charged_once(faults_api, prefect_server, harvest_home):
-    from flows.processes import start_server
+    from fleet.processes import start_server
     from tests.prefect_fixtures import server_env
 
     faults_api.flow_env(**slow_shards(1.0))

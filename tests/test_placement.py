@@ -1,5 +1,5 @@
 """GPU placement and automatic scale-out, on real hosts: `harvest worker` hosts (real `prefect
-worker` processes started by `flows.roles.start_worker_host`, each with its own HARVEST_HOME)
+worker` processes started by `fleet.roles.start_worker_host`, each with its own HARVEST_HOME)
 on work pools of this module's own (the session's `small`/`large` workers would take the runs),
 with the tiny model on the HF engine. Jobs are started as the API starts them
 (`flows.submit.start_harvest_run`: no `workers`, so the flow chooses).
@@ -115,7 +115,7 @@ class Lanes:
     hosts: list = field(default_factory=list)
 
     def host(self, pool: str, name: str, **slots):
-        from flows.roles import start_worker_host
+        from fleet.roles import start_worker_host
 
         worker = start_worker_host(self.home / name, pool, self.api_url, env=self.env, name=name, **slots)
         self.hosts.append(worker)

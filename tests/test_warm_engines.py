@@ -13,7 +13,7 @@ against what:
   on disk and its values against HF;
 - each engine (`HARVEST_ENGINE=hf` and `vllm`) through the host and through `/v1/completions`;
   the run's own environment choosing the engine, though its process is forked from the
-  host's run starter (`flows.run_starter`), whose environment says `hf`;
+  host's run starter (`fleet.run_starter`), whose environment says `hf`;
 - runs forked from the run starter: the process tree (psutil), and a launcher killed taking
   its run along.
 """
@@ -68,7 +68,7 @@ class Host:
 
 @pytest.fixture(scope="module")
 def host(prefect_deployments, prefect_server, tmp_path_factory):
-    from flows.processes import start_worker
+    from fleet.processes import start_worker
 
     home = tmp_path_factory.mktemp("warm-host")
     models = home / "models.toml"
@@ -201,9 +201,9 @@ def _run_processes(host) -> tuple[list, list]:
 
     starter = psutil.Process(host.worker.pid)
     # The forked runs keep the starter's command line; the worker has its own.
-    worker = next(p for p in starter.children() if "flows.run_starter" not in cmdline(p))
+    worker = next(p for p in starter.children() if "fleet.run_starter" not in cmdline(p))
     forked = [p for p in starter.children() if p.pid != worker.pid and cmdline(p)]
-    launchers = [p for p in worker.children(recursive=True) if cmdline(p)[-2:] == ["-m", "flows.run_starter"]]
+    launchers = [p for p in worker.children(recursive=True) if cmdline(p)[-2:] == ["-m", "fleet.run_starter"]]
     return launchers, forked
 
 

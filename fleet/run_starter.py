@@ -5,14 +5,14 @@ Prefect's process worker starts every flow run as a fresh `python -m prefect.eng
 flow) before the flow's first line: more than a warm job's whole work once its engine stays
 loaded (`harvest.warm`). On a worker host this module removes that cost with a fork server:
 
-- `python -m flows.run_starter --socket S -- prefect worker start …` (the *starter*; what
-  `flows.processes.start_worker` runs on a worker host): starts the Prefect worker as its child,
+- `python -m fleet.run_starter --socket S -- prefect worker start …` (the *starter*; what
+  `fleet.processes.start_worker` runs on a worker host): starts the Prefect worker as its child,
   with `HARVEST_RUN_STARTER=S` in its environment; imports what a run imports; then listens on
   the Unix socket S. For each run it is asked for, it forks: the child takes the asker's
   stdin/stdout/stderr, environment and working directory and runs `prefect.engine` as
   `python -m` would. The signals it gets go to the worker (a worker stopping), and it ends
   when the worker does, stopping any run still going.
-- `python -m flows.run_starter` (the *launcher*; the harvest deployments' `command` job
+- `python -m fleet.run_starter` (the *launcher*; the harvest deployments' `command` job
   variable, `flows.deploy`): what the worker starts per run. It hands its stdio, environment
   and directory to the host's starter, passes on the signals it gets (a cancel's SIGTERM) and
   exits as the run did. Without a starter (a worker started some other way, or one still
@@ -371,7 +371,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] != ["--socket"]:
         return launch(argv)
     if len(argv) < 4 or argv[2] != "--":
-        raise SystemExit("usage: python -m flows.run_starter --socket PATH -- WORKER COMMAND …")
+        raise SystemExit("usage: python -m fleet.run_starter --socket PATH -- WORKER COMMAND …")
     outcome = RunStarter(argv[1], argv[3:]).serve()
     if isinstance(outcome, _Fork):
         become_run(outcome)
