@@ -2,7 +2,7 @@
 
 Shared by `harvest up` and the test fixtures, so the tests start things exactly as users do.
 
-Stopping is the delicate part (DESIGN, Prefect facts): a `prefect worker` turns the first
+Stopping is the delicate part: a `prefect worker` turns the first
 SIGTERM into SIGINT and keeps polling, so `stop()` signals twice, then SIGKILLs; and flow-run
 processes are started by the worker in sessions of their own, so a process-group kill misses
 them. `stop()` therefore snapshots the whole descendant tree first and kills what is left of
@@ -202,7 +202,7 @@ def start_server(
 
     Its database is Prefect's own setting: PREFECT_API_DATABASE_CONNECTION_URL (PostgreSQL in
     production) when set, else SQLite under `home`. Returns the process and the API URL (at the
-    `advertise` address, default `host`), once the API answers (~10 s cold, DESIGN).
+    `advertise` address, default `host`), once the API answers (~10 s cold).
     """
     api_url = f"http://{advertise or host}:{port}/api"
     env = {
