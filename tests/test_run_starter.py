@@ -316,6 +316,35 @@ def test_a_threaded_starter_refuses_to_fork_and_says_why():
         threaded.stop()
 
 
+def test_the_preload_builds_nothing_and_leaves_the_starter_single_threaded(tiny):
+    """The real starter on a host where llama-tiny is not built yet and another checkpoint is
+    installed: it loads that one's tokenizer (the tokenizers library is mapped), builds
+    nothing, and serves with one thread (its own log would say otherwise)."""
+    home = Path(tempfile.mkdtemp(dir="/tmp", prefix="harvest-test-preload-"))
+    (home / "models" / "org").mkdir(parents=True)
+    (home / "models" / "org" / "installed").symlink_to(tiny.path)
+    (home / "models.toml").write_text('[models.llama-tiny]\nweights = "models/llama-tiny"\nbuiltin = true\n\n'
+                                      '[models.installed]\nweights = "org/installed"\n')
+    log = home / "starter.log"
+    env = {**os.environ, "HARVEST_HOME": str(home), "HARVEST_MODELS_FILE": str(home / "models.toml")}
+    with open(log, "wb") as out:
+        real = subprocess.Popen([sys.executable, "-m", "flows.run_starter", "--socket", str(home / "runs.sock"), "--", "sleep", "600"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "run starter: pid" not in log.read_text():
+            assert real.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "not forking" not in log.read_text() and "no preload" not in log.read_text(), log.read_text()
+        assert _proc_status(real.pid)["Threads"] == "1"
+        assert "tokenizers" in Path(f"/proc/{real.pid}/maps").read_text()
+        assert sorted(p.name for p in (home / "models").iterdir()) == ["org"]  # no llama-tiny, no staging, no lock
+    finally:
+        os.killpg(real.pid, signal.SIGKILL)  # it and its worker: how it stops is not what this checks
+        real.wait()
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def _proc_status(pid: int) -> dict[str, str]:
     return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
 
