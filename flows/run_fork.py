@@ -1,10 +1,13 @@
-"""A flow run forked from a preloaded process (`flows.run_starter`): when a fork is safe, the
-fork itself, and how its child becomes the run.
+"""A flow run forked from a preloaded process (`flows.run_starter`): what is preloaded, when a
+fork is safe, the fork itself, and how its child becomes the run.
 
 - `fork_hazard`: a process may be forked only while it is single-threaded (a thread is not
   copied, but the locks it holds are, held for ever in the child) and has not initialised
   CUDA (a CUDA context does not survive a fork). Checked before every fork, by the kernel's
   count of the process's threads.
+- `preload`: so it imports what a run imports and builds nothing (building llama-tiny trains a
+  tokenizer on a thread pool and initialises torch) and tokenizes nothing (the Rust tokenizers
+  start their pool on the first encode; loading one starts no thread).
 - `fork_in_group`: the forking process's own signal handlers are blocked across `fork` and
   put back to the defaults in the child before it unblocks them, so none of them ever runs
   in the child; the child's process group is set by both parent and child, so a group kill
@@ -26,7 +29,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["REREAD", "Fork", "engine_argv", "fork_hazard", "settle_thread_pools", "fork_in_group", "become_run"]
+__all__ = ["REREAD", "Fork", "engine_argv", "fork_hazard", "preload", "settle_thread_pools", "fork_in_group", "become_run"]
 
 # Variables a run may set differently from its worker and still fork: read again in the child
 # (Prefect's, ours, fsspec's; `_settings_from_environment`) or only when a client is made
@@ -47,6 +50,24 @@ class Fork:
 def engine_argv(argv: list[str]) -> list[str]:
     """The command a run is without a starter: Prefect's own."""
     return [sys.executable, "-m", "prefect.engine", *argv]
+
+
+def preload() -> None:
+    """Import what every run imports, and the tokenizer classes of the checkpoints already on
+    this host (the tokenizers themselves are not kept: their files may change). A checkpoint
+    not built yet is left to the first run that needs it."""
+    import prefect.engine  # noqa: F401
+    import prefect.flow_engine  # noqa: F401
+
+    import flows.harvest  # noqa: F401  (torch, the harvest core, the warm-engine client)
+    from harvest.registry import load_registry
+    from harvest.tokenize import load_tokenizer
+
+    for name, path in load_registry().checkpoints_on_disk().items():
+        try:
+            load_tokenizer.__wrapped__(path)
+        except Exception as exc:  # the run will say what is wrong with it; this is only speed
+            print(f"run starter: no preload of {name}'s tokenizer: {exc}", flush=True)
 
 
 def fork_hazard() -> str | None:

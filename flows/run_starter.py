@@ -29,10 +29,7 @@ The starter is the parent of the host's worker and of every run: if it ends, the
 So no launcher can end it: the loop never waits on one (non-blocking accept, reads driven by
 the selector, a deadline per launch), no write to one can raise, and a launcher dying at any
 point of the exchange costs only its own run (its connection closing kills the run's group).
-It forks only while that is safe (`flows.run_fork`: single-threaded, CUDA untouched, checked
-before each fork; otherwise the run starts the slow way and the log says why); hence its
-preload builds nothing (building llama-tiny trains a tokenizer on a thread pool) and
-tokenizes nothing (the Rust tokenizers start their pool on the first encode).
+What it preloads, when it may fork and how a child becomes the run: `flows.run_fork`.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from flows.run_fork import Fork, become_run, engine_argv, fork_hazard, fork_in_group, settle_thread_pools
+from flows.run_fork import Fork, become_run, engine_argv, fork_hazard, fork_in_group, preload, settle_thread_pools
 
 __all__ = ["STARTER_ENV", "HANDSHAKE_S", "launch", "connect_to_starter", "RunStarter", "main"]
 
@@ -143,25 +140,6 @@ def _signal(pid: int, signum: int) -> None:
 
 
 # --- the starter -----------------------------------------------------------------------------
-
-
-def preload() -> None:
-    """Import what every run imports, and the tokenizer classes of the checkpoints already on
-    this host (the tokenizers themselves are not kept: their files may change). Nothing is
-    built or converted (a run does that, once per host) and nothing is tokenized: loading a
-    tokenizer starts no thread, its first encode does."""
-    import prefect.engine  # noqa: F401
-    import prefect.flow_engine  # noqa: F401
-
-    import flows.harvest  # noqa: F401  (torch, the harvest core, the warm-engine client)
-    from harvest.registry import load_registry
-    from harvest.tokenize import load_tokenizer
-
-    for name, path in load_registry().checkpoints_on_disk().items():
-        try:
-            load_tokenizer.__wrapped__(path)
-        except Exception as exc:  # the run will say what is wrong with it; this is only speed
-            print(f"run starter: no preload of {name}'s tokenizer: {exc}", flush=True)
 
 
 @dataclass
