@@ -394,16 +394,16 @@ def test_launchers_killed_at_random_points_never_take_the_starter_down(starter):
     fds = starter.fds()
     along = start_launcher(starter.path, ["2", "7"])  # a job running through the whole storm
     kills, forked_then_killed = 0, 0
-    for _ in range(12):
+    for _ in range(6):
         batch = []
-        for _ in range(10):
+        for _ in range(20):
             die_at = rng.choice(KILL_POINTS)
             launcher = start_launcher(starter.path, ["300", "0"], None if die_at == "anytime" else die_at, rng.uniform(0, 0.02))
             if die_at == "anytime":
                 time.sleep(rng.uniform(0, 0.01))
                 os.kill(launcher.pid, signal.SIGKILL)
             batch.append(launcher)
-        jobs = [(start_launcher(starter.path, [f"{rng.uniform(0, 0.2):.3f}", str(code)]), code) for code in rng.sample(range(20), 2)]
+        jobs = [(start_launcher(starter.path, [f"{rng.uniform(0, 0.2):.3f}", str(code)]), code) for code in rng.sample(range(20), 3)]
         for launcher in batch:  # each killed; its run, if forked, ended with it (its stdout closed)
             try:
                 status, report, lines = launcher.finish()
