@@ -98,9 +98,13 @@ def settle_thread_pools() -> None:
     and restart them only when next used (OpenBLAS: numpy's import starts its pool) have then
     stopped them in this process, which will not use them: the thread count `fork_hazard`
     reads is then the one a child would inherit."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # no handler runs in it
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.waitpid(pid, 0)
 
 
