@@ -9,7 +9,8 @@ real launcher (`python -m flows.run_starter`). What is checked, and against what
   socket opened to everyone;
 - one slow launcher does not hold up another; one that never finishes is dropped;
 - a starter with a second thread refuses to fork and says why; its launcher starts the run
-  the slow way (Prefect's own `prefect.engine`);
+  the slow way (Prefect's own `prefect.engine`); the real starter's preload, on a host where
+  llama-tiny is not built, builds nothing and leaves one thread (/proc/PID/status);
 - a forked run: its parent, group, blocked and caught signals as the kernel has them
   (/proc), and a SIGTERM to its launcher ending the run, not the starter's worker;
 - launchers killed at random points of the exchange, over a hundred times while jobs run:
