@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import select
 import shutil
 import signal
 import socket
@@ -35,16 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from flows.run_starter import STARTER_ENV
+from tests.launchers import Launcher, launch_bytes, read_to_end, start_launcher
 
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
-KILL_POINTS = ("connected", "half-header", "header", "half-payload", "payload", "forked", "running", "anytime")
 
 
 class Starter:
@@ -92,98 +89,17 @@ def starter():
     started.stop()
 
 
-def _launch_bytes(argv: list[str]) -> tuple[bytes, bytes]:
-    payload = json.dumps({"env": {}, "cwd": "/", "argv": argv}).encode()
-    return struct.pack("!I", len(payload)), payload
-
-
-def _read_to_end(fd: int, deadline: float) -> bytes:
-    """All a pipe gets until every process holding its write end has closed it (or ended)."""
-    chunks = []
-    while True:
-        left = deadline - time.monotonic()
-        assert left > 0, f"the pipe is still held open after {b''.join(chunks)!r}"
-        if select.select([fd], [], [], left)[0]:
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                os.close(fd)
-                return b"".join(chunks)
-            chunks.append(chunk)
-
-
-@dataclass
-class Launcher:
-    """A launcher in a forked child; `report` gets the lines it was answered, `stdout` what its
-    run wrote (the run holds it open as long as it lives)."""
-
-    pid: int
-    report: int
-    stdout: int
-    die_at: str | None
-
-    def finish(self, timeout: float = 60) -> tuple[int, list[str], list[str]]:
-        """Its exit status, the starter's answers to it, and its run's lines."""
-        _, status = os.waitpid(self.pid, 0)
-        deadline = time.monotonic() + timeout
-        report = _read_to_end(self.report, deadline).decode().splitlines()
-        return os.waitstatus_to_exitcode(status), report, _read_to_end(self.stdout, deadline).decode().splitlines()
-
-
-def start_launcher(path: Path, argv: list[str], die_at: str | None = None, running_s: float = 0.0) -> Launcher:
-    header, payload = _launch_bytes(argv)
-    report_r, report_w = os.pipe()
-    stdout_r, stdout_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # nothing but system calls, then _exit
-        code = 1
-        try:
-            os.close(report_r)
-            os.close(stdout_r)
-            _exchange(str(path), header, payload, stdout_w, report_w, die_at, running_s)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(report_w)
-    os.close(stdout_w)
-    return Launcher(pid, report_r, stdout_r, die_at)
-
-
-def _exchange(path: str, header: bytes, payload: bytes, stdout_w: int, report_w: int, die_at: str | None, running_s: float) -> None:
-    """What the launcher does, with a SIGKILL of itself at the point `die_at`."""
-
-    def point(name: str) -> None:
-        if die_at == name:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
-    point("connected")
-    if die_at == "half-header":
-        sock.send(header[:2])
-        point("half-header")
-    null = os.open(os.devnull, os.O_RDWR)
-    socket.send_fds(sock, [header], [null, stdout_w, null])
-    os.close(stdout_w)  # only its run holds it from here
-    point("header")
-    sock.sendall(payload[: len(payload) // 2])
-    point("half-payload")
-    sock.sendall(payload[len(payload) // 2:])
-    point("payload")
-    answers = sock.makefile("rb")
-    os.write(report_w, answers.readline())
-    point("forked")
-    time.sleep(running_s)
-    point("running")
-    os.write(report_w, answers.readline())
-
-
-def _assert_job(starter: Starter, outcome: tuple[int, list[str], list[str]], code: int) -> None:
+def _assert_job(starter: Starter, outcome: dict, code: int) -> None:
     """A job whose launcher stayed: forked from the starter, in its own group, its status back."""
-    status, report, lines = outcome
-    assert status == 0 and len(report) == 2 and report[0].startswith("pid "), (status, report, lines)
+    report = outcome["report"]
+    assert outcome["status"] == 0 and len(report) == 2 and report[0].startswith("pid "), outcome
     pid = int(report[0].split()[1])
     assert report[1] == f"exit {code}"
-    assert lines == [f"run {pid} {starter.proc.pid} {pid}"]
+    assert outcome["lines"] == [f"run {pid} {starter.proc.pid} {pid}"] and outcome["ended"], outcome
+
+
+def _job(starter: Starter, argv: list[str]) -> dict:
+    return start_launcher(str(starter.path), argv).finish(time.monotonic() + 60)
 
 
 def _raw_launch(starter: Starter, chunks: list[bytes], fds_with: int | None = 0) -> tuple[list[bytes], bytes]:
@@ -202,14 +118,16 @@ def _raw_launch(starter: Starter, chunks: list[bytes], fds_with: int | None = 0)
         os.close(null)
         sock.settimeout(60)
         answers = sock.makefile("rb").readlines()
-    return answers, _read_to_end(stdout_r, time.monotonic() + 60)
+    out, ended = read_to_end(stdout_r, time.monotonic() + 60)
+    assert ended, out
+    return answers, out
 
 
 # --- framing -------------------------------------------------------------------------------
 
 
 def test_a_launch_sent_a_byte_at_a_time_forks(starter):
-    header, payload = _launch_bytes(["0", "4"])
+    header, payload = launch_bytes(["0", "4"])
     message = header + payload
     answers, out = _raw_launch(starter, [message[i:i + 1] for i in range(len(message))])
     assert len(answers) == 2 and answers[0].startswith(b"pid ") and answers[1] == b"exit 4\n", answers
@@ -219,7 +137,7 @@ def test_a_launch_sent_a_byte_at_a_time_forks(starter):
 
 @pytest.mark.parametrize("what", ["too long", "not json", "not a launch", "no descriptors", "bytes after"])
 def test_a_malformed_launch_gets_no_pid_and_the_starter_serves_on(starter, what):
-    header, payload = _launch_bytes(["0", "0"])
+    header, payload = launch_bytes(["0", "0"])
     chunks, fds_with = {
         "too long": ([struct.pack("!I", 1 << 30)], 0),
         "not json": ([struct.pack("!I", 3) + b"{no"], 0),
@@ -230,7 +148,7 @@ def test_a_malformed_launch_gets_no_pid_and_the_starter_serves_on(starter, what)
     answers, out = _raw_launch(starter, chunks, fds_with)
     assert answers == [] and out == b""
     assert "dropped a launcher" in starter.text().splitlines()[-1]
-    _assert_job(starter, start_launcher(starter.path, ["0", "0"]).finish(), 0)
+    _assert_job(starter, _job(starter, ["0", "0"]), 0)
 
 
 # --- who may launch, and how long --------------------------------------------------------------
@@ -250,7 +168,7 @@ def test_a_launcher_of_another_user_is_refused(starter):
             try:
                 os.setgid(NOBODY)
                 os.setuid(NOBODY)
-                header, payload = _launch_bytes(["0", "0"])
+                header, payload = launch_bytes(["0", "0"])
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.connect(str(starter.path))
                 sock.settimeout(60)
@@ -264,7 +182,8 @@ def test_a_launcher_of_another_user_is_refused(starter):
                 os._exit(code)
         os.close(report_w)
         os.close(stdout_w)
-        assert Launcher(pid, report_r, stdout_r, None).finish() == (0, [], [])
+        outcome = Launcher(pid, report_r, stdout_r, None).finish(time.monotonic() + 60)
+        assert (outcome["status"], outcome["report"], outcome["lines"], outcome["ended"]) == (0, [], [], True)
     finally:
         for folder in (starter.folder, starter.path.parent):
             os.chmod(folder, 0o700)
@@ -272,11 +191,11 @@ def test_a_launcher_of_another_user_is_refused(starter):
 
 
 def test_a_slow_launcher_does_not_hold_up_another(starter):
-    header, _ = _launch_bytes(["0", "0"])
+    header, _ = launch_bytes(["0", "0"])
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
         slow.connect(str(starter.path))
         slow.sendall(header[:2])
-        _assert_job(starter, start_launcher(starter.path, ["0", "5"]).finish(), 5)
+        _assert_job(starter, _job(starter, ["0", "5"]), 5)
         slow.setblocking(False)
         with pytest.raises(BlockingIOError):  # still waited for: neither answered nor dropped
             slow.recv(1)
@@ -290,7 +209,7 @@ def test_a_launch_not_whole_within_its_deadline_is_dropped():
             sock.settimeout(60)
             assert sock.recv(1) == b""
         assert "not whole within 0.5 s" in short.text()
-        _assert_job(short, start_launcher(short.path, ["0", "0"]).finish(), 0)
+        _assert_job(short, _job(short, ["0", "0"]), 0)
     finally:
         short.stop()
 
@@ -301,7 +220,7 @@ def test_a_launch_not_whole_within_its_deadline_is_dropped():
 def test_a_threaded_starter_refuses_to_fork_and_says_why():
     threaded = Starter(preload="threaded")
     try:
-        header, payload = _launch_bytes(["0", "0"])
+        header, payload = launch_bytes(["0", "0"])
         answers, out = _raw_launch(threaded, [header + payload])
         assert len(answers) == 1 and answers[0].startswith(b"refused this starter has 2 threads"), answers
         assert out == b""
@@ -389,46 +308,31 @@ def test_the_launcher_exits_as_its_run_did(starter):
 
 def test_launchers_killed_at_random_points_never_take_the_starter_down(starter):
     seed = int.from_bytes(os.urandom(4), "big")
-    rng = random.Random(seed)
-    print(f"seed {seed}")
-    start_time = Path(f"/proc/{starter.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    stat = Path(f"/proc/{starter.proc.pid}/stat")
+    start_time = stat.read_text().rsplit(")", 1)[1].split()[19]
     fds = starter.fds()
-    along = start_launcher(starter.path, ["2", "7"])  # a job running through the whole storm
-    kills, forked_then_killed = 0, 0
-    for _ in range(6):
-        batch = []
-        for _ in range(20):
-            die_at = rng.choice(KILL_POINTS)
-            launcher = start_launcher(starter.path, ["300", "0"], None if die_at == "anytime" else die_at, rng.uniform(0, 0.02))
-            if die_at == "anytime":
-                time.sleep(rng.uniform(0, 0.01))
-                os.kill(launcher.pid, signal.SIGKILL)
-            batch.append(launcher)
-        jobs = [(start_launcher(starter.path, [f"{rng.uniform(0, 0.2):.3f}", str(code)]), code) for code in rng.sample(range(20), 3)]
-        for launcher in batch:  # each killed; its run, if forked, ended with it (its stdout closed)
-            try:
-                status, report, lines = launcher.finish()
-            except AssertionError as exc:
-                raise AssertionError(f"seed {seed}, killed at {launcher.die_at}: {exc}; the starter's exit status: "
-                                     f"{starter.proc.poll()}, its log ends:\n{starter.text()[-1500:]}") from None
-            assert status == -signal.SIGKILL, (seed, launcher.die_at, status, report, lines)
-            kills += 1
-            for line in lines:
-                _, pid, ppid, pgid = line.split()
-                assert ppid == str(starter.proc.pid) and pgid == pid, (seed, line)
-                assert report in ([], [f"pid {pid}"]), (seed, report, lines)
-                forked_then_killed += 1
-        for launcher, code in jobs:
-            _assert_job(starter, launcher.finish(), code)
-        assert starter.proc.poll() is None, (seed, starter.text()[-2000:])
-    _assert_job(starter, along.finish(), 7)
-    assert kills >= 100 and forked_then_killed >= 10, (kills, forked_then_killed)
+    # In a small process of its own (`tests.launchers`): its forks are a hundred times cheaper.
+    result = subprocess.run([sys.executable, "-m", "tests.launchers", str(starter.path), str(starter.proc.pid), str(seed)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout)
+    context = f"seed {seed}; the starter's exit status: {starter.proc.poll()}, its log ends:\n{starter.text()[-1500:]}"
+    forked_then_killed = 0
+    for killed in outcome["killed"]:  # each killed; its run, if forked, ended with it (its stdout closed)
+        assert killed["status"] == -signal.SIGKILL and killed["ended"], (killed, context)
+        for line in killed["lines"]:
+            _, pid, ppid, pgid = line.split()
+            assert ppid == str(starter.proc.pid) and pgid == pid and killed["report"] in ([], [f"pid {pid}"]), (killed, context)
+            forked_then_killed += 1
+    for job in outcome["jobs"]:  # the jobs among them, and the one through it all
+        _assert_job(starter, job, job["code"])
+    assert len(outcome["killed"]) >= 100 and forked_then_killed >= 10, (len(outcome["killed"]), forked_then_killed, context)
     # The same starter, serving: its pid on the socket, its start time, no descriptor left over.
-    assert starter.peer_pid() == starter.proc.pid
-    assert Path(f"/proc/{starter.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[19] == start_time
+    assert starter.proc.poll() is None and starter.peer_pid() == starter.proc.pid
+    assert stat.read_text().rsplit(")", 1)[1].split()[19] == start_time
     deadline = time.monotonic() + 30
     while starter.fds() > fds:
         assert time.monotonic() < deadline, (starter.fds(), fds)
         time.sleep(0.1)
-    _assert_job(starter, start_launcher(starter.path, ["0", "9"]).finish(), 9)
+    _assert_job(starter, _job(starter, ["0", "9"]), 9)
     assert "Traceback" not in starter.text()
