@@ -1,4 +1,4 @@
-"""A flow run forked from a preloaded process (`flows.run_starter`): what is preloaded, when a
+"""A flow run forked from a preloaded process (the run starter): what is preloaded, when a
 fork is safe, the fork itself, and how its child becomes the run.
 
 - `fork_hazard`: a process may be forked only while it is single-threaded (a thread is not

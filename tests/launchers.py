@@ -1,5 +1,5 @@
 """Launchers of the run starter's protocol for tests/test_run_starter.py: forked children that
-do what `flows.run_starter.launch` does, with a SIGKILL of themselves at a chosen point, and
+do what the run starter's `launch` does, with a SIGKILL of themselves at a chosen point, and
 a storm of them killed at random points while whole jobs run.
 
 Standard library only: the storm runs as `python -m tests.launchers SOCKET STARTER_PID SEED`,

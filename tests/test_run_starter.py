@@ -1,7 +1,7 @@
-"""The run starter's protocol (`flows.run_starter`), driven directly and cheaply: its own loop
-with a `sleep` for worker and runs that only say who they are (`tests.trivial_starter`),
-asked by raw sockets, by forked launchers that kill themselves at chosen points, and by the
-real launcher (`python -m flows.run_starter`). What is checked, and against what:
+"""The run starter's protocol, driven directly and cheaply: its own loop with a `sleep` for
+worker and runs that only say who they are (`tests.trivial_starter`), asked by raw sockets, by
+forked launchers that kill themselves at chosen points (`tests.launchers`), and by the real
+launcher. What is checked, and against what:
 
 - framing: a launch sent a byte at a time forks; malformed ones get no pid, and the starter
   serves on;
@@ -41,6 +41,7 @@ from flows.run_starter import STARTER_ENV
 from tests.launchers import Launcher, launch_bytes, read_to_end, start_launcher
 
 REPO = Path(__file__).resolve().parent.parent
+STARTER = [sys.executable, "-m", "flows.run_starter"]  # the launcher; with `--socket S -- WORKER…`, the starter
 NOBODY = 65534
 
 
@@ -227,7 +228,7 @@ def test_a_threaded_starter_refuses_to_fork_and_says_why():
         assert "not forking a run: this process has 2 threads" in threaded.text()
         # The real launcher then starts its run the slow way: Prefect's own engine (which
         # finds no flow run by this id).
-        launcher = subprocess.run([sys.executable, "-m", "flows.run_starter", "not-a-run-id"], cwd=REPO,
+        launcher = subprocess.run([*STARTER, "not-a-run-id"], cwd=REPO,
                                   env={**os.environ, STARTER_ENV: str(threaded.path)}, capture_output=True, text=True, timeout=120)
         assert "run starter: not forked (this starter has 2 threads" in launcher.stderr
         assert "Invalid flow run id" in launcher.stderr and launcher.returncode == 1, launcher.stderr
@@ -248,7 +249,7 @@ def test_the_preload_builds_nothing_and_leaves_the_starter_single_threaded(tiny)
     log = home / "starter.log"
     env = {**os.environ, "HARVEST_HOME": str(home), "HARVEST_MODELS_FILE": str(home / "models.toml")}
     with open(log, "wb") as out:
-        real = subprocess.Popen([sys.executable, "-m", "flows.run_starter", "--socket", str(home / "runs.sock"), "--", "sleep", "600"],
+        real = subprocess.Popen([*STARTER, "--socket", str(home / "runs.sock"), "--", "sleep", "600"],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
@@ -270,7 +271,7 @@ def _proc_status(pid: int) -> dict[str, str]:
 
 
 def test_a_forked_run_has_its_own_group_and_default_signals(starter):
-    launcher = subprocess.Popen([sys.executable, "-m", "flows.run_starter", "300", "0"], cwd=REPO,
+    launcher = subprocess.Popen([*STARTER, "300", "0"], cwd=REPO,
                                 env={**os.environ, STARTER_ENV: str(starter.path)}, stdout=subprocess.PIPE, text=True)
     try:
         _, pid, ppid, pgid = launcher.stdout.readline().split()
@@ -297,7 +298,7 @@ def test_a_forked_run_has_its_own_group_and_default_signals(starter):
 
 
 def test_the_launcher_exits_as_its_run_did(starter):
-    launcher = subprocess.run([sys.executable, "-m", "flows.run_starter", "0", "3"], cwd=REPO,
+    launcher = subprocess.run([*STARTER, "0", "3"], cwd=REPO,
                               env={**os.environ, STARTER_ENV: str(starter.path)}, capture_output=True, text=True, timeout=60)
     assert launcher.returncode == 3, launcher.stderr
     assert launcher.stdout.split()[2] == str(starter.proc.pid)  # the run's parent

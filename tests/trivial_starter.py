@@ -1,5 +1,5 @@
-"""The run starter of `flows.run_starter` with a trivial worker and trivial runs, so its
-protocol is tested in milliseconds per run (tests/test_run_starter.py).
+"""The run starter with a trivial worker and trivial runs, so its protocol is tested in
+milliseconds per run (tests/test_run_starter.py).
 
 `python -m tests.trivial_starter SOCKET PRELOAD HANDSHAKE_S`: the starter's own loop, whose
 worker is `sleep` and whose preload is nothing (`bare`) or a thread that stays (`threaded`).
