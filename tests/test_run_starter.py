@@ -318,6 +318,7 @@ def test_launchers_killed_at_random_points_never_take_the_starter_down(starter):
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout)
     context = f"seed {seed}; the starter's exit status: {starter.proc.poll()}, its log ends:\n{starter.text()[-1500:]}"
+    assert starter.proc.poll() is None, context  # first of all: it is still there
     forked_then_killed = 0
     for killed in outcome["killed"]:  # each killed; its run, if forked, ended with it (its stdout closed)
         assert killed["status"] == -signal.SIGKILL and killed["ended"], (killed, context)
@@ -329,7 +330,7 @@ def test_launchers_killed_at_random_points_never_take_the_starter_down(starter):
         _assert_job(starter, job, job["code"])
     assert len(outcome["killed"]) >= 100 and forked_then_killed >= 10, (len(outcome["killed"]), forked_then_killed, context)
     # The same starter, serving: its pid on the socket, its start time, no descriptor left over.
-    assert starter.proc.poll() is None and starter.peer_pid() == starter.proc.pid
+    assert starter.peer_pid() == starter.proc.pid
     assert stat.read_text().rsplit(")", 1)[1].split()[19] == start_time
     deadline = time.monotonic() + 30
     while starter.fds() > fds:
