@@ -103,7 +103,7 @@ def launch(argv: list[str]) -> int:
         first = b""
     if not first.startswith(b"pid "):  # refused, or the starter went away before forking
         if first.startswith(b"refused "):
-            print(f"run starter: not forked ({first[8:].decode().strip()}): this run starts the slow way",
+            print(f"run starter: not forked ({first[8:].decode(errors='replace').strip()}): this run starts the slow way",
                   file=sys.stderr, flush=True)
         os.execv(sys.executable, engine_argv(argv))
     pid = int(first.split()[1])
