@@ -13,22 +13,23 @@ loaded (`harvest.warm`). On a worker host this module removes that cost with a f
   `python -m` would. The signals it gets go to the worker (a worker stopping), and it ends
   when the worker does, stopping any run still going.
 - `python -m fleet.run_starter` (the *launcher*; the harvest deployments' `command` job
-  variable, `flows.deploy`): what the worker starts per run. It hands its stdio, environment
+  variable, `fleet.processes.RUN_COMMAND`): what the worker starts per run. It hands its stdio, environment
   and directory to the host's starter, passes on the signals it gets (a cancel's SIGTERM) and
-  exits as the run did. Without a starter (a worker started some other way, or one still
-  preloading) it becomes `python -m prefect.engine` itself. It imports only the standard
-  library, so it starts in tens of milliseconds.
+  exits as the run did. Without a starter (a worker started some other way, one still
+  preloading, or one that refuses to fork) it becomes `python -m prefect.engine` itself. It
+  imports only the standard library, so it starts in tens of milliseconds.
 
-Both ends check the other's uid (SO_PEERCRED) before trusting it: the starter runs code for
-whoever connects, and the launcher hands over the worker's environment, credentials included;
-a socket served by another user is not used (the run starts the slow way).
+The exchange: the launcher sends a 4-byte length with its stdio descriptors (SCM_RIGHTS), then
+that many bytes of JSON (env, cwd, argv); the starter answers `pid N` once forked (or
+`refused WHY`), and `exit CODE` when the run ends. Both ends check the other's uid
+(SO_PEERCRED) first: the starter runs code for whoever connects, and the launcher hands over
+the worker's environment, credentials included.
 
-A launcher that dies (SIGKILL after a cancel's grace, or with its worker) takes its run along:
-the starter sees its connection close and kills the run's process group. Forking is safe
-because the starter stays single-threaded (one `selectors` loop, no threads), never touches
-CUDA and holds no open client; the child sets Prefect's and our settings again from its own
-environment before the engine reads them (a run whose environment would change anything else
-a preloaded module read at import is started afresh: `REREAD`).
+The starter is the parent of the host's worker and of every run: if it ends, the host stops.
+So no launcher can end it: the loop never waits on one (non-blocking accept, reads driven by
+the selector, a deadline per launch), no write to one can raise, and a launcher dying at any
+point of the exchange costs only its own run (its connection closing kills the run's group).
+What it preloads, when it may fork and how a child becomes the run: `fleet.run_fork`.
 """
 
 from __future__ import annotations
@@ -42,17 +43,21 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["STARTER_ENV", "REREAD", "launch", "connect_to_starter", "RunStarter", "main"]
+from fleet.run_fork import Fork, become_run, engine_argv, fork_hazard, fork_in_group, preload, settle_thread_pools
+
+__all__ = ["STARTER_ENV", "HANDSHAKE_S", "launch", "connect_to_starter", "RunStarter", "main"]
 
 STARTER_ENV = "HARVEST_RUN_STARTER"
 _LENGTH = struct.Struct("!I")
+_MAX_LAUNCH = 1 << 24  # an environment, a directory and an argv: far less; more is not a launcher
+HANDSHAKE_S = 10.0
+"""How long a launcher may take to send its whole launch once connected."""
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# Variables a run may set differently from its worker and still fork: read again in the child
-# (Prefect's, ours, fsspec's; `_settings_from_environment`) or only when a client is made
-# (AWS_*). A run that sets any other (PYTHONPATH, HF_HOME, …) is started afresh instead.
-REREAD = ("PREFECT_", "HARVEST_", "FSSPEC_", "AWS_")
+# The signals the starter handles itself: blocked across fork, so no handler of the starter's
+# (forwarding to its worker, waking its loop) ever runs in a run.
+_HANDLED = (*_FORWARDED, signal.SIGCHLD)
 
 
 # --- the launcher (standard library only) ----------------------------------------------------
@@ -82,28 +87,32 @@ def connect_to_starter(path: str) -> socket.socket | None:
     return sock
 
 
-def _engine_argv(argv: list[str]) -> list[str]:
-    """The command a run is without a starter: Prefect's own."""
-    return [sys.executable, "-m", "prefect.engine", *argv]
-
-
 def launch(argv: list[str]) -> int:
     """Run this flow run in the host's starter; returns its exit status."""
     path = os.environ.get(STARTER_ENV)
     sock = connect_to_starter(path) if path else None
     if sock is None:
-        os.execv(sys.executable, _engine_argv(argv))
+        os.execv(sys.executable, engine_argv(argv))
     payload = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "argv": argv}).encode()
-    socket.send_fds(sock, [_LENGTH.pack(len(payload))], [0, 1, 2])
-    sock.sendall(payload)
     answers = sock.makefile("rb")
-    first = answers.readline()
+    try:
+        socket.send_fds(sock, [_LENGTH.pack(len(payload))], [0, 1, 2])
+        sock.sendall(payload)
+        first = answers.readline()
+    except OSError:  # the starter went away mid-launch
+        first = b""
     if not first.startswith(b"pid "):  # refused, or the starter went away before forking
-        os.execv(sys.executable, _engine_argv(argv))
+        if first.startswith(b"refused "):
+            print(f"run starter: not forked ({first[8:].decode(errors='replace').strip()}): this run starts the slow way",
+                  file=sys.stderr, flush=True)
+        os.execv(sys.executable, engine_argv(argv))
     pid = int(first.split()[1])
     for signum in _FORWARDED:
         signal.signal(signum, lambda s, f: _signal(pid, s))
-    line = answers.readline()
+    try:
+        line = answers.readline()
+    except OSError:
+        line = b""
     if not line:  # the starter itself died; the run may go on (an orphan): wait it out
         while _alive(pid):
             time.sleep(0.5)
@@ -133,48 +142,65 @@ def _signal(pid: int, signum: int) -> None:
 # --- the starter -----------------------------------------------------------------------------
 
 
-def preload() -> None:
-    """Import what every run imports, and the tokenizer classes of the models found here (the
-    tokenizers themselves are not kept: their files may change)."""
-    import prefect.engine  # noqa: F401
-    import prefect.flow_engine  # noqa: F401
-
-    import flows.harvest  # noqa: F401  (torch, the harvest core, the warm-engine client)
-    from harvest.registry import load_registry
-    from harvest.tokenize import load_tokenizer
-
-    for model in load_registry().all():
-        if model.path is not None:
-            try:
-                load_tokenizer.__wrapped__(model.path)
-            except Exception as exc:  # the run will say what is wrong with it; this is only speed
-                print(f"run starter: no preload of {model.name}'s tokenizer: {exc}", flush=True)
-
-
 @dataclass
-class _Fork:
-    """What the child of a fork carries out of the starter's loop: the run to become."""
+class _Launch:
+    """A launcher connected whose launch is not all here yet."""
 
-    payload: dict  # the launcher's env, cwd and argv
-    fds: list[int]  # its stdin, stdout, stderr
-    worker_env: dict[str, str]
-    set_by_preload: dict[str, str]
+    conn: socket.socket
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+
+    def payload(self) -> dict | None:
+        """The launch once whole (None before); ValueError when it is not one."""
+        if len(self.data) < _LENGTH.size:
+            return None
+        (length,) = _LENGTH.unpack_from(self.data)
+        if length > _MAX_LAUNCH:
+            raise ValueError(f"a launch of {length} bytes")
+        if len(self.data) < _LENGTH.size + length:
+            return None
+        if len(self.data) > _LENGTH.size + length:
+            raise ValueError("bytes after the launch")
+        payload = json.loads(self.data[_LENGTH.size:])
+        if len(self.fds) != 3 or not isinstance(payload, dict) or not (
+            isinstance(payload.get("env"), dict) and isinstance(payload.get("cwd"), str)
+            and isinstance(payload.get("argv"), list)
+        ):
+            raise ValueError(f"not a launch: {sorted(payload) if isinstance(payload, dict) else type(payload).__name__}, "
+                             f"{len(self.fds)} descriptors")
+        return payload
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        self.conn.close()
+
+
+_LISTENER, _WAKE = "listener", "wake"
 
 
 class RunStarter:
-    """The worker's parent on a worker host: preloads, then forks a run per launcher."""
+    """The worker's parent on a worker host: preloads, then forks a run per launcher.
 
-    def __init__(self, path: str, worker_argv: list[str]):
+    preload: what to import before serving (`preload`); handshake_s: how long one launcher may
+    take over its launch before it is dropped (`HANDSHAKE_S`).
+    """
+
+    def __init__(self, path: str, worker_argv: list[str], *, preload=preload, handshake_s: float = HANDSHAKE_S):
         self.path = path
         self.worker_argv = worker_argv
-        self.runs: dict[int, socket.socket] = {}  # run pid -> its launcher's connection
+        self.preload = preload
+        self.handshake_s = handshake_s
+        self.runs: dict[int, socket.socket | None] = {}  # run pid -> its launcher's connection, if still there
         self.worker_status: int | None = None
         self.selector: selectors.BaseSelector | None = None
         self.worker_env: dict[str, str] = {}
         self.set_by_preload: dict[str, str] = {}
         self.wake: tuple[socket.socket, socket.socket] | None = None
 
-    def serve(self) -> int | _Fork:
+    def serve(self) -> int | Fork:
         """The worker's exit status once it ends, or, in a forked child, the run to become."""
         self.worker_env = {**os.environ, STARTER_ENV: self.path}
         worker = subprocess.Popen(self.worker_argv, env=self.worker_env)
@@ -188,27 +214,26 @@ class RunStarter:
             end.setblocking(False)
         signal.set_wakeup_fd(self.wake[1].fileno(), warn_on_full_buffer=False)
         signal.signal(signal.SIGCHLD, lambda s, f: None)
-        selector.register(self.wake[0], selectors.EVENT_READ, "wake")
+        selector.register(self.wake[0], selectors.EVENT_READ, _WAKE)
+        listener = None
         try:
-            preload()
+            self.preload()
             # What the imports set themselves (a fresh run's imports would set the same).
             self.set_by_preload = {k: v for k, v in os.environ.items() if self.worker_env.get(k) != v and k != STARTER_ENV}
+            settle_thread_pools()
             listener = self._listen()
-            selector.register(listener, selectors.EVENT_READ, None)
-            print(f"run starter: pid {os.getpid()}, worker pid {worker.pid}, socket {self.path}", flush=True)
+            selector.register(listener, selectors.EVENT_READ, _LISTENER)
+            hazard = fork_hazard()
+            print(f"run starter: pid {os.getpid()}, worker pid {worker.pid}, socket {self.path}"
+                  + (f"; not forking while it has {hazard}: runs start the slow way" if hazard else ""), flush=True)
         except Exception as exc:  # the launchers find no starter and start their runs themselves
             print(f"run starter: not serving, runs start the slow way: {exc!r}", flush=True)
-            listener = None
         while self.worker_status is None:
-            for key, _ in selector.select(timeout=0.5):
-                if key.data is None:
-                    fork = self._start(listener)
-                    if fork is not None:
-                        return fork
-                elif key.data == "wake":
-                    _drain(self.wake[0])
-                else:
-                    self._launcher_left(key.fileobj, key.data)
+            for key, _ in selector.select(timeout=self._tick()):
+                fork = self._handle(key)
+                if fork is not None:
+                    return fork
+            self._expire()
             self._reap(worker.pid)
         self._stop_runs()
         if listener is not None:
@@ -225,48 +250,150 @@ class RunStarter:
             listener.bind(self.path)
         finally:
             os.umask(old)
-        listener.listen(16)
+        listener.listen(64)
+        listener.setblocking(False)
         return listener
 
-    def _start(self, listener: socket.socket) -> _Fork | None:
-        """Fork a run for the launcher that connected; None in the starter itself. A launch
-        refused here closes the connection before any pid is sent: the launcher then starts
-        its run itself."""
-        conn, _ = listener.accept()
-        fds: list[int] = []
+    def _tick(self) -> float:
+        deadlines = [key.data.deadline for key in self.selector.get_map().values() if isinstance(key.data, _Launch)]
+        return max(0.0, min([time.monotonic() + 0.5, *deadlines]) - time.monotonic())
+
+    def _handle(self, key: selectors.SelectorKey) -> Fork | None:
+        """One ready socket; a fork in the child only. Whatever goes wrong with one launcher is
+        that launcher's: the starter logs it, drops that connection and serves on."""
         try:
-            uid = _peer_uid(conn)
-            if uid != os.getuid():
-                raise PermissionError(f"a launcher of uid {uid}")
-            conn.settimeout(10)
-            message, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 3)
-            payload = json.loads(_read_exactly(conn, _LENGTH.unpack(message)[0]))
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-        except (OSError, ValueError, struct.error) as exc:
-            print(f"run starter: refused a launch: {exc!r}", flush=True)
-            for fd in fds:
-                os.close(fd)
-            conn.close()
-            return None
-        if pid == 0:
-            signal.set_wakeup_fd(-1)
-            for other in [listener, conn, *self.wake, *self.runs.values()]:
-                other.close()
-            self.selector.close()
-            return _Fork(payload, fds, self.worker_env, self.set_by_preload)
-        for fd in fds:
-            os.close(fd)
-        conn.settimeout(None)
-        conn.sendall(f"pid {pid}\n".encode())
-        self.runs[pid] = conn
-        self.selector.register(conn, selectors.EVENT_READ, pid)
+            if key.data == _LISTENER:
+                self._accept(key.fileobj)
+            elif key.data == _WAKE:
+                _drain(key.fileobj)
+            elif isinstance(key.data, _Launch):
+                return self._read(key.data)
+            else:
+                self._from_launcher(key.fileobj, key.data)
+        except Exception as exc:
+            print(f"run starter: dropped a launcher: {exc!r}", flush=True)
+            if key.data not in (_LISTENER, _WAKE):
+                self._forget(key.data if isinstance(key.data, _Launch) else key.fileobj)
         return None
 
-    def _launcher_left(self, conn: socket.socket, pid: int) -> None:
-        """The launcher closed its end (only ever EOF: it sends nothing after the launch)."""
-        self.selector.unregister(conn)
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # one connection aborted (or no descriptor left): not the listener's end
+                print(f"run starter: accept failed: {exc!r}", flush=True)
+                return
+            try:
+                conn.setblocking(False)
+                uid = _peer_uid(conn)
+            except OSError:
+                conn.close()
+                continue
+            if uid != os.getuid():
+                print(f"run starter: refused a launch: a launcher of uid {uid}", flush=True)
+                conn.close()
+                continue
+            self.selector.register(conn, selectors.EVENT_READ, _Launch(conn, time.monotonic() + self.handshake_s))
+
+    def _read(self, launch: _Launch) -> Fork | None:
+        try:
+            data, fds, flags, _ = socket.recv_fds(launch.conn, 1 << 16, 3)
+        except BlockingIOError:
+            return None
+        except OSError as exc:  # reset by a launcher that died
+            data, fds, flags = b"", [], 0
+            print(f"run starter: a launcher left mid-launch: {exc!r}", flush=True)
+        launch.fds += fds
+        if flags & socket.MSG_CTRUNC or len(launch.fds) > 3:
+            raise ValueError("more descriptors than stdin, stdout and stderr")
+        if not data:
+            self._forget(launch)  # it died or gave up before its launch was whole: nothing to run
+            return None
+        launch.data += data
+        payload = launch.payload()
+        return None if payload is None else self._fork(launch, payload)
+
+    def _fork(self, launch: _Launch, payload: dict) -> Fork | None:
+        """Fork the run (None in the starter). A launch refused here gets `refused WHY` and no
+        pid: its launcher starts the run itself."""
+        self.selector.unregister(launch.conn)
+        hazard = fork_hazard()
+        if hazard is not None:
+            print(f"run starter: not forking a run: this process has {hazard}; it starts the slow way", flush=True)
+            _send(launch.conn, f"refused this starter has {hazard}\n")
+            launch.close()
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = fork_in_group(_HANDLED)
+        except OSError as exc:
+            print(f"run starter: fork failed: {exc!r}; the run starts the slow way", flush=True)
+            _send(launch.conn, f"refused fork failed: {exc}\n")
+            launch.close()
+            return None
+        if pid == 0:
+            try:
+                self._close_all_but(launch)
+            except BaseException as exc:  # never back into the loop: that would be a second starter
+                os.write(2, f"run starter: a forked run could not start: {exc!r}\n".encode())
+                os._exit(70)
+            return Fork(payload, launch.fds, self.worker_env, self.set_by_preload)
+        for fd in launch.fds:
+            os.close(fd)
+        launch.fds = []
+        if _send(launch.conn, f"pid {pid}\n"):
+            self.runs[pid] = launch.conn
+            self.selector.register(launch.conn, selectors.EVENT_READ, pid)
+        else:  # its launcher is gone already: the run goes with it, as if it had left later
+            self.runs[pid] = None
+            launch.conn.close()
+            _signal(-pid, signal.SIGKILL)
+        return None
+
+    def _close_all_but(self, launch: _Launch) -> None:
+        """In a forked run: close the starter's sockets, and other launches' descriptors, so
+        the run holds nothing of theirs (a launcher learns of the starter's end by EOF)."""
+        for key in list(self.selector.get_map().values()):
+            key.data.close() if isinstance(key.data, _Launch) else key.fileobj.close()
+        for conn in self.runs.values():
+            if conn is not None:
+                conn.close()
+        for end in self.wake:
+            end.close()
+        self.selector.close()
+        launch.conn.close()
+
+    def _forget(self, what: _Launch | socket.socket) -> None:
+        """Drop a launcher's connection (and a pending launch's descriptors)."""
+        self._unregister(what.conn if isinstance(what, _Launch) else what)
+        what.close()
+
+    def _unregister(self, conn: socket.socket) -> None:
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):  # not registered (any more), or closed already
+            pass
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in list(self.selector.get_map().values()):
+            if isinstance(key.data, _Launch) and key.data.deadline <= now:
+                print(f"run starter: refused a launch: not whole within {self.handshake_s:g} s", flush=True)
+                self._forget(key.data)
+
+    def _from_launcher(self, conn: socket.socket, pid: int) -> None:
+        """A launcher whose run is going: it sends nothing, so this is its end (EOF or reset)."""
+        try:
+            if conn.recv(4096):
+                return  # not a goodbye; nothing a launcher says after its launch means anything
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._unregister(conn)
         _signal(-pid, signal.SIGKILL)  # its worker gave up on it; the run goes with it
 
     def _reap(self, worker_pid: int) -> None:
@@ -282,12 +409,8 @@ class RunStarter:
                 self.worker_status = code
             conn = self.runs.pop(pid, None)
             if conn is not None:
-                if conn in self.selector.get_map():
-                    self.selector.unregister(conn)
-                try:
-                    conn.sendall(f"exit {code}\n".encode())
-                except OSError:
-                    pass  # its launcher is gone already
+                self._unregister(conn)
+                _send(conn, f"exit {code}\n")
                 conn.close()
 
     def _stop_runs(self, grace_s: float = 10.0) -> None:
@@ -303,6 +426,16 @@ class RunStarter:
         self._reap(-1)
 
 
+def _send(conn: socket.socket, line: str) -> bool:
+    """One line to a launcher; False when it is gone. A launcher dying at any point is its own
+    run's business, never the starter's: no write to one may raise."""
+    try:
+        conn.sendall(line.encode())
+        return True
+    except OSError:
+        return False
+
+
 def _drain(sock: socket.socket) -> None:
     try:
         while sock.recv(4096):
@@ -311,69 +444,13 @@ def _drain(sock: socket.socket) -> None:
         pass
 
 
-def _read_exactly(conn: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = conn.recv(min(left, 1 << 16))
-        if not chunk:
-            raise ValueError("launcher closed mid-message")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def become_run(fork: _Fork) -> None:
-    """In the forked child: take the launcher's place and run `prefect.engine` as `-m` would."""
-    import runpy
-    import warnings
-
-    os.setpgid(0, 0)  # its own group: the starter can stop the run and whatever it starts
-    for signum in (*_FORWARDED, signal.SIGCHLD):
-        signal.signal(signum, signal.SIG_DFL)
-    for target, fd in zip((0, 1, 2), fork.fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(fork.payload["cwd"])
-    env = fork.payload["env"]
-    worker_env = fork.worker_env
-    stale = sorted(k for k in set(env) | set(worker_env) if env.get(k) != worker_env.get(k) and not k.startswith(REREAD))
-    if stale:  # the run's environment changes what a preloaded module read at import
-        changes = ", ".join(f"{k}={env.get(k)!r} (worker: {worker_env.get(k)!r})" for k in stale)
-        print(f"run starter: this run sets {changes}: started afresh", flush=True)
-        os.execve(sys.executable, _engine_argv(fork.payload["argv"]), env)
-    os.environ.clear()
-    os.environ.update({**fork.set_by_preload, **env})
-    _settings_from_environment()
-    sys.argv = ["prefect.engine", *fork.payload["argv"]]
-    # Preloaded, as intended: `-m` on an imported module is what this is for.
-    warnings.filterwarnings("ignore", message="'prefect.engine' found in sys.modules", category=RuntimeWarning)
-    runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
-
-
-def _settings_from_environment() -> None:
-    """Settings read at import in the starter, read again from the run's own environment:
-    every variable of the `REREAD` prefixes takes effect."""
-    import fsspec.config
-    import prefect.context
-    from prefect.logging.configuration import setup_logging
-
-    from harvest.settings import get_settings
-
-    prefect.context.refresh_global_settings_context()
-    setup_logging(incremental=False)
-    get_settings.cache_clear()
-    fsspec.config.conf.clear()
-    fsspec.config.set_conf_files(os.environ.get("FSSPEC_CONFIG_DIR", fsspec.config.default_conf_dir), fsspec.config.conf)
-    fsspec.config.set_conf_env(fsspec.config.conf)
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] != ["--socket"]:
         return launch(argv)
     if len(argv) < 4 or argv[2] != "--":
         raise SystemExit("usage: python -m fleet.run_starter --socket PATH -- WORKER COMMAND …")
     outcome = RunStarter(argv[1], argv[3:]).serve()
-    if isinstance(outcome, _Fork):
+    if isinstance(outcome, Fork):
         become_run(outcome)
         return 0
     return outcome if outcome >= 0 else 128 - outcome
