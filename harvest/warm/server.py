@@ -145,7 +145,7 @@ class EngineServer:
     def run(self) -> None:
         self.files.socket.unlink(missing_ok=True)
         self.listener = Listener(str(self.files.socket), family="AF_UNIX", authkey=self.files.authkey())
-        self.files.pid.write_text(str(os.getpid()))
+        self.files.record_pid()
         print(f"engine server {self.files.group}: pid {os.getpid()}, socket {self.files.socket}", flush=True)
         threading.Thread(target=self._watch_idle, daemon=True, name="idle").start()
         while True:
