@@ -74,16 +74,27 @@ class EngineCache:
                 self._changed.notify_all()
         return entry, False
 
+    def try_acquire(self, key: Hashable) -> Loaded | None:
+        """The engine for `key`, held until `release`, when it is loaded; else None (never
+        waits, never loads: an event loop's fast path)."""
+        with self._changed:
+            return self._hold(key)
+
+    def _hold(self, key: Hashable) -> Loaded | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.users += 1
+            self._entries.move_to_end(key)
+        return entry
+
     def _hold_or_reserve(self, key: Hashable) -> tuple[Loaded | None, Loaded | None]:
         """(the entry of `key`, now held) when it is loaded; else (None, the evicted entry to
         unload first or None) once a slot is reserved for `key`'s load. Waits while every slot
         is held or `key` is being loaded by another client."""
         with self._changed:
             while True:
-                entry = self._entries.get(key)
+                entry = self._hold(key)
                 if entry is not None:
-                    entry.users += 1
-                    self._entries.move_to_end(key)
                     return entry, None
                 if key not in self._loading:
                     if len(self._entries) + len(self._loading) < self.capacity:
