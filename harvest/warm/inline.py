@@ -241,7 +241,8 @@ class InlineEngines:
     async def _acquire(self, name: str) -> Loaded:
         waiting = asyncio.get_running_loop().run_in_executor(self._waiters, self.cache.acquire, name)
         try:
-            # shield: a request that goes away must not leave a load others wait for half done
+            # shield: the wait in its thread goes on whatever happens here (a load others may
+            # wait for included), so its future must stay uncancelled to hand its result back.
             entry, _ = await asyncio.shield(waiting)
         except asyncio.CancelledError:
             waiting.add_done_callback(self._hand_back)  # the wait goes on in its thread
