@@ -273,11 +273,11 @@ def cobatch(rounds: int, engine_name: str) -> None:
     spec = CaptureSpec(layers=[1, 3, 5])
 
     def run(max_shards: int) -> tuple[float, int]:
-        shared = CobatchedEngine(engine, max_shards=max_shards)
+        cobatched = CobatchedEngine(engine, max_shards=max_shards)
 
         def one_job(shards):
             for prompts in shards:
-                shared.capture(prompts, spec, None, peers=n_jobs)
+                cobatched.capture(prompts, spec, None, peers=n_jobs)
 
         threads = [threading.Thread(target=one_job, args=(job,)) for job in jobs]
         started = time.perf_counter()
@@ -285,7 +285,7 @@ def cobatch(rounds: int, engine_name: str) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        return time.perf_counter() - started, shared.calls
+        return time.perf_counter() - started, cobatched.calls
 
     arms = {"each shard alone (HARVEST_ENGINE_COBATCH_SHARDS=1)": 1, "waiting shards co-batched (=4)": 4}
     run(4)  # warm-up

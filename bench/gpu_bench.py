@@ -121,13 +121,13 @@ def measure_cobatch(engine, prompts: list[list[int]], layers: list[int], rounds:
 
     def arm(max_shards: int, name: str):
         def run() -> None:
-            shared = CobatchedEngine(engine, max_shards=max_shards)
+            cobatched = CobatchedEngine(engine, max_shards=max_shards)
             errors: list[BaseException] = []
 
             def one_job(shards) -> None:
                 try:
                     for shard in shards:
-                        shared.capture(shard, spec, None, peers=COBATCH_JOBS)
+                        cobatched.capture(shard, spec, None, peers=COBATCH_JOBS)
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the timing thread
                     errors.append(exc)
 
@@ -138,7 +138,7 @@ def measure_cobatch(engine, prompts: list[list[int]], layers: list[int], rounds:
                 thread.join()
             if errors:
                 raise errors[0]
-            calls[name] = shared.calls
+            calls[name] = cobatched.calls
         return run
 
     names = {n: f"{COBATCH_JOBS} jobs x {COBATCH_SHARDS} shards of {COBATCH_PROMPTS}, COBATCH_SHARDS={n}" for n in COBATCH_SETTINGS}
@@ -147,10 +147,10 @@ def measure_cobatch(engine, prompts: list[list[int]], layers: list[int], rounds:
     label = f"{engine_label} co-batch"
     measure(arms, rounds, results, label, tokens, names[COBATCH_SETTINGS[0]], {name: max(layers) + 1 for name in arms})
     rows = {r["arm"]: r["seconds"] for r in results.data["rows"] if r["engine"] == label}
-    alone, shared = rows.get(names[1]), rows.get(names[4])
-    if alone and shared:
+    alone, cobatched = rows.get(names[1]), rows.get(names[4])
+    if alone and cobatched:
         results.note(f"{label}: engine calls {calls.get(names[1])} vs {calls.get(names[4])}; COBATCH_SHARDS=4 runs at "
-                     f"{alone / shared:.2f}x the throughput of 1 on this device (above 1: co-batching gains here; the "
+                     f"{alone / cobatched:.2f}x the throughput of 1 on this device (above 1: co-batching gains here; the "
                      "default HARVEST_ENGINE_COBATCH_SHARDS stays 1 until such a figure says otherwise)")
 
 
