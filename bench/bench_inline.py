@@ -76,14 +76,14 @@ def make_app(engine: HFEngine, max_batch: int):
     import api.completions
     import api.models
     from api.app import harvest_error
-    from harvest.batcher import EnginePool
+    from harvest.warm.inline import InlineEngines
     from harvest.errors import HarvestError
 
     app = FastAPI()
     app.add_exception_handler(HarvestError, harvest_error)
     app.include_router(api.completions.router)
     app.include_router(api.models.router)
-    app.state.inline_engines = EnginePool(factory=lambda _m: engine, close_engines=False, max_batch=max_batch)
+    app.state.inline_engines = InlineEngines(factory=lambda _m: engine, close_engines=False, max_batch=max_batch)
     return app
 
 

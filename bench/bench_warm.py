@@ -12,7 +12,7 @@ Sections (all by default; `--section latency|process|overlap` for one):
 - process: `harvest run` as a whole process (imports, tokenizer, engine choice, files) against
   a bare HF forward script (imports, `from_pretrained`, the same batches, nothing written),
   192 prompts, alternating, `--rounds` each.
-- share: 4 jobs at once on one warm engine (`harvest.warm.batching.SharedEngine`, as in the
+- cobatch: 4 jobs at once on one warm engine (`harvest.warm.cobatch.CobatchedEngine`, as in the
   engine server), each asking for its 6 shards one after another: every shard alone against
   the waiting shards run together, per engine.
 - overlap: every layer of 96 prompts of ~200 tokens to moto's S3 server in one process: the
@@ -249,17 +249,17 @@ def overlap(rounds: int) -> None:
            [[name, f"{_median(times[name]):.2f}", f"{tokens / _median(times[name]):,.0f}", f"{base / _median(times[name]):.2f}"] for name in arms])
 
 
-# --- share ---------------------------------------------------------------------------------
+# --- cobatch -------------------------------------------------------------------------------
 
 
-def share(rounds: int, engine_name: str) -> None:
+def cobatch(rounds: int, engine_name: str) -> None:
     import threading
 
     from harvest.capture import CaptureSpec
     from harvest.engines.base import load_engine
     from harvest.registry import load_registry
     from harvest.tokenize import load_tokenizer
-    from harvest.warm.batching import SharedEngine
+    from harvest.warm.cobatch import CobatchedEngine
 
     tiny = load_registry().get("llama-tiny")
     engine = load_engine(tiny, engine_name)
@@ -272,11 +272,11 @@ def share(rounds: int, engine_name: str) -> None:
     spec = CaptureSpec(layers=[1, 3, 5])
 
     def run(max_shards: int) -> tuple[float, int]:
-        shared = SharedEngine(engine, max_shards=max_shards)
+        cobatched = CobatchedEngine(engine, max_shards=max_shards)
 
         def one_job(shards):
             for prompts in shards:
-                shared.capture(prompts, spec, None, peers=n_jobs)
+                cobatched.capture(prompts, spec, None, peers=n_jobs)
 
         threads = [threading.Thread(target=one_job, args=(job,)) for job in jobs]
         started = time.perf_counter()
@@ -284,9 +284,9 @@ def share(rounds: int, engine_name: str) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        return time.perf_counter() - started, shared.calls
+        return time.perf_counter() - started, cobatched.calls
 
-    arms = {"each shard alone (HARVEST_ENGINE_COBATCH_SHARDS=1)": 1, "waiting shards together (=4)": 4}
+    arms = {"each shard alone (HARVEST_ENGINE_COBATCH_SHARDS=1)": 1, "waiting shards co-batched (=4)": 4}
     run(4)  # warm-up
     times: dict[str, list[tuple[float, int]]] = {name: [] for name in arms}
     for _ in range(rounds):
@@ -301,19 +301,19 @@ def share(rounds: int, engine_name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=["latency", "process", "overlap", "share"], action="append")
+    parser.add_argument("--section", choices=["latency", "process", "overlap", "cobatch"], action="append")
     parser.add_argument("--jobs", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engine", action="append", choices=["hf", "vllm"], help="latency, share: engine(s) (default both)")
+    parser.add_argument("--engine", action="append", choices=["hf", "vllm"], help="latency, cobatch: engine(s) (default both)")
     args = parser.parse_args()
-    sections = args.section or ["overlap", "process", "share", "latency"]
+    sections = args.section or ["overlap", "process", "cobatch", "latency"]
     if "overlap" in sections:
         overlap(args.rounds)
     if "process" in sections:
         process(args.rounds)
-    if "share" in sections:
+    if "cobatch" in sections:
         for engine in args.engine or ["hf", "vllm"]:
-            share(args.rounds, engine)
+            cobatch(args.rounds, engine)
     if "latency" in sections:
         for engine in args.engine or ["hf", "vllm"]:
             latency(args.jobs, engine)

@@ -160,7 +160,7 @@ def test_shards_captured_together_run_in_one_generate_call_with_statistics_of_th
     rng = np.random.default_rng(1)
     raw = rng.standard_normal((4, 256)).astype(np.float32)
     unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
-    answers = vllm_engine.capture_together([[prompts[i] for i in g] for g in groups], CaptureSpec(layers=LAYERS, directions=unit))
+    answers = vllm_engine.capture_cobatch([[prompts[i] for i in g] for g in groups], CaptureSpec(layers=LAYERS, directions=unit))
     assert calls == [len(prompts)]
     for group, answer in zip(groups, answers):
         projected = [reference[i] @ unit.T for i in group]

@@ -28,14 +28,14 @@ def inline_app(hf_engine):
     import api.completions
     import api.models
     from api.app import harvest_error  # the API's one error handler
-    from harvest.batcher import EnginePool
+    from harvest.warm.inline import InlineEngines
     from harvest.errors import HarvestError
 
     app = FastAPI()
     app.add_exception_handler(HarvestError, harvest_error)
     app.include_router(api.completions.router)
     app.include_router(api.models.router)
-    app.state.inline_engines = EnginePool(factory=lambda _model: hf_engine, close_engines=False, window_s=0.02)
+    app.state.inline_engines = InlineEngines(factory=lambda _model: hf_engine, close_engines=False, window_s=0.02)
     return app
 
 
@@ -285,7 +285,7 @@ def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(base_ur
 
 
 def test_a_capture_that_misses_a_layer_fails_the_request(client, inline_app, hf_engine):
-    from harvest.batcher import EnginePool
+    from harvest.warm.inline import InlineEngines
     from harvest.engines.hf import HFEngine
 
     class MissingBlock(HFEngine):
@@ -301,7 +301,7 @@ def test_a_capture_that_misses_a_layer_fails_the_request(client, inline_app, hf_
             return self._blocks
 
     healthy = inline_app.state.inline_engines
-    inline_app.state.inline_engines = EnginePool(factory=lambda _model: MissingBlock(), close_engines=False)
+    inline_app.state.inline_engines = InlineEngines(factory=lambda _model: MissingBlock(), close_engines=False)
     try:
         error = _error(_complete(client, max_tokens=2, output_residual_stream=[2, 3]), 500, "capture_failed")
         assert "[3]" in error["message"]

@@ -326,7 +326,7 @@ def test_a_corpus_refresh_spreads_its_parts_over_the_lanes_hosts(lanes, two_host
 def test_a_slot_whose_gpu_group_holds_the_model_is_claimed_first(tmp_path, tiny):
     """A real engine server of group gpu-1 (on the CPU: the group is only a name here) with
     llama-tiny loaded: the slot on GPU 1 comes first for llama-tiny, and is the one claimed."""
-    from flows.placement import warm_first
+    from harvest.placement import warm_first
     from harvest.settings import Settings
     from harvest.warm.client import open_engine
     from harvest.warm.protocol import stop_engine_servers

@@ -80,7 +80,7 @@ def host(prefect_deployments, prefect_server, tmp_path_factory):
         "HARVEST_MODELS_FILE": str(models),
         "HARVEST_SLOTS": json.dumps([[], []]),
         "HARVEST_ENGINE_MODELS_PER_GROUP": "1",  # one model per group: another one evicts
-        "HARVEST_ENGINE_COBATCH_SHARDS": "4",  # shared calls, as on a GPU host (the CPU default is 1)
+        "HARVEST_ENGINE_COBATCH_SHARDS": "4",  # co-batched calls (the default is 1: each shard alone)
         "HARVEST_ENGINE_COBATCH_WAIT_S": "1",  # a run's turnaround between shards on a loaded CI box
     }
     worker = start_worker(POOL, prefect_server.api_url, home / "worker.log", env, name=f"warm-{uuid.uuid4().hex[:6]}",

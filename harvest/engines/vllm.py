@@ -246,10 +246,10 @@ class VLLMEngine(Engine):
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
                 sink: ValueSink | None = None) -> ShardCapture:
-        return self.capture_together([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
+        return self.capture_cobatch([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
 
-    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
-                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
+    def capture_cobatch(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
+                        sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
         """Every shard's prompts in `generate` calls that vLLM batches together, statistics
         kept per shard by the worker; `batch_size` is the HF engine's.
 
