@@ -230,6 +230,9 @@ def test_progress_read_mid_run_on_s3_rises_shard_by_shard_through_both_replicas_
             assert values == sorted(values), (replica, values)
             assert set(range(1, n)) <= set(values), f"{replica} read {values} mid-run"
     assert sorted(ran_on) == sorted(jobs.values()) and len(set(ran_on.values())) == 2, ran_on
+    for job, run_id in jobs.items():
+        print(f"progress of {job} on {ran_on[run_id]}: " + "; ".join(
+            f"{replica}: {sorted(set(values))}" for replica, values in seen[job].items()))
 
 
 def _objects(fleet, prefix) -> dict[str, object]:
