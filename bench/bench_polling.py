@@ -15,9 +15,11 @@ of 50 ids per 0.5 s), which is what a user's reads wait on.
 default: Prefect on SQLite, its own worker polling at the shipped interval), and while N hosts
 poll its Prefect server (the stack's worker plus N-1 simulated ones on the same pool, each at
 the shipped `flows.processes.WORKER_QUERY_S`), sequential 2-prompt `llama-tiny` jobs submitted
-with `POST /v1/harvest` and long-polled to `done`, as a user would. Per N it reports their
-submit-to-done (median, min, max), the polls per second the server answered, its CPU and the
-machine's load average (the box is shared: absolute seconds mean little without it).
+with `POST /v1/harvest` and long-polled to `done`, as `harvest-client` would (a 503 submit sent
+again after its Retry-After). Per N it reports their submit-to-done (median, min, max), the
+submits refused and jobs not done, the simulated polls per second the server answered and
+refused (a refused call is counted and the host polls on, as a real worker does), the server's
+CPU and the machine's load average (on a shared box absolute seconds mean little without it).
 
 Run: `.venv/bin/python bench/bench_polling.py [--hosts 1,10,50] [--intervals 1,2,5,10] [--seconds 20]`
      `.venv/bin/python bench/bench_polling.py --submit [--hosts 1,10,50] [--jobs 7]`
@@ -49,8 +51,12 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _host(client, name: str, interval: float, stop: float, latencies: list[float], pool: str = POOL) -> int:
-    """One simulated worker host: a heartbeat, then a poll every `interval` (as `prefect worker`)."""
+async def _host(
+    client, name: str, interval: float, stop: float, latencies: list[float], pool: str = POOL, errors: list[str] | None = None
+) -> int:
+    """One simulated worker host: a heartbeat, then a poll every `interval` (as `prefect worker`).
+    With `errors`, a call the server refuses (a 503 when it is overloaded) is recorded there and
+    the host goes on to its next poll, as a real worker does; without, it ends the benchmark."""
     from prefect.types._datetime import now
 
     polls = 0
@@ -58,13 +64,19 @@ async def _host(client, name: str, interval: float, stop: float, latencies: list
     # Hosts start spread over one interval, as real ones do.
     await asyncio.sleep(interval * (hash(name) % 1000) / 1000)
     while time.monotonic() < stop:
-        if time.monotonic() >= next_beat:
-            await client.send_worker_heartbeat(pool, name, heartbeat_interval_seconds=int(HEARTBEAT_S))
-            next_beat = time.monotonic() + HEARTBEAT_S
         started = time.perf_counter()
-        await client.get_scheduled_flow_runs_for_work_pool(pool, scheduled_before=now("UTC"))
-        latencies.append(time.perf_counter() - started)
-        polls += 1
+        try:
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + HEARTBEAT_S
+                await client.send_worker_heartbeat(pool, name, heartbeat_interval_seconds=int(HEARTBEAT_S))
+                started = time.perf_counter()
+            await client.get_scheduled_flow_runs_for_work_pool(pool, scheduled_before=now("UTC"))
+            latencies.append(time.perf_counter() - started)
+            polls += 1
+        except Exception as exc:
+            if errors is None:
+                raise
+            errors.append(f"{type(exc).__name__}: {str(exc)[:80]}")
         await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
     return polls
 
@@ -118,6 +130,7 @@ class SimulatedHosts:
 
         self.n, self.pool, self.api_url, self.auth, self.interval = n, pool, api_url, auth, WORKER_QUERY_S
         self.latencies: list[float] = []
+        self.errors: list[str] = []
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="simulated-hosts")
 
@@ -131,7 +144,7 @@ class SimulatedHosts:
             self.ready.set()
             async with get_client() as client:
                 far = time.monotonic() + 24 * 3600
-                await asyncio.gather(*(_host(client, f"simulated-{uuid.uuid4().hex[:8]}", self.interval, far, self.latencies, self.pool)
+                await asyncio.gather(*(_host(client, f"simulated-{uuid.uuid4().hex[:8]}", self.interval, far, self.latencies, self.pool, self.errors)
                                        for _ in range(self.n)))
 
         # Prefect's settings context is per thread: enter it in this one.
@@ -178,20 +191,23 @@ def _cpu_s(procs) -> float:
     return total
 
 
-def _one_job(base: str, key: str, n: int) -> float:
-    """Submit one 2-prompt job and long-poll it to done; seconds from submit to done."""
+def _one_job(base: str, key: str, n: int) -> tuple[float, int, str]:
+    """Submit one 2-prompt job and long-poll it until it ends, as `harvest-client` does (a 503
+    submit is sent again after its Retry-After); (seconds from the first submit to the end, how
+    many submits were refused, the job's final status)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": "llama-tiny", "prompts": [f"The sky is {n}", "Grass is"], "layers": [2, 4, 6]}
     started = time.perf_counter()
-    job = httpx.post(f"{base}/harvest", json=body, headers=headers, timeout=120).raise_for_status().json()
+    refused = 0
+    while (answer := httpx.post(f"{base}/harvest", json=body, headers=headers, timeout=120)).status_code == 503:
+        refused += 1
+        time.sleep(float(answer.headers.get("Retry-After", "5")))
+    job = answer.raise_for_status().json()
     while job["status"] not in ("done", "failed", "cancelled"):
         job = httpx.get(f"{base}/harvest/{job['job_id']}", params={"wait": 30}, headers=headers, timeout=60).raise_for_status().json()
-    took = time.perf_counter() - started
-    if job["status"] != "done":
-        raise RuntimeError(f"job {job['job_id']} ended {job['status']}: {job.get('error')}")
-    return took
+    return time.perf_counter() - started, refused, job["status"]
 
 
 def submit_under_load(host_counts: list[int], jobs: int) -> None:
@@ -209,30 +225,36 @@ def submit_under_load(host_counts: list[int], jobs: int) -> None:
         api_url = json.loads((home / "stack.json").read_text())["prefect_api_url"]
         auth = (home / "prefect-auth").read_text().strip()
         server = _prefect_server(proc.pid)
-        first = _one_job(base, key, -1)  # builds nothing, loads the model into the host's engine
-        print(f"   first job (loads the model): {first:.2f} s", flush=True)
+        first = _one_job(base, key, -1)  # loads the model into the host's engine server
+        print(f"   first job (loads the model): {first[0]:.2f} s, {first[2]}", flush=True)
         for hosts in host_counts:
             simulated = SimulatedHosts(hosts - 1, "small", api_url, auth).start()  # the stack's worker is one
             time.sleep(3.0)  # the simulated hosts spread over their interval
             load_before = os.getloadavg()[0]
             cpu_before, wall = _cpu_s(server), time.monotonic()
             polls_before = len(simulated.latencies)
-            times = [_one_job(base, key, n) for n in range(jobs)]
+            errors_before = len(simulated.errors)
+            ran = [_one_job(base, key, n) for n in range(jobs)]
             wall = time.monotonic() - wall
             cpu = _cpu_s(server) - cpu_before
             polls = simulated.latencies[polls_before:]
+            refused_polls = len(simulated.errors) - errors_before
             simulated.stop()
+            times = [t for t, _, status in ran if status == "done"]
             load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
-            rows.append([hosts, f"{len(polls) / wall:.1f}", f"{100 * cpu / wall:.0f}",
-                         f"{1000 * _p(polls, 0.95):.0f}" if polls else "-", f"{statistics.median(times):.2f}",
-                         f"{min(times):.2f}", f"{max(times):.2f}", load])
-            print("  ", rows[-1], ", ".join(f"{t:.2f}" for t in times), flush=True)
+            rows.append([hosts, f"{len(polls) / wall:.1f}", refused_polls, f"{100 * cpu / wall:.0f}",
+                         f"{1000 * _p(polls, 0.95):.0f}" if polls else "-",
+                         f"{statistics.median(times):.2f}" if times else "-", f"{min(times):.2f}" if times else "-",
+                         f"{max(times):.2f}" if times else "-", sum(r for _, r, _ in ran), jobs - len(times), load])
+            print("  ", rows[-1], ", ".join(f"{t:.2f} {status}" for t, _, status in ran), simulated.errors[errors_before:][:3],
+                  flush=True)
     finally:
         _stop_stack(proc)
     print(f"\n`harvest up` as shipped (Prefect on SQLite, worker poll {WORKER_QUERY_S:g} s), {jobs} sequential "
           "2-prompt llama-tiny jobs per row, submit (POST /v1/harvest) to done (long-poll); the stack's own worker "
           "is one of the hosts")
-    header = ["hosts polling", "simulated polls/s", "server CPU %", "simulated poll p95 ms", "submit-to-done median s", "min s", "max s", "load avg 1 min"]
+    header = ["hosts polling", "simulated polls/s", "polls refused", "server CPU %", "simulated poll p95 ms",
+              "submit-to-done median s", "min s", "max s", "submits refused (503)", "jobs not done", "load avg 1 min"]
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (len(header) - 1))
     for row in rows:
