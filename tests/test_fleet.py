@@ -6,6 +6,9 @@ namespaces of their own, files on moto's S3 server, nothing else shared.
   no status ever goes back; each job is charged once (checked against the manifest the worker
   host wrote and the tokenizer run here, not the column the API charged); the presigned S3
   links download with no key and match the manifest's sha256.
+- Progress on S3: two jobs at once, one per host, read through both replicas mid-run, rise
+  through every shard count (the lease holder's watcher lists each job's records on S3 every
+  tick, from a process up for the whole fleet: no stale listing).
 - Host death: every process of the host running a job is SIGKILLed mid-job; Prefect's
   heartbeat automation marks the run Crashed, the lease-holding replica reschedules it, the
   other host resumes it: done, the shards written before the kill untouched (S3
@@ -183,6 +186,53 @@ def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_l
     # Charged once: what the host's manifest says ran, which is what the tokenizer counts here.
     assert _charged(fleet, done_job) == manifest["tokens"] == _expected_tokens(prompts)
     assert _charged(fleet, cancel_job) == cancelled["reserved_tokens"] == _expected_tokens([f"cancel me {i}" for i in range(30)])
+
+
+def test_progress_read_mid_run_on_s3_rises_shard_by_shard_through_both_replicas_on_both_hosts(fleet):
+    """Two jobs at once, one on each worker host (a host runs one job at a time), read through
+    both replicas while they run: each job's `shards_done` passes through every count from the
+    first shard to the last. The replica holding the watcher lease counts each job's shard
+    records on S3 every tick, from a process up since the fleet started (the long-lived reader
+    whose listings cache once froze this count); the other reads what it recorded."""
+    n = 8  # below twice the scale-out minimum: each job is one run, whose shards land one by one
+    deadline = time.monotonic() + 120
+    while any(h.flow_run_ids() for h in fleet.hosts):  # the hosts are free, so each takes a job
+        assert time.monotonic() < deadline, "the worker hosts stayed busy"
+        time.sleep(0.5)
+    a, b = fleet.replicas
+    submitted = [_submit(fleet, a, [f"progress {j} prompt {i}" for i in range(n)]) for j in range(2)]
+    jobs = {job["job_id"]: job["run_id"] for job in submitted}
+    seen = {job: {replica.base_url: [] for replica in fleet.replicas} for job in jobs}
+    ran_on: dict[str, str] = {}
+
+    deadline = time.monotonic() + 240
+    while True:
+        ended = 0
+        for job in jobs:
+            for replica in (a, b):
+                body = _get(fleet, replica, job)
+                if body["status"] == "running":
+                    seen[job][replica.base_url].append(body["progress"]["shards_done"])
+                ended += body["status"] in ("done", "failed", "cancelled")
+        if len(ran_on) < len(jobs):  # where each run's process lives (once found, no more looks)
+            for host in fleet.hosts:
+                for run_id in host.flow_run_ids() & set(jobs.values()):
+                    ran_on[run_id] = host.host.name
+        if ended == 2 * len(jobs):
+            break
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.1)
+
+    for job, run_id in jobs.items():
+        body = _get(fleet, b, job)
+        assert body["status"] == "done" and body["progress"] == {"shards_done": n, "n_shards": n}, body
+        for replica, values in seen[job].items():
+            assert values == sorted(values), (replica, values)
+            assert set(range(1, n)) <= set(values), f"{replica} read {values} mid-run"
+    assert sorted(ran_on) == sorted(jobs.values()) and len(set(ran_on.values())) == 2, ran_on
+    for job, run_id in jobs.items():
+        print(f"progress of {job} on {ran_on[run_id]}: " + "; ".join(
+            f"{replica}: {sorted(set(values))}" for replica, values in seen[job].items()))
 
 
 def _objects(fleet, prefix) -> dict[str, object]:

@@ -23,6 +23,7 @@ Used by tests/test_fleet.py and bench/bench_fleet.py:
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -209,6 +210,7 @@ class Fleet:
         self.hosts: list[WorkerHost] = []
         self.s3: MotoS3 | None = None
         self._databases: list[str] = []
+        self._host_numbers = itertools.count()
 
     # --- bring-up ---------------------------------------------------------------------------
     def __enter__(self) -> "Fleet":
@@ -271,7 +273,7 @@ class Fleet:
         return replica
 
     def add_host(self) -> WorkerHost:
-        n = len(self.hosts) + sum(1 for r in self.roles if r.name.startswith("host-"))
+        n = next(self._host_numbers)  # hosts start in parallel threads: a count, not a length
         host = self.network.add_host(f"w{n}-{uuid.uuid4().hex[:4]}")
         name = f"host-{host.name}"
         role = self._role(

@@ -3,7 +3,10 @@
     DiskWrites(folder)   Linux inotify on a local folder and its sub-folders (created later too):
                          every file closed after writing or renamed into place, in the order
                          the kernel saw them. The service's writes are a `.partial` file
-                         renamed into place, so each shows as a close then a rename.
+                         renamed into place, so each shows as a close then a rename. A
+                         sub-folder is watched only once its creation is seen, so files that
+                         land in it before that show as "found" at that point (create the
+                         folders you care about beforehand for an exact order).
     s3_writes(proxy, prefix)
                          the PUT/POST/DELETE requests a `tests.fault_proxy.FaultProxy` forwarded
                          under a key prefix, in arrival order.
@@ -32,7 +35,7 @@ _EVENT = struct.Struct("iIII")
 
 class DiskWrites:
     """inotify on `folder` (and every sub-folder, as it appears); `.events` is the list of
-    (relative path, "close" | "rename") in order. Use as a context manager."""
+    (relative path, "close" | "rename" | "found") in order. Use as a context manager."""
 
     def __init__(self, folder: Path):
         self.root = Path(folder)
@@ -78,6 +81,12 @@ class DiskWrites:
             path = folder / name
             if mask & _IN_CREATE and mask & _IN_ISDIR:
                 self._watch(path)
+                # Made between the folder's creation and its watch: seen, not in order.
+                for found in sorted(path.rglob("*")):
+                    if found.is_dir():
+                        self._watch(found)
+                    elif not found.name.endswith(".partial"):
+                        self.events.append((str(found.relative_to(self.root)), "found"))
             elif mask & (_IN_CLOSE_WRITE | _IN_MOVED_TO):
                 self.events.append((str(path.relative_to(self.root)), "close" if mask & _IN_CLOSE_WRITE else "rename"))
 
