@@ -14,7 +14,7 @@ of 50 ids per 0.5 s), which is what a user's reads wait on.
 `--submit` measures both sides at once, everything as shipped: `harvest up` (the embedded
 default: Prefect on SQLite, its own worker polling at the shipped interval), and while N hosts
 poll its Prefect server (the stack's worker plus N-1 simulated ones on the same pool, each at
-the shipped `flows.processes.WORKER_QUERY_S`), sequential 2-prompt `llama-tiny` jobs submitted
+the shipped `fleet.processes.WORKER_QUERY_S`), sequential 2-prompt `llama-tiny` jobs submitted
 with `POST /v1/harvest` and long-polled to `done`, as `harvest-client` would (a 503 submit sent
 again after its Retry-After). Per N it reports their submit-to-done (median, min, max), the
 submits refused and jobs not done, the simulated polls per second the server answered and
@@ -126,7 +126,7 @@ class SimulatedHosts:
     def __init__(self, n: int, pool: str, api_url: str, auth: str):
         import threading
 
-        from flows.processes import WORKER_QUERY_S
+        from fleet.processes import WORKER_QUERY_S
 
         self.n, self.pool, self.api_url, self.auth, self.interval = n, pool, api_url, auth, WORKER_QUERY_S
         self.latencies: list[float] = []
@@ -214,7 +214,7 @@ def submit_under_load(host_counts: list[int], jobs: int) -> None:
     import json
 
     from bench.load_api import _start_stack, _stop_stack
-    from flows.processes import WORKER_QUERY_S
+    from fleet.processes import WORKER_QUERY_S
 
     home = Path(tempfile.mkdtemp(prefix="bench-polling-submit-"))
     # Everything as shipped; the job store is the embedded default's own SQLite file.
