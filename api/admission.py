@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 
 from api import deps
 from harvest.errors import ReplicaBusy, RequestTimeout
-from harvest.settings import Settings, get_settings
+from harvest.settings import Settings
 
 __all__ = ["AdmissionBudget", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S"]
 
@@ -122,11 +122,8 @@ class AdmissionBudget:
 
 
 def admission(app: FastAPI) -> AdmissionBudget:
-    """The replica's budget (`app.state.admission`), made from the settings on first use."""
-    budget = getattr(app.state, "admission", None)
-    if budget is None:
-        budget = app.state.admission = AdmissionBudget.from_settings(get_settings())
-    return budget
+    """The replica's budget (`app.state.admission`, given by the app's factory)."""
+    return app.state.admission
 
 
 def declared_bytes(request: Request, cap: int) -> int:

@@ -133,12 +133,8 @@ class AddressLimiter:
 
 
 def anonymous_limiter(app: FastAPI) -> AddressLimiter:
-    """The app's limiter of requests without a valid key, made from the settings on first use."""
-    limiter = getattr(app.state, "anonymous_limiter", None)
-    if limiter is None:
-        settings = get_settings()
-        limiter = app.state.anonymous_limiter = AddressLimiter(settings.rate_anonymous_per_s, settings.rate_anonymous_burst)
-    return limiter
+    """The app's limiter of requests without a valid key (given by the app's factory)."""
+    return app.state.anonymous_limiter
 
 
 async def caller_key(request: Request) -> ApiKey:
