@@ -162,11 +162,15 @@ def create_app(
     app.state.registry = registry if registry is not None else load_registry(settings)
     if inline_engines is not None:  # else made on first use (`api.completions.engine_pool`)
         app.state.inline_engines = inline_engines
-    app.state.inline_budget = inline_budget or ResponseBudget(settings.inline_response_budget_bytes)
-    app.state.admission = admission or AdmissionBudget.from_settings(settings)
-    app.state.anonymous_limiter = anonymous_limiter or AddressLimiter(
-        settings.rate_anonymous_per_s, settings.rate_anonymous_burst
-    )
+    if inline_budget is None:
+        inline_budget = ResponseBudget(settings.inline_response_budget_bytes)
+    if admission is None:
+        admission = AdmissionBudget.from_settings(settings)
+    if anonymous_limiter is None:
+        anonymous_limiter = AddressLimiter(settings.rate_anonymous_per_s, settings.rate_anonymous_burst)
+    app.state.inline_budget = inline_budget
+    app.state.admission = admission
+    app.state.anonymous_limiter = anonymous_limiter
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import MAX_BODY_BYTES, Files, JobWatcher, LinkBase, Models, Runs, parse
-from api.admission import admission, declared_bytes, read_body_within
+from api.admission import Admission, declared_bytes, read_body_within
 from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
@@ -140,11 +140,10 @@ _FOLLOW = {
     openapi_extra=request_body(HarvestRequest),
 )
 async def submit_harvest(
-    request: Request, registry: Models, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase,
-    key: ApiKey = Depends(submit_key),
+    request: Request, budget: Admission, registry: Models, storage: Files, runs: Runs, watcher: JobWatcher,
+    links: LinkBase, key: ApiKey = Depends(submit_key),
 ):
     """Submit a harvest: 202 with the harvest object, status pending."""
-    budget = admission(request.app)
     async with budget.hold(key.id, declared_bytes(request, MAX_BODY_BYTES)):
         body = await read_body_within(request, get_settings().admission_read_s)
         async with budget.work():
