@@ -65,6 +65,18 @@ async def watcher(request: Request) -> Watcher:
     return request.app.state.watcher
 
 
+async def link_base(request: Request) -> str:
+    """Where this request's links point (`base_url`)."""
+    return base_url(request)
+
+
+Models = Annotated[Registry, Depends(registry)]
+Files = Annotated[Storage, Depends(storage)]
+Runs = Annotated[RunStore, Depends(runs)]
+JobWatcher = Annotated[Watcher, Depends(watcher)]
+LinkBase = Annotated[str, Depends(link_base)]
+
+
 def base_url(request: Request) -> str:
     """Where links to the API's own file route point.
 
@@ -97,18 +109,6 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, advice: str =
             raise too_large(limit, advice)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def link_base(request: Request) -> str:
-    """`base_url` as a dependency."""
-    return base_url(request)
-
-
-Models = Annotated[Registry, Depends(registry)]
-Files = Annotated[Storage, Depends(storage)]
-Runs = Annotated[RunStore, Depends(runs)]
-JobWatcher = Annotated[Watcher, Depends(watcher)]
-LinkBase = Annotated[str, Depends(link_base)]
 
 
 def parse(model, body: bytes, *, strict: bool | None = None):
