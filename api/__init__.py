@@ -1,4 +1,4 @@
-"""The HTTP facade: bulk harvests (SPEC §2, §3, §6) and inline completions (§7) in one FastAPI app.
+"""The HTTP facade: bulk harvests and inline completions in one FastAPI app.
 
     app.py       `create_app(runs=, storage=, ...)`: the app's parts, routers, the one error
                  handler, lifespan (migrate, start the watcher)

@@ -49,7 +49,7 @@ from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
 
 if TYPE_CHECKING:
-    from harvest.batcher import EnginePool
+    from harvest.warm.inline import InlineEngines
 
 __all__ = ["create_app", "harvest_error", "RedactLinkQueries"]
 
@@ -135,7 +135,7 @@ def create_app(
     runs: RunStore | None = None,
     storage: Storage | None = None,
     registry: Registry | None = None,
-    inline_engines: EnginePool | None = None,
+    inline_engines: InlineEngines | None = None,
     inline_budget: ResponseBudget | None = None,
     admission: AdmissionBudget | None = None,
     anonymous_limiter: AddressLimiter | None = None,
@@ -145,7 +145,7 @@ def create_app(
     - `runs`: the run store (Prefect flow runs on the lanes' deployments);
     - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
     - `registry`: the served models (HARVEST_MODELS_FILE);
-    - `inline_engines`: the inline completions' warm engines (`api.completions.engine_pool`);
+    - `inline_engines`: the inline completions' warm engines (`api.completions.inline_engines`);
     - `inline_budget`: the bytes of inline responses held at once (`api.completions.ResponseBudget`);
     - `admission`: the harvest submits' admission budget (`api.admission`);
     - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`).
@@ -160,7 +160,7 @@ def create_app(
     app.state.runs = runs if runs is not None else PrefectRuns()
     app.state.storage = storage if storage is not None else open_storage()
     app.state.registry = registry if registry is not None else load_registry(settings)
-    if inline_engines is not None:  # else made on first use (`api.completions.engine_pool`)
+    if inline_engines is not None:  # else made on first use (`api.completions.inline_engines`)
         app.state.inline_engines = inline_engines
     if inline_budget is None:
         inline_budget = ResponseBudget(settings.inline_response_budget_bytes)

@@ -2,17 +2,18 @@
 
 The route is thin: parse and check the request (`harvest.inline`), hold the response's bytes
 in the replica's budget (`ResponseBudget`: 503 `replica_busy` with Retry-After over it), hold
-the activation quota, await the model's batcher (`harvest.batcher`), and stream the response:
+the activation quota, await the model's batcher (`harvest.warm.inline`), and stream the response:
 the body around the residual stream is rendered once, and the stream's `data` is compressed
 and base64-encoded piece by piece in worker threads as it is sent, so a replica never holds
 several whole copies of a payload (the bytes are what a JSONResponse of the same body would
 be; the response has no Content-Length). Every refusal is a `harvest.errors` exception,
 rendered by the app's one handler.
 
-The warm engines live in an `EnginePool` on `app.state.inline_engines`, created by this
-router's lifespan (FastAPI merges it into the app's) or on first use. `HARVEST_INLINE_PRELOAD`
-(comma-separated served names) loads those engines in the background at start-up, so the
-first request does not wait for a model load.
+The warm engines live in an `InlineEngines` on `app.state.inline_engines`, created by this
+router's lifespan (FastAPI merges it into the app's) or on first use; they follow a worker
+host's rules (`HARVEST_ENGINE_MODELS_PER_GROUP` models at once, the least recently used idle
+one unloaded for another). `HARVEST_INLINE_PRELOAD` (comma-separated served names) loads those
+engines in the background at start-up, so the first request does not wait for a model load.
 
 Where the user docs are silent, this is what the endpoint does:
 - A text prompt is tokenized with BOS; a token-id prompt runs verbatim. A one-element list
@@ -51,7 +52,6 @@ from api.auth import ApiKey, reserve_activations, settle_activations
 from api.deps import INLINE_MAX_BODY_BYTES, Models, read_body
 from api.openapi import errors, request_body
 from api.ratelimit import submit_key
-from harvest.batcher import EnginePool
 from harvest.errors import InvalidRequest, ReplicaBusy
 from harvest.inline import (
     NULL_IS_DEFAULT,
@@ -63,8 +63,9 @@ from harvest.inline import (
 )
 from harvest.registry import Registry
 from harvest.settings import get_settings
+from harvest.warm.inline import InlineEngines
 
-__all__ = ["router", "engine_pool", "registry_of", "ResponseBudget", "response_budget"]
+__all__ = ["router", "inline_engines", "registry_of", "ResponseBudget", "response_budget"]
 
 # transformers resolves its top-level names lazily on first access, and that is not
 # thread-safe: a request tokenizing in one thread while an engine loads in another got
@@ -82,31 +83,31 @@ def registry_of(app: FastAPI) -> Registry:
     return app.state.registry
 
 
-def engine_pool(app: FastAPI) -> EnginePool:
+def inline_engines(app: FastAPI) -> InlineEngines:
     """The app's warm engines, created on first use when no lifespan made them."""
-    pool = getattr(app.state, "inline_engines", None)
-    if pool is None:
-        pool = app.state.inline_engines = EnginePool()
-    return pool
+    engines = getattr(app.state, "inline_engines", None)
+    if engines is None:
+        engines = app.state.inline_engines = InlineEngines()
+    return engines
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
-    pool = engine_pool(app)
+    engines = inline_engines(app)
     preload = [name.strip() for name in (get_settings().inline_preload or "").split(",") if name.strip()]
-    warming = [asyncio.ensure_future(_warm(pool, app, name)) for name in preload]
+    warming = [asyncio.ensure_future(_warm(engines, app, name)) for name in preload]
     try:
         yield
     finally:
         for task in warming:
             task.cancel()
-        await pool.close()
+        await engines.close()
 
 
-async def _warm(pool: EnginePool, app: FastAPI, name: str) -> None:
+async def _warm(engines: InlineEngines, app: FastAPI, name: str) -> None:
     try:
         model = await run_in_threadpool(registry_of(app).get, name)
-        await pool.get(model)
+        await engines.get(model)
         log.info("inline engine for %s is warm", name)
     except Exception:  # noqa: BLE001 - a failed preload leaves the model to load on first use
         log.exception("could not preload the inline engine for %s", name)
@@ -224,8 +225,8 @@ async def create_completion(request: Request, registry: Models, key: ApiKey = De
         if prepared.layers is not None:
             month = await run_in_threadpool(reserve_activations, key, prepared.max_positions)
         try:
-            batcher = await engine_pool(request.app).get(prepared.model)
-            generation = await batcher.generate(prepared.prompt_ids, prepared.sampling, prepared.layers)
+            generation = await inline_engines(request.app).generate(prepared.model, prepared.prompt_ids, prepared.sampling,
+                                                                    prepared.layers)
             raw_bytes = 0 if generation.residual is None else generation.residual.numel() * 2
             threads = -1 if raw_bytes > _THREADED_ZSTD_BYTES else 0  # -1: zstd uses every core
             answer = await run_in_threadpool(completion_response, prepared, generation, zstd_threads=threads)

@@ -52,7 +52,6 @@ __all__ = [
     "database_url",
     "make_engine",
     "get_engine",
-    "reset_engine",
     "upgrade",
     "transaction",
     "locked",
@@ -253,15 +252,6 @@ def get_engine() -> Engine:
             upgrade(engine)
             _engine = engine
         return _engine
-
-
-def reset_engine() -> None:
-    """Forget the process's engine (tests that switch databases)."""
-    global _engine
-    with _engine_lock:
-        if _engine is not None:
-            _engine.dispose()
-        _engine = None
 
 
 def upgrade(engine: Engine) -> None:

@@ -90,7 +90,7 @@ def base_url(request: Request) -> str:
         return settings.public_base_url.rstrip("/")
     if settings.trust_host_header:
         return str(request.base_url).rstrip("/")
-    from flows.processes import local_address
+    from harvest.addresses import local_address
 
     host = local_address(settings.host)
     return f"http://{f'[{host}]' if ':' in host else host}:{settings.port}"

@@ -9,7 +9,7 @@ one answer to an unexpected error.
   Routes that take no body get `NO_BODY_BYTES`.
 - An exception no handler knows (a bug, a database that went away mid-request) is logged once,
   with the request id, method, path and traceback, on `uvicorn.error` (the server's log), and
-  answered 500 with the SPEC error body naming the same request id, so a user's report leads
+  answered 500 with the service's error body naming the same request id, so a user's report leads
   to the log line. Nothing of the exception reaches the client.
 """
 
@@ -30,7 +30,7 @@ log = logging.getLogger("uvicorn.error")
 
 REQUEST_ID_HEADER = "X-Request-ID"
 MAX_HARVEST_BODY_BYTES = 50 * 1024 * 1024
-"""SPEC §2: a harvest body over 50 MB is 413."""
+"""A harvest body over 50 MB is refused with 413."""
 INLINE_MAX_BODY_BYTES = 8 * 1024 * 1024
 """A completion's body: a prompt of 128k token ids is ~1 MB of JSON; 8 MB leaves room."""
 NO_BODY_BYTES = 64 * 1024

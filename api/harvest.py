@@ -1,4 +1,4 @@
-"""The bulk harvest routes: submit, read (with long-poll), cancel, list (SPEC §2, §3).
+"""The bulk harvest routes: submit, read (with long-poll), cancel, list.
 
 The route is a thin facade: take a place in the replica's admission budget (`api.admission`)
 before reading the body, parse it and learn what the job costs off the event loop, cheapest

@@ -2,7 +2,7 @@
 
 Clients read their limits here rather than hard-coding them (the caps are operational
 settings): `n_layers`, `hidden_size`, `max_model_len`, `max_activation_prompt_tokens`,
-`harvest`, `lane` (SPEC §7), plus `inline` (whether the model serves inline activations).
+`harvest`, `lane`, plus `inline` (whether the model serves inline activations).
 """
 
 from __future__ import annotations

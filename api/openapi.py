@@ -7,7 +7,7 @@ module says the rest:
 - `request_body(Model)`: the route's JSON body, with the model's schema placed under
   `components/schemas` (its nested models too), so every `$ref` resolves. Pydantic's own
   schema points at `#/$defs/...`, which does not exist in an OpenAPI document.
-- `errors(*statuses)`: the SPEC error body for each refusal a route can answer. Every route
+- `errors(*statuses)`: the service's error body for each refusal a route can answer. Every route
   also documents 413 (bodies are capped everywhere) and 500 (the request-id answer).
 - `bearer`: the routes that need an API key say so (`security`), so generated clients send it.
 - FastAPI's 422 is dropped: validation failures are answered 400 with the error body.

@@ -26,7 +26,6 @@ immediate read with `X-Acs-Longpoll: declined` and `Retry-After: 3` (the documen
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import defaultdict
 from contextlib import contextmanager

@@ -45,7 +45,7 @@ def live_stack():
     if os.environ.get("ACS_API_BASE") and os.environ.get("ACS_API_KEY"):
         yield os.environ["ACS_API_BASE"], os.environ["ACS_API_KEY"]
         return
-    from flows.processes import free_port
+    from fleet.processes import free_port
 
     home = Path(tempfile.mkdtemp(prefix="bench-client-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
@@ -159,7 +159,7 @@ def main() -> None:
                     shutil.rmtree(dest)
             base = statistics.median(times["sequential loop"])
             print(f"\ndownload of the same {shard_bytes / 1e6:.1f} MB ({args.rounds} rounds, median):")
-            print(f"| arm | seconds | MB/s | vs sequential |\n|---|---:|---:|---:|")
+            print("| arm | seconds | MB/s | vs sequential |\n|---|---:|---:|---:|")
             for name, values in times.items():
                 median = statistics.median(values)
                 print(f"| {name} | {median:.2f} | {shard_bytes / 1e6 / median:.1f} | {base / median:.2f} |")

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 POOL = "small"  # the lane the jobs wait on (no worker polls it but the simulated hosts)
-POLL_S = 1.0  # the shipped worker poll (`flows.processes.WORKER_QUERY_S`)
+POLL_S = 1.0  # the shipped worker poll (`fleet.processes.WORKER_QUERY_S`)
 HEARTBEAT_S = 30.0
 
 
@@ -277,8 +277,8 @@ def main() -> None:
     from api.runs import PrefectRuns
     from api.watcher import Watcher
     from flows.deploy import apply_sync
-    from flows.processes import free_port, start_server
-    from flows.roles import start_api_replica
+    from fleet.processes import RUN_COMMAND, free_port, start_server
+    from fleet.roles import start_api_replica
     from harvest.storage import Storage, open_storage
 
     reads = _count_prefect_reads()
@@ -288,7 +288,7 @@ def main() -> None:
     rows_out = []
     try:
         with temporary_settings({PREFECT_API_URL: api_url}):
-            apply_sync()
+            apply_sync(run_command=RUN_COMMAND)
             upgrade(get_engine())
             key, record = create_key("bench", small=100_000, rate_read_per_s=1000.0, rate_read_burst=1000)
             # The replica's own watcher idles; the bench's watcher ticks in its place.

@@ -72,9 +72,9 @@ def zstd_sweep(engine: HFEngine, levels: list[int]) -> list[dict]:
 def make_app(engine: HFEngine, max_batch: int):
     """The real app (its factory), its inline engines all `engine` with this batch cap."""
     from api.app import create_app
-    from harvest.batcher import EnginePool
+    from harvest.warm.inline import InlineEngines
 
-    return create_app(inline_engines=EnginePool(factory=lambda _m: engine, close_engines=False, max_batch=max_batch))
+    return create_app(inline_engines=InlineEngines(factory=lambda _m: engine, close_engines=False, max_batch=max_batch))
 
 
 async def load(base_url: str, key: str, bodies: list[dict], concurrency: int) -> dict:

@@ -1,7 +1,7 @@
 """Worker polling, both sides: what N polling hosts cost the Prefect server, per poll interval.
 
 A `prefect worker` asks its pool for scheduled runs every `PREFECT_WORKER_QUERY_SECONDS`
-(Prefect's default 10 s; the roles ship `flows.processes.WORKER_QUERY_S`) and sends a heartbeat
+(Prefect's default 10 s; the roles ship `fleet.processes.WORKER_QUERY_S`) and sends a heartbeat
 every `PREFECT_WORKER_HEARTBEAT_SECONDS` (30 s). A run waits for the next poll of a free host:
 on average half the interval, at worst all of it, on top of its own start and work. This
 benchmark measures the other side: a Prefect server as shipped (`prefect server start`, SQLite
@@ -114,7 +114,7 @@ def main() -> None:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.processes import free_port, start_server
+    from fleet.processes import free_port, start_server
 
     server_env = {"HARVEST_HOME": str(home)}
     database = "SQLite, as shipped"

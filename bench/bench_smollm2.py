@@ -65,7 +65,7 @@ def whole_process(engine: str, prompts_file: Path, home: Path) -> dict:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "HARVEST_ENGINE": engine, "HARVEST_HOME": str(home)}
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "harvest.cli", "run", "--model", MODEL, "--prompts", str(prompts_file),
+        subprocess.run([sys.executable, "-m", "fleet.cli", "run", "--model", MODEL, "--prompts", str(prompts_file),
                         "--out", out], check=True, env=env, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - started
         manifest = json.loads((Path(out) / "manifest.json").read_text())

@@ -1,4 +1,4 @@
-"""Warm engines and overlapped writes, side by side in one run (issue 11).
+"""Warm engines and overlapped writes, side by side in one run.
 
 Sections (all by default; `--section latency|process|overlap` for one):
 
@@ -6,13 +6,13 @@ Sections (all by default; `--section latency|process|overlap` for one):
   server and process workers, on two pools side by side: "cold", a worker whose runs start as
   fresh processes and load the model themselves (the path before warm engines), and "warm", a
   worker host as `harvest worker` runs one: its runs forked from its run starter
-  (`flows.run_starter`) and using its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`;
+  (`fleet.run_starter`) and using its engine server. Jobs alternate between the pools; one warm-up job each, then `--jobs`;
   once per engine (`--engine hf|vllm`, default both: HF loads `llama-tiny` in a tenth of a
   second, vLLM in seconds, as a big model would on a GPU).
 - process: `harvest run` as a whole process (imports, tokenizer, engine choice, files) against
   a bare HF forward script (imports, `from_pretrained`, the same batches, nothing written),
   192 prompts, alternating, `--rounds` each.
-- share: 4 jobs at once on one warm engine (`harvest.warm.batching.SharedEngine`, as in the
+- cobatch: 4 jobs at once on one warm engine (`harvest.warm.cobatch.CobatchedEngine`, as in the
   engine server), each asking for its 6 shards one after another: every shard alone against
   the waiting shards run together, per engine.
 - overlap: every layer of 96 prompts of ~200 tokens to moto's S3 server in one process: the
@@ -63,8 +63,7 @@ def latency(jobs: int, engine: str) -> None:
     from prefect.flows import load_flow_from_entrypoint
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.deploy import RUN_COMMAND
-    from flows.processes import free_port, start_server, start_worker
+    from fleet.processes import RUN_COMMAND, free_port, start_server, start_worker
     from flows.submit import read_harvest_run, start_harvest_run
     from harvest.jobfiles import JobFiles
     from harvest.request import HarvestRequest
@@ -164,7 +163,7 @@ def process(rounds: int) -> None:
 
     arms = {
         "bare HF forward script": lambda r: run([PY, "-c", BARE, str(tiny.path), str(corpus)]),
-        "harvest run (auto engine)": lambda r: run([PY, "-m", "harvest.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus),
+        "harvest run (auto engine)": lambda r: run([PY, "-m", "fleet.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus),
                                                     "--out", str(work / f"out-{r}")]),
     }
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -184,7 +183,7 @@ def process(rounds: int) -> None:
 def overlap(rounds: int) -> None:
     import boto3
 
-    from flows.processes import free_port
+    from fleet.processes import free_port
     from harvest.engines.hf import HFEngine
     from harvest.pipeline import capture_shard, run_job, tokenize_job
     from harvest.registry import load_registry
@@ -250,17 +249,17 @@ def overlap(rounds: int) -> None:
            [[name, f"{_median(times[name]):.2f}", f"{tokens / _median(times[name]):,.0f}", f"{base / _median(times[name]):.2f}"] for name in arms])
 
 
-# --- share ---------------------------------------------------------------------------------
+# --- cobatch -------------------------------------------------------------------------------
 
 
-def share(rounds: int, engine_name: str) -> None:
+def cobatch(rounds: int, engine_name: str) -> None:
     import threading
 
     from harvest.capture import CaptureSpec
     from harvest.engines.base import load_engine
     from harvest.registry import load_registry
     from harvest.tokenize import load_tokenizer
-    from harvest.warm.batching import SharedEngine
+    from harvest.warm.cobatch import CobatchedEngine
 
     tiny = load_registry().get("llama-tiny")
     engine = load_engine(tiny, engine_name)
@@ -273,11 +272,11 @@ def share(rounds: int, engine_name: str) -> None:
     spec = CaptureSpec(layers=[1, 3, 5])
 
     def run(max_shards: int) -> tuple[float, int]:
-        shared = SharedEngine(engine, max_shards=max_shards)
+        cobatched = CobatchedEngine(engine, max_shards=max_shards)
 
         def one_job(shards):
             for prompts in shards:
-                shared.capture(prompts, spec, None, peers=n_jobs)
+                cobatched.capture(prompts, spec, None, peers=n_jobs)
 
         threads = [threading.Thread(target=one_job, args=(job,)) for job in jobs]
         started = time.perf_counter()
@@ -285,9 +284,9 @@ def share(rounds: int, engine_name: str) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        return time.perf_counter() - started, shared.calls
+        return time.perf_counter() - started, cobatched.calls
 
-    arms = {"each shard alone (HARVEST_ENGINE_COBATCH_SHARDS=1)": 1, "waiting shards together (=4)": 4}
+    arms = {"each shard alone (HARVEST_ENGINE_COBATCH_SHARDS=1)": 1, "waiting shards co-batched (=4)": 4}
     run(4)  # warm-up
     times: dict[str, list[tuple[float, int]]] = {name: [] for name in arms}
     for _ in range(rounds):
@@ -302,19 +301,19 @@ def share(rounds: int, engine_name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=["latency", "process", "overlap", "share"], action="append")
+    parser.add_argument("--section", choices=["latency", "process", "overlap", "cobatch"], action="append")
     parser.add_argument("--jobs", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engine", action="append", choices=["hf", "vllm"], help="latency, share: engine(s) (default both)")
+    parser.add_argument("--engine", action="append", choices=["hf", "vllm"], help="latency, cobatch: engine(s) (default both)")
     args = parser.parse_args()
-    sections = args.section or ["overlap", "process", "share", "latency"]
+    sections = args.section or ["overlap", "process", "cobatch", "latency"]
     if "overlap" in sections:
         overlap(args.rounds)
     if "process" in sections:
         process(args.rounds)
-    if "share" in sections:
+    if "cobatch" in sections:
         for engine in args.engine or ["hf", "vllm"]:
-            share(args.rounds, engine)
+            cobatch(args.rounds, engine)
     if "latency" in sections:
         for engine in args.engine or ["hf", "vllm"]:
             latency(args.jobs, engine)

@@ -11,13 +11,13 @@ same (`tests/test_openapi_fuzz.py`; ~450 cases, where 1,000 take minutes on a CI
 
 Two settings differ from schemathesis's defaults, and why:
 - `use_after_free` is excluded: it expects a resource to be gone after its DELETE, but here
-  DELETE cancels a harvest and the cancelled harvest stays readable (SPEC §3).
+  DELETE cancels a harvest and the cancelled harvest stays readable.
 - `positive_data_acceptance` also accepts 400 (and 503): a request the schema allows can
   still break a rule no JSON Schema can state (a layer beyond the chosen model's depth, a
   projection whose byte count does not match its shape and the model's hidden size, a
   zero-norm direction, a prompt plus max_tokens over the model's context, a model whose
   weights are not installed).
-- `max_response_time` is 61 s, not 10 s: `?wait=` may hold a read for 60 s by design (SPEC §3).
+- `max_response_time` is 61 s, not 10 s: `?wait=` may hold a read for 60 s by design.
 The server's request rates and lane caps are raised so the fuzzer exercises the routes rather
 than the throttles, its models have a 64-token context, and its long-poll waiter limit is 0
 (`fuzz_env`); throttles and long-polls have their own tests.
@@ -68,7 +68,7 @@ max_model_len = 64
 max_activation_prompt_tokens = 32
 """
 """Only models whose weights are here: a 503 for an absent model is the service's designed
-answer (SPEC), and leaving such models out keeps `not_a_server_error` strict (any 5xx fails).
+answer, and leaving such models out keeps `not_a_server_error` strict (any 5xx fails).
 A context of 64 tokens bounds each completion the fuzzer asks for (max_tokens ≤ 63), so a
 case costs a fraction of a second on a CPU, not the seconds of 2,000 generated tokens."""
 

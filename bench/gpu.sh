@@ -4,9 +4,11 @@
 # Prints one markdown table (and writes $OUT/gpu_table.md, rewritten after every part, so a
 # part that runs out of time still leaves the ones before it):
 #   1. HF engine at Llama-3.1-8B's shapes (random bf16 weights built on the GPU): harvest vs a
-#      bare forward at the quartile blocks, at all 32 and with 8 directions; tokens/s and MFU.
+#      bare forward at the quartile blocks, at all 32 and with 8 directions; tokens/s and MFU;
+#      then co-batching, HARVEST_ENGINE_COBATCH_SHARDS=1 (the default) against 4, side by side
+#      (4 jobs on one engine): the ratio decides the GPU default.
 #   2. Where vLLM imports (the wheel set of ../shared/gpu/, staged below): the same against
-#      plain vLLM prefill. Without it, the table says the part was skipped and why; the run
+#      plain vLLM prefill, and the same co-batching pair. Without it, the table says the part was skipped and why; the run
 #      still succeeds.
 #   3. Where vLLM imports: the vLLM-engine parity checks on the GPU (llama-tiny, float32).
 #

@@ -5,9 +5,13 @@ the device, saved, loaded by `HFEngine(model)` through `load_hf_model`; `bench/g
 Arms, interleaved each round on the same prompts: a bare `model.model` forward over the same
 right-padded batches the engine makes (the baseline), and harvest (`HFEngine.capture`, hooks +
 `PromptReducer`: statistics and the copy to host) at the quartile blocks [8, 16, 24], at all
-32, and projected onto 8 directions at the quartiles.
+32, and projected onto 8 directions at the quartiles. Then co-batching
+(`HARVEST_ENGINE_COBATCH_SHARDS`, `harvest.warm.cobatch`): 4 jobs at once on the one engine,
+each asking for its shards one after another, with 1 shard per engine call (each alone, the
+default) against up to 4 (the waiting shards co-batched), interleaved: the ratio decides the
+default on a GPU (it was measured only on the CPU, 0.82x).
 `vllm`: the same arms on `VLLMEngine(model)` against plain vLLM prefill (`max_tokens=1`, no
-capture session) of the same `vllm.LLM`, plus one prompt's quartile values against the HF
+capture session) of the same `vllm.LLM`, the same co-batching pair, plus one prompt's quartile values against the HF
 part's (bf16 on both, so a loose figure, reported rather than judged). Without vLLM it only
 records that it was skipped and why.
 `parity`: `bench/gpu_parity.py` (llama-tiny in float32 against HF, the CPU tests' tolerances).
@@ -97,6 +101,59 @@ def measure(arms: dict, rounds: int, results: Results, engine: str, tokens: int,
         results.row(engine, name, name == baseline, seconds, tokens, blocks[name], failed.get(name) or (None if seconds else "no timed round"))
 
 
+COBATCH_JOBS, COBATCH_SHARDS, COBATCH_PROMPTS = 4, 3, 8
+COBATCH_SETTINGS = (1, 4)
+
+
+def measure_cobatch(engine, prompts: list[list[int]], layers: list[int], rounds: int, results: Results, engine_label: str) -> None:
+    """4 jobs (threads) on one `CobatchedEngine`, each asking for its shards in turn, as jobs
+    on an engine server do; one arm per `HARVEST_ENGINE_COBATCH_SHARDS` setting, the first
+    (1: each shard alone) the baseline. Shards are cut from `prompts`, repeated as needed."""
+    import threading
+
+    from harvest.warm.cobatch import CobatchedEngine
+
+    flat = [prompts[i % len(prompts)] for i in range(COBATCH_JOBS * COBATCH_SHARDS * COBATCH_PROMPTS)]
+    jobs = [[flat[(j * COBATCH_SHARDS + k) * COBATCH_PROMPTS:(j * COBATCH_SHARDS + k + 1) * COBATCH_PROMPTS]
+             for k in range(COBATCH_SHARDS)] for j in range(COBATCH_JOBS)]
+    spec = CaptureSpec(layers=layers)
+    calls: dict[str, int] = {}
+
+    def arm(max_shards: int, name: str):
+        def run() -> None:
+            cobatched = CobatchedEngine(engine, max_shards=max_shards)
+            errors: list[BaseException] = []
+
+            def one_job(shards) -> None:
+                try:
+                    for shard in shards:
+                        cobatched.capture(shard, spec, None, peers=COBATCH_JOBS)
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the timing thread
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=one_job, args=(job,)) for job in jobs]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if errors:
+                raise errors[0]
+            calls[name] = cobatched.calls
+        return run
+
+    names = {n: f"{COBATCH_JOBS} jobs x {COBATCH_SHARDS} shards of {COBATCH_PROMPTS}, COBATCH_SHARDS={n}" for n in COBATCH_SETTINGS}
+    arms = {names[n]: arm(n, names[n]) for n in COBATCH_SETTINGS}
+    tokens = sum(map(len, flat))
+    label = f"{engine_label} co-batch"
+    measure(arms, rounds, results, label, tokens, names[COBATCH_SETTINGS[0]], {name: max(layers) + 1 for name in arms})
+    rows = {r["arm"]: r["seconds"] for r in results.data["rows"] if r["engine"] == label}
+    alone, cobatched = rows.get(names[1]), rows.get(names[4])
+    if alone and cobatched:
+        results.note(f"{label}: engine calls {calls.get(names[1])} vs {calls.get(names[4])}; COBATCH_SHARDS=4 runs at "
+                     f"{alone / cobatched:.2f}x the throughput of 1 on this device (above 1: co-batching gains here; the "
+                     "default HARVEST_ENGINE_COBATCH_SHARDS stays 1 until such a figure says otherwise)")
+
+
 def _timing(results: Results, name: str, seconds: float) -> None:
     results.data["header"].setdefault("timings", {})[name] = seconds
     results.save()
@@ -143,6 +200,7 @@ def run_hf(args, results: Results) -> int:
     blocks = {name: n_layers for name in arms}
     blocks[f"harvest, quartiles [{q}]"] = blocks["harvest, 8-dir proj, quartiles"] = max(quartiles) + 1  # stops after the deepest
     measure(arms, args.rounds, results, "HF", tokens, "bare forward", blocks)
+    measure_cobatch(engine, prompts, quartiles, args.rounds, results, "HF")
     # One prompt's quartile values, for the vLLM part to compare against.
     sample = engine.capture(prompts[:1], CaptureSpec(layers=quartiles)).values[0]
     torch.save(sample, args.results.with_name("hf_sample.pt"))
@@ -197,6 +255,7 @@ def run_vllm(args, results: Results) -> int:
         "harvest, 8-dir proj, quartiles": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles, directions=directions)),
     }
     measure(arms, args.rounds, results, "vLLM", tokens, "plain prefill", {name: n_layers for name in arms})
+    measure_cobatch(engine, prompts, quartiles, args.rounds, results, "vLLM")
 
     sample_path = args.results.with_name("hf_sample.pt")
     if sample_path.exists():

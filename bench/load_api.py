@@ -10,7 +10,7 @@ What it prints: per route, requests, p50/p95/max latency, 5xx and 429 counts; lo
 declined over the waiter limit (answered 200 with `X-Acs-Longpoll: declined`); and the jobs'
 accounting against the charge ledger (SQL): every admitted job ended, exactly one ledger row
 each, outcome = job status, a done job charged its manifest's token count (summed from the
-manifest's per-shard counts), failed 0, cancelled 0 or its reservation (SPEC §6). It exits 1
+manifest's per-shard counts), failed 0, cancelled 0 or its reservation. It exits 1
 on any server error, lost job or wrong charge.
 
     .venv/bin/python bench/load_api.py [--clients 50] [--seconds 60] [--keys 10] [--waiters 8]
@@ -80,7 +80,7 @@ def _drop_database(name: str) -> None:
 def _start_stack(home: Path, db_url: str, prefect_db_url: str | None, **settings: str) -> tuple[subprocess.Popen, dict[str, str]]:
     """`harvest up` in its own session on a fresh home and job store, as shipped but for
     `settings` (what a benchmark measures), read until it prints its addresses."""
-    from flows.processes import free_port
+    from fleet.processes import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
     env.update(
@@ -262,7 +262,7 @@ def _drain(base: str, jobs: dict[str, str], seconds: float) -> dict[str, dict]:
 
 
 def _check_ledger(db_url: str, home: Path, ended: dict[str, dict]) -> list[str]:
-    """Every admitted job: one ledger row, outcome = status, the right tokens (SPEC §6)."""
+    """Every admitted job: one ledger row, outcome = status, the right tokens."""
     from sqlalchemy import create_engine, text
 
     problems = []

@@ -84,7 +84,7 @@ def _role(process: psutil.Process) -> str:
     except psutil.Error:
         return "gone"
     for needle, role in (("api.app", "api"), ("uvicorn", "api"), ("harvest.warm.server", "engine-server"),
-                         ("flows.run_starter", "run-starter"), ("prefect server", "prefect-server"),
+                         ("fleet.run_starter", "run-starter"), ("prefect server", "prefect-server"),
                          ("prefect worker", "worker"), ("harvest up", "harvest-up"), ("harvest worker", "worker"),
                          ("harvest server", "prefect-server"), ("harvest api", "api")):
         if needle in line:

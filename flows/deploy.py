@@ -4,8 +4,12 @@ Each lane of `infra/lanes.toml` (`harvest.lanes`) becomes a process work pool of
 its concurrency limit, and a deployment `harvest-<lane>` of the harvest flow on it; the
 maintenance deployments (corpus refresh, retention sweep) come from infra/prefect.yaml.
 
+The harvest deployments' run command is the caller's: `harvest server` hands it the launcher
+of its worker hosts' run starters, which forks each run from a preloaded process; without one,
+runs start as Prefect's own `python -m prefect.engine`.
+
 Idempotent, so `harvest server` runs it on every start: a pool that exists is updated and its
-concurrency limit re-applied (DESIGN: `--overwrite` resets limits, so we never rely on it);
+concurrency limit re-applied (`--overwrite` resets limits, so we never rely on it);
 deployments are upserted by (flow, name), schedules replaced. Deployments are created through
 the client rather than `prefect deploy` so that no prompt, build step or git state is involved
 and a start takes ~1 s.
@@ -27,22 +31,22 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from harvest.lanes import Lane, load_lanes
 from harvest.settings import get_settings
 
-__all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "RUN_COMMAND", "load_spec", "lane_spec", "apply", "apply_sync", "pull_steps"]
+__all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "load_spec", "lane_spec", "apply", "apply_sync", "pull_steps"]
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = REPO / "infra" / "prefect.yaml"
 # A module path with no pull steps: worker hosts import the flow from the installed package
 # (see infra/prefect.yaml).
 HARVEST_ENTRYPOINT = "flows.harvest.harvest"
-RUN_COMMAND = "python -m flows.run_starter"
 
 
 def load_spec(path: Path = PREFECT_YAML) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def lane_spec(lanes: dict[str, Lane]) -> dict[str, list[dict]]:
-    """Pools and harvest deployments of the lanes, in infra/prefect.yaml's shape."""
+def lane_spec(lanes: dict[str, Lane], run_command: str | None) -> dict[str, list[dict]]:
+    """Pools and harvest deployments of the lanes, in infra/prefect.yaml's shape; each flow run
+    of a lane runs `run_command` (None: Prefect's own)."""
     pools = [
         {"name": lane.name, "type": "process", "concurrency_limit": lane.pool_limit, "description": lane.description}
         for lane in lanes.values()
@@ -54,9 +58,7 @@ def lane_spec(lanes: dict[str, Lane]) -> dict[str, list[dict]]:
             "description": f"bulk harvest jobs of the {lane.name} lane ({lane.description}); one flow run per job",
             "work_pool": {"name": lane.name},
             "tags": ["harvest", f"lane:{lane.name}"],
-            # On a worker host the run forks from its preloaded starter; elsewhere this is
-            # `python -m prefect.engine` (`flows.run_starter`).
-            "job_variables": {"command": RUN_COMMAND},
+            "job_variables": {"command": run_command} if run_command else {},
         }
         for lane in lanes.values()
     ]
@@ -108,11 +110,15 @@ async def _apply_deployment(client, spec: dict, repo: Path) -> str:
     return f"{flow.name}/{spec['name']}"
 
 
-async def apply(path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None) -> list[str]:
+async def apply(
+    path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
+) -> list[str]:
     """Create or update every lane's pool and deployment, then the file's deployments; returns
-    the deployment names. `lanes`: default those of HARVEST_LANES_FILE."""
+    the deployment names. `lanes`: default those of HARVEST_LANES_FILE; `run_command`: what
+    each harvest flow run runs (`lane_spec`), required so that no caller turns a fleet's
+    launcher off by leaving it out."""
     lanes = lanes if lanes is not None else load_lanes()
-    spec = lane_spec(lanes)
+    spec = lane_spec(lanes, run_command)
     maintenance = load_spec(path).get("deployments", [])
     for deployment in maintenance:
         if deployment["work_pool"]["name"] not in lanes:
@@ -127,5 +133,7 @@ async def apply(path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, L
     return names
 
 
-def apply_sync(path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None) -> list[str]:
-    return run_coro_as_sync(apply(path, repo, lanes))
+def apply_sync(
+    path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
+) -> list[str]:
+    return run_coro_as_sync(apply(path, repo, lanes, run_command=run_command))

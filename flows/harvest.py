@@ -4,7 +4,7 @@ Parameters are the job id and the storage URL of its request.json (the API write
 prompts and tensors never go through Prefect. The run
 
 1. reads and resolves the request and tokenizes it (a bad request fails here, before any load);
-2. claims a slot of its host (`flows.placement.place_run`: its GPUs, or a CPU place) and
+2. claims a slot of its host (`harvest.placement.place_run`: its GPUs, or a CPU place) and
    decides how many runs share the job (`flows.placement.choose_workers`), starting the
    helper runs if more than one (`flows.scale_out`);
 3. gets its engine (`harvest.warm.client.open_engine`): on a worker host, the warm engine of
@@ -34,12 +34,13 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled as CancelledState
 from prefect.states import Failed, State
 
-from flows.placement import WORKERS_LABEL, choose_workers, place_run
+from flows.placement import WORKERS_LABEL, choose_workers
 from flows.progress import RunProgress, summary_artifact
 from flows.scale_out import collect_helpers, split_ranges, start_helpers
 from harvest.errors import job_error
 from harvest.jobfiles import JobFiles
 from harvest.pipeline import Cancelled, tokenize_job
+from harvest.placement import place_run
 from harvest.registry import load_registry
 from harvest.request import resolve_job
 from harvest.settings import get_settings

@@ -3,7 +3,7 @@
 A flow run whose host dies (power, kernel panic, the OOM killer taking the worker with it)
 stays RUNNING in Prefect's database for ever: nobody is left to report on it. A pid table
 cannot tell either: a pid means nothing on another host, and is reused on this one. Prefect
-3.9.1 has what it takes to tell by itself, across hosts (DESIGN, "Prefect 3.9.1"):
+3.9.1 has what it takes to tell by itself, across hosts:
 
 - every flow run of a worker host emits a `prefect.flow-run.heartbeat` event every
   `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (`HEARTBEAT_ENV`: a worker passes its own
@@ -78,7 +78,7 @@ CRASH_AFTER_S = 75
 # on a cold disk). A host that dies in between leaves the run Pending for ever: no process,
 # so no heartbeat to miss. Three minutes is far beyond any process start.
 PENDING_AFTER_S = 180
-# A live host finishes a cancel in ~2 s, or after Prefect's 30 s kill grace at worst (DESIGN);
+# A live host finishes a cancel in ~2 s, or after Prefect's 30 s kill grace at worst;
 # twice that is beyond doubt.
 CANCEL_AFTER_S = 60
 

@@ -1,6 +1,7 @@
 """Placement, the Prefect side: what a lane's hosts can take, and where a run landed.
 
-The pure parts (slot tables, claims, the policy's arithmetic) are `harvest.placement`; here:
+The domain (slot tables, claims, warm slots first, a run's placement, the policy's arithmetic)
+is `harvest.placement`; here only what reads or writes Prefect:
 
 - `publish_host` / `forget_host`: `harvest worker` records its slot count in a Prefect Variable
   (`host_variable`), because Prefect's server keeps no per-worker metadata and a parent run must
@@ -11,21 +12,15 @@ The pure parts (slot tables, claims, the policy's arithmetic) are `harvest.place
 - `choose_workers`: the automatic scale-out policy of the `harvest` flow (its docstring says
   it); an explicit `workers` wins, and a rescheduled run keeps the count it chose the first
   time (its `harvest.workers` label), so it re-attaches to the same helpers.
-- `place_run`: the run's claim on a slot of its host (`harvest.placement.claim`), a slot whose
-  GPU group already holds the job's model first (`warm_first`), returned as what the run saw,
-  which the flow writes to its labels (`harvest.*`, beside Prefect's own
-  `prefect.worker.name`), progress and summary.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import socket
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import VariableCreate, VariableUpdate
@@ -42,11 +37,8 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from harvest.placement import auto_workers, check_fits, claim, free_slots, what_the_run_sees
-from harvest.registry import ModelInfo
+from harvest.placement import auto_workers, free_slots
 from harvest.settings import Settings
-from harvest.warm.client import groups_holding
-from harvest.warm.protocol import group_name
 
 __all__ = [
     "WORKERS_LABEL",
@@ -56,7 +48,6 @@ __all__ = [
     "forget_host",
     "lane_free_slots",
     "choose_workers",
-    "place_run",
 ]
 
 WORKERS_LABEL = "harvest.workers"
@@ -156,20 +147,3 @@ def choose_workers(
     say("automatic scale-out over %d runs: %d shards; pool %s: %s", n, n_shards, pool, capacity.describe())
     return n
 
-
-def place_run(model: ModelInfo, settings: Settings, on_wait: Callable[[], None] | None = None) -> dict | None:
-    """Claim a slot of this host for the job's model (None off a slot-aware worker host, e.g. a
-    run in a test process); returns what the run got and sees."""
-    if settings.slots is None:
-        return None
-    check_fits(model.name, model.tensor_parallel_size, settings.slots)
-    held = claim(settings.slots, settings.home / "slots", model.lane, on_wait=on_wait, order=warm_first(model, settings))
-    return {"host": socket.gethostname(), **what_the_run_sees(held)}
-
-
-def warm_first(model: ModelInfo, settings: Settings) -> list[int]:
-    """The host's slots, those whose GPU group's engine server holds `model` first (a free one
-    of them starts the job warm), then the rest, each in table order."""
-    groups = [group_name(",".join(devices)) for devices in settings.slots]
-    warm = groups_holding(settings.home, model.name, set(groups))
-    return sorted(range(len(groups)), key=lambda k: groups[k] not in warm)

@@ -1,31 +1,17 @@
-"""The `harvest` command.
+"""`harvest run`: harvest a corpus in this process (the core pipeline, no server needed).
 
-`harvest run` harvests a corpus in this process (the core pipeline, no server needed). The
-other subcommands drive the layers above the core, so they live with those layers and are
-imported only when called: the core never imports them.
+The `harvest` command hands its `run` subcommand to `main` here; its other subcommands drive
+the layers above the core and live with those layers, so nothing here knows them.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import uuid
 from pathlib import Path
 
 __all__ = ["main"]
-
-# subcommand → module with `main(argv) -> int` (loaded lazily; see the module docstring)
-DELEGATED = {
-    "up": "flows.stack",
-    "server": "flows.roles",
-    "api": "flows.roles",
-    "worker": "flows.roles",
-    "schedule": "flows.schedule",
-    "sweep": "flows.retention",
-    "keys": "api.admin",
-    "spend-cap": "api.admin",
-}
 
 
 def _parse_layers(text: str | None):
@@ -124,18 +110,6 @@ def _run(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = ["run", *DELEGATED]
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(f"usage: harvest {{{','.join(commands)}}} ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    command, rest = argv[0], argv[1:]
-    if command == "run":
-        return _run(rest)
-    module = importlib.import_module(DELEGATED[command])
-    return module.main([command, *rest])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str]) -> int:
+    """`harvest run …` (the command hands over the whole argv, `run` first)."""
+    return _run(argv[1:])

@@ -12,7 +12,7 @@ and refuses (400, naming the limit and the number) as soon as one is over:
 2. `check_counts`: from each prompt's token count (`harvest.tokenize.count_tokens`, which
    stops counting once past MAX_TOKENS), the exact tokens, output bytes and bytes of every shard.
 
-Limits: `MAX_TOKENS` per job (SPEC §2) and the lane's `max_shard_bytes` (infra/lanes.toml:
+Limits: `MAX_TOKENS` per job and the lane's `max_shard_bytes` (infra/lanes.toml:
 what a worker host's disk or one object of the store can hold). A shard always holds
 shard_size prompts in the order of the prompts; a job whose shards would be too big is
 refused naming the largest shard_size whose shards all fit, never cut some other way.
@@ -20,7 +20,6 @@ refused naming the largest shard_size whose shards all fit, never cut some other
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

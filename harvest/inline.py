@@ -1,7 +1,8 @@
 """Inline activations: the `POST /v1/completions` request, its checks, and its response body.
 
-The HTTP layer only parses JSON, authenticates and awaits the batcher; everything a user can
-be refused for is decided here, before any engine work:
+The HTTP layer only parses JSON, authenticates and awaits the model's batcher
+(`harvest.warm.inline`); everything a user can be refused for is decided here, before any
+engine work:
 
 - unknown model → 400 `model_not_found`; a layer out of range → 400 naming the model's range;
 - the activation prompt cap `floor(max_activation_prompt_tokens × n_layers ÷ len(layers))`,

@@ -1,7 +1,7 @@
 """One job's folder on storage: the layout that the API, the flows and the pipeline share.
 
     <storage>/jobs/<job_id>/request.json              the HarvestRequest, written first (by the API)
-    <storage>/jobs/<job_id>/shard_00000.safetensors … one per shard (SPEC §4)
+    <storage>/jobs/<job_id>/shard_00000.safetensors … one per shard
     <storage>/jobs/<job_id>/_parts/shard_00000.safetensors …
                                                       per-shard statistics partial + size/sha256
                                                       record, written after its shard (resume)
@@ -194,7 +194,7 @@ class JobFiles:
         return json.loads(self.storage.read_bytes(MANIFEST))
 
     def discard_manifest(self) -> None:
-        """Remove the manifest, if any: a job that fails leaves none (SPEC §4)."""
+        """Remove the manifest, if any: a job that fails leaves none."""
         self.storage.delete(MANIFEST)
 
     def read_result(self) -> dict | None:

@@ -3,8 +3,9 @@
 The work is split so orchestration can spread it out: `run_shards` writes any range of shards
 (skipping those already written and verified), each shard's write running behind the next
 shard's forward pass (`ShardWriter`), and `finalize` merges the shards' statistics partials
-and writes `stats.safetensors` then `manifest.json`. `run_job` does both in one process,
-which is what `harvest run` uses; the flow calls the same two with its Prefect tasks.
+and writes `stats.safetensors` then `manifest.json`, listing each shard as stored (hashed
+again, whichever write of it stayed). `run_job` does both in one process, which is what
+`harvest run` uses; the flow calls the same two with its Prefect tasks.
 
 No process holds a whole shard: the engine hands each batch's values to the shard's file,
 staged on local disk (`harvest.shard_file`), as soon as they exist, and the write step hashes
@@ -14,6 +15,7 @@ follows `HARVEST_ENGINE_PIECE_BYTES` and `HARVEST_ENGINE_BATCH_TOKENS`, not `sha
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,15 +29,17 @@ from harvest.layers import RESIDUAL_STREAM_CONVENTION
 from harvest.manifest import MANIFEST, STATS, Manifest, ModelEntry, PromptEntry, statistics_sentence
 from harvest.request import ResolvedJob, check_token_total
 from harvest.shard_file import StagedShard
-from harvest.shards import ShardRecord, shard_name, shard_ranges, verified_part, write_part
+from harvest.shards import ShardRecord, shard_name, shard_ranges, stored_stats, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts
 
 __all__ = [
-    "Timings", "JobSummary", "CapturedShard", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards", "finalize", "run_job",
-    "Cancelled",
+    "Timings", "JobSummary", "CapturedShard", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards",
+    "stored_records", "finalize", "run_job", "Cancelled", "HASH_THREADS",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class Cancelled(Exception):
@@ -236,6 +240,51 @@ def run_shards(
     return timings, skipped
 
 
+HASH_THREADS = 4
+"""Shards hashed at once by `stored_records`: enough to keep a disk or an S3 connection pool
+busy; memory is one `HASH_CHUNK_BYTES` buffer each."""
+
+
+def stored_records(job: ResolvedJob, storage: Storage, n_shards: int) -> tuple[list[ShardRecord], RunningStats]:
+    """Every shard's record, its size and sha256 those of the file as stored now, and the
+    job's statistics merged over them.
+
+    Two processes can write the same shard: a scale-out helper taken over while still alive, a
+    crashed run rescheduled while its cut-off process goes on. Their values agree only to one
+    bf16 rounding (batching differs), so their files can differ, and each publishes its file
+    then its record: the record that stays can be the other write's. So each shard is hashed
+    again here, streamed (`Storage.digest`), `HASH_THREADS` at a time, and where a file is not
+    its record's, its statistics are read from the file too.
+
+    Why re-hash rather than write each attempt under a name of its own and rename it once into
+    place: the cost is one read of each shard per job (on local disk mostly from the page cache
+    the writes just filled; on S3 a streamed GET, like a resume's check), with no name changed.
+    A rename on S3 is a server-side copy, which also takes time in proportion to the shard's
+    size, doubles its storage until the original is deleted, moves the shards out of the job
+    folder's layout until the end, and still lets two finalizers each list one copy. Re-hashing
+    is right for any number of writers and finalizers, once the writes are over: a write landing
+    while this runs can still come after its hash.
+    """
+    parts = []
+    for k in range(n_shards):
+        part = verified_part(storage, k, check_hash=False)
+        if part is None:
+            raise RuntimeError(f"shard {k} is missing or does not match its record; the job cannot be finalised")
+        parts.append(part)
+    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="shard-hash") as pool:
+        digests = list(pool.map(lambda part: storage.digest(part[0].file), parts))
+    records: list[ShardRecord] = []
+    stats = RunningStats(len(job.layers), job.spec.n_features(job.model.hidden_size))
+    for (record, partial), (size, sha256) in zip(parts, digests, strict=True):
+        if sha256 != record.sha256:
+            logger.warning("shard %s was replaced by another write of it after its record; listing the stored file", record.file)
+            partial = stored_stats(storage, record, len(job.layers), job.spec.n_features(job.model.hidden_size), job.spec.stored_dtype)
+            record = record.model_copy(update={"bytes": size, "sha256": sha256})
+        records.append(record)
+        stats.merge(partial)
+    return records, stats
+
+
 def finalize(
     job: ResolvedJob,
     storage: Storage,
@@ -247,20 +296,16 @@ def finalize(
 ) -> JobSummary:
     """Merge every shard's statistics, write stats.safetensors, then the manifest, last.
 
-    `timings` (of the shard work, possibly summed over workers) go into the manifest with the
-    time spent here added, so whoever reads the manifest has the whole job's summary.
+    The manifest lists each shard's sha256 as stored now, not as its record says
+    (`stored_records`). `timings` (of the shard work, possibly summed over workers) go into
+    the manifest with the time spent here added, so whoever reads the manifest has the whole
+    job's summary.
     """
     timings = timings or Timings()
     tokenized = tokenized or tokenize_job(job)
-    ranges = shard_ranges(len(tokenized), job.request.shard_size)
-    records: list[ShardRecord] = []
-    stats = RunningStats(len(job.layers), job.spec.n_features(job.model.hidden_size))
-    for k in range(len(ranges)):
-        part = verified_part(storage, k, check_hash=False)
-        if part is None:
-            raise RuntimeError(f"shard {k} is missing or does not match its record; the job cannot be finalised")
-        records.append(part[0])
-        stats.merge(part[1])
+    started = time.perf_counter()
+    records, stats = stored_records(job, storage, len(shard_ranges(len(tokenized), job.request.shard_size)))
+    timings.save_s += time.perf_counter() - started
 
     started = time.perf_counter()
     stats_bytes = save_tensors(stats.export(job.layers))

@@ -16,6 +16,9 @@ reads `CUDA_VISIBLE_DEVICES` once, when it initialises: the run sets it to its s
 before anything touches CUDA, and a second job in the same process (a corpus refresh's parts)
 keeps the same GPUs.
 
+Which slot first (`warm_first`): a slot whose GPU group's engine server already holds the job's
+model (`harvest.warm`), so the job starts warm; `place_run` is a run's whole placement.
+
 How far a job spreads (`auto_workers`): one run more per free slot of the lane, but never so
 many that a run gets fewer than `min_shards` shards (each run loads the model once). This module
 is core (no Prefect); reading a lane's free slots from Prefect is `flows.placement`.
@@ -27,13 +30,17 @@ import fcntl
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from harvest.errors import ModelUnavailable
+from harvest.registry import ModelInfo
+from harvest.settings import Settings
 
 __all__ = [
     "Claim",
@@ -43,9 +50,11 @@ __all__ = [
     "describe_slots",
     "check_fits",
     "try_claim",
-    "held_claim",
     "claim",
     "what_the_run_sees",
+    "groups_holding",
+    "warm_first",
+    "place_run",
     "free_slots",
     "auto_workers",
 ]
@@ -187,11 +196,6 @@ def try_claim(table: list[list[str]], lock_dir: Path, lane: str, order: list[int
     return None
 
 
-def held_claim() -> Claim | None:
-    """The slot this process holds, if any."""
-    return _HELD
-
-
 def claim(table: list[list[str]], lock_dir: Path, lane: str, *, on_wait=None, poll_s: float = 1.0, order: list[int] | None = None) -> Claim:
     """Claim a slot (waiting while every one is taken) and point CUDA at its GPUs.
 
@@ -234,6 +238,42 @@ def what_the_run_sees(held: Claim) -> dict:
     except Exception:  # a broken driver must not hide what the run was given
         seen["gpus_seen"] = None
     return seen
+
+
+def groups_holding(home: Path, model_name: str, groups: set[str]) -> set[str]:
+    """Which of `groups` has an engine server with `model_name` loaded now (asks each running
+    server; starts nothing)."""
+    # Imported here: the warm-engine client brings torch, which a host role reading its slot
+    # table has no use for.
+    from harvest.warm.client import engine_status
+
+    holding = set()
+    for group in groups:
+        status = engine_status(home, group)
+        if status is not None and any(entry["key"][0] == model_name for entry in status["loaded"]):
+            holding.add(group)
+    return holding
+
+
+def warm_first(model: ModelInfo, settings: Settings) -> list[int]:
+    """The host's slots, those whose GPU group's engine server holds `model` first (a free one
+    of them starts the job warm), then the rest, each in table order."""
+    from harvest.warm.protocol import group_name
+
+    groups = [group_name(",".join(devices)) for devices in settings.slots]
+    warm = groups_holding(settings.home, model.name, set(groups))
+    return sorted(range(len(groups)), key=lambda k: groups[k] not in warm)
+
+
+def place_run(model: ModelInfo, settings: Settings, on_wait: Callable[[], None] | None = None) -> dict | None:
+    """Claim a slot of this host for the job's model (None off a slot-aware worker host, e.g. a
+    run in a test process), warm slots first; returns what the run got and sees, which the flow
+    writes to its labels, progress and summary."""
+    if settings.slots is None:
+        return None
+    check_fits(model.name, model.tensor_parallel_size, settings.slots)
+    held = claim(settings.slots, settings.home / "slots", model.lane, on_wait=on_wait, order=warm_first(model, settings))
+    return {"host": socket.gethostname(), **what_the_run_sees(held)}
 
 
 def free_slots(pool_limit: int | None, slots_per_host: list[int], busy: int) -> int:

@@ -164,6 +164,21 @@ class Registry:
     def all(self) -> list[ModelInfo]:
         return [self.get(name) for name in self._entries]
 
+    def checkpoints_on_disk(self) -> dict[str, Path]:
+        """The checkpoint folder of each model whose weights are on this host now. Unlike `get`,
+        it builds and converts nothing: a caller that must stay single-threaded and keep torch
+        unused (the run starter) may call it."""
+        found = {}
+        for name, entry in self._entries.items():
+            if entry.get("builtin"):
+                path = self._settings.home / entry["weights"]
+                path = path if is_built(path) else None
+            else:
+                path = _find_checkpoint(entry["weights"], self._settings)
+            if path is not None:
+                found[name] = path
+        return found
+
     def _resolve(self, name: str, entry: dict) -> ModelInfo:
         lane = entry.get("lane", "small")
         lanes = load_lanes(self._settings)

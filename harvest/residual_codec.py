@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import zstandard
 
-__all__ = ["ZSTD_LEVEL", "encode_residual", "encode_residual_chunks", "decode_residual", "residual_payload_bytes"]
+__all__ = ["ZSTD_LEVEL", "encode_residual", "encode_residual_chunks", "decode_residual"]
 
 ZSTD_LEVEL = 2
 """Measured in bench/bench_inline.py: see bench/RESULTS.md for ratio and speed per level."""
@@ -121,8 +121,3 @@ def decode_residual(payload: dict) -> torch.Tensor:
     if bits.size != int(np.prod(shape)):
         raise ValueError(f"the payload holds {bits.size} values, not the {int(np.prod(shape))} of shape {list(shape)}")
     return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)
-
-
-def residual_payload_bytes(payload: dict) -> int:
-    """Bytes of the base64 text on the wire (what a client downloads for the activations)."""
-    return len(payload["data"])

@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     """Endpoint of an S3-compatible server (MinIO, moto) for `s3://` storage; None is AWS."""
 
-    # --- API (issue 5): job store, keys, links, long-poll, caps ---------------------------
+    # --- API: job store, keys, links, long-poll, caps ---------------------------
     database_url: str | None = None
     """SQLAlchemy URL of the job store; default SQLite at `<home>/harvest.db` (PostgreSQL in production)."""
 
@@ -122,14 +122,14 @@ class Settings(BaseSettings):
     """Models kept loaded per GPU group (a CPU host is one group); the least recently used
     idle one is evicted when another is asked for."""
 
-    engine_cobatch_shards: int | None = Field(default=None, ge=1)
-    """Shards of concurrent jobs run together in one engine call (shared forward passes) when
-    they capture the same layers and directions; 1 runs each shard alone. Unset: 4 where CUDA
-    is present, 1 on the CPU, where sharing measured slower (`harvest.warm.batching`)."""
+    engine_cobatch_shards: int = Field(default=1, ge=1)
+    """Co-batching: shards of concurrent jobs run together in one engine call (shared forward
+    passes) when they capture the same layers and directions; 1 runs each shard alone. 1 on
+    every device until a GPU measurement says otherwise (`harvest.warm.cobatch`)."""
 
     engine_cobatch_wait_s: float = Field(default=0.1, ge=0)
     """How long an engine that comes free waits for the other jobs holding it to ask for their
-    next shards, so they share the call instead of alternating."""
+    next shards, so they are co-batched instead of alternating (with co-batching on)."""
 
     engine_start_timeout_s: float = Field(default=180.0, gt=0)
     """How long a run waits for its host's engine server to answer after starting it."""
@@ -179,7 +179,7 @@ class Settings(BaseSettings):
     """The window `restart_limit` counts restarts in, seconds."""
 
 
-    # --- API hardening (issue 12): links, request rates, request ids ---
+    # --- API hardening: links, request rates, request ids ---
     trust_host_header: bool = False
     """Build download links from the request's Host header (only behind a proxy that sets it
     itself). Off: links use `public_base_url`, else `http://<host>:<port>` of this replica, so

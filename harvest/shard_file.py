@@ -18,17 +18,15 @@ multipart upload (S3). A shard's memory is thus one engine batch, whatever `shar
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
 import torch
 from safetensors.torch import save as save_tensors
 
-__all__ = ["ShardLayout", "shard_layout", "StagedShard", "HASH_CHUNK_BYTES"]
+from harvest.storage import stream_digest
 
-HASH_CHUNK_BYTES = 8 << 20
-"""Read size of the hashing pass (one buffer, reused)."""
+__all__ = ["ShardLayout", "shard_layout", "StagedShard"]
 
 _DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32"}
 
@@ -147,16 +145,11 @@ class StagedShard:
             raise RuntimeError(f"the engine returned no values for prompt(s) {missing[:10]} of this shard")
         os.close(self._fd)
         self._fd = None
-        digest = hashlib.sha256()
-        buffer = bytearray(HASH_CHUNK_BYTES)
-        size = 0
         with open(self.path, "rb", buffering=0) as handle:
-            while n := handle.readinto(buffer):
-                digest.update(memoryview(buffer)[:n])
-                size += n
+            size, sha256 = stream_digest(handle)
         if size != self.layout.size:
             raise RuntimeError(f"shard file {self.path} holds {size} bytes, its layout {self.layout.size}")
-        self.size, self.sha256 = size, digest.hexdigest()
+        self.size, self.sha256 = size, sha256
         return self.size, self.sha256
 
     def discard(self) -> None:

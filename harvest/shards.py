@@ -5,7 +5,8 @@ the prompt at global index i, `prompt_{i}` (`[n_layers_kept, n_tokens, n_feature
 `tokens_{i}` (int32 `[n_tokens]`, the ids that ran). Its record (`harvest.jobfiles.part_name`)
 keeps the shard's exact float64 statistics partial and, in its metadata, the shard's size and
 sha256. That record is written after the shard, so a shard whose record exists and matches is
-complete: a retry or resume skips it, and the final merge needs no shard to be read back.
+complete: a retry or resume skips it, and the final merge takes the statistics from the
+records (it reads the shards only to hash them: `harvest.pipeline.stored_records`).
 The shard file itself is written as its values arrive (`harvest.shard_file`).
 The file names are the job folder's layout, owned by `harvest.jobfiles` (`shard_name` is
 re-exported here for the pipeline).
@@ -13,18 +14,20 @@ re-exported here for the pipeline).
 
 from __future__ import annotations
 
-import hashlib
 import json
+
+import torch
 
 from pydantic import BaseModel
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from harvest.jobfiles import part_name, shard_name
+from harvest.shard_file import shard_layout
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 
-__all__ = ["ShardRecord", "shard_name", "shard_ranges", "write_part", "read_part", "verified_part"]
+__all__ = ["ShardRecord", "shard_name", "shard_ranges", "write_part", "read_part", "verified_part", "stored_stats"]
 
 
 class ShardRecord(BaseModel):
@@ -64,8 +67,8 @@ def read_part(storage: Storage, k: int) -> tuple[ShardRecord, RunningStats]:
 def verified_part(storage: Storage, k: int, *, check_hash: bool = True) -> tuple[ShardRecord, RunningStats] | None:
     """The record of shard k if the shard on storage is complete and matches it, else None.
 
-    `check_hash=False` checks only the size: enough right after this job wrote the shard,
-    where re-reading every file to hash it would double the I/O.
+    `check_hash=False` checks only the size, for a caller that hashes the files itself
+    (`harvest.pipeline.stored_records`, many at once).
     """
     try:
         record, stats = read_part(storage, k)
@@ -73,15 +76,22 @@ def verified_part(storage: Storage, k: int, *, check_hash: bool = True) -> tuple
         return None
     if not storage.exists(record.file) or storage.size(record.file) != record.bytes:
         return None
-    if check_hash and _sha256(storage, record.file) != record.sha256:
+    if check_hash and storage.digest(record.file)[1] != record.sha256:
         return None
     return record, stats
 
 
-def _sha256(storage: Storage, name: str, chunk: int = 8 << 20) -> str:
-    """A stored file's sha256, read a chunk at a time (a shard can be larger than memory)."""
-    digest = hashlib.sha256()
-    with storage.fs.open(storage.path(name), "rb", block_size=chunk) as handle:
-        while data := handle.read(chunk):
-            digest.update(data)
-    return digest.hexdigest()
+def stored_stats(storage: Storage, record: ShardRecord, n_layers: int, n_features: int, dtype: torch.dtype) -> RunningStats:
+    """The statistics partial of shard `record.file` as stored now, read one prompt's byte range
+    at a time (the layout follows from the record's token counts): for a shard whose file is
+    not the one its record's write made."""
+    indices = range(record.prompt_range[0], record.prompt_range[1] + 1)
+    layout = shard_layout(indices, record.token_counts, n_layers, n_features, dtype)
+    stats = RunningStats(n_layers, n_features)
+    with storage.fs.open(storage.path(record.file), "rb", cache_type="none") as handle:
+        for i, n_tokens in zip(indices, record.token_counts, strict=True):
+            start, end = layout.ranges[f"prompt_{i}"]
+            handle.seek(start)
+            values = torch.frombuffer(bytearray(handle.read(end - start)), dtype=dtype).view(n_layers, n_tokens, n_features)
+            stats.update(values[:, 1:])  # as `harvest.capture` counts: never a prompt's first position
+    return stats

@@ -2,7 +2,11 @@
 
 Every write is all-or-nothing from a reader's point of view: on local disk a file is written
 beside its target and renamed into place, and an object store's PUT (or multipart upload, for
-large files on S3) is atomic already. So a file that exists is complete, which is what lets `manifest.json`, written last, mean "done".
+large files on S3) is atomic already. So a file that exists is complete, which is what lets
+`manifest.json`, written last, mean "done". On local disk that must hold across a power cut
+too: the file's data is fsynced before the rename (else the rename can reach the disk before
+the data, leaving a complete-looking name over an empty or partial file) and its folder after
+(else the rename itself can be lost, and a manifest written after it survive without it).
 What goes where inside a job's folder is `harvest.jobfiles`; this module knows no file names.
 
 Every read sees the store as it is now. s3fs answers `ls` (and `exists`, `info`) from a
@@ -16,6 +20,7 @@ written since reported missing. So S3 filesystems opened here keep no listings c
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import uuid
@@ -25,7 +30,10 @@ from fsspec.core import url_to_fs
 
 from harvest.settings import get_settings
 
-__all__ = ["Storage", "open_storage"]
+__all__ = ["Storage", "open_storage", "stream_digest", "HASH_CHUNK_BYTES"]
+
+HASH_CHUNK_BYTES = 8 << 20
+"""Read size of a hashing pass (one buffer, reused)."""
 
 
 def _options_for(url: str) -> dict:
@@ -74,7 +82,9 @@ class Storage:
             try:
                 with open(staging, "wb") as handle:
                     handle.write(data)
-                os.replace(staging, target)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                _rename_durably(staging, target)
             except BaseException:
                 # A disk that filled up must not stay fuller by our half-written file: the
                 # write's retry (and everyone else) needs the space back.
@@ -109,12 +119,14 @@ class Storage:
 
     def publish_file(self, name: str, local_path: str) -> None:
         """Make the staged file at `local_path` the file `name`, atomically, and remove the
-        staged copy: a rename on local disk; on S3 one multipart upload read from the file part
+        staged copy: on local disk a rename, the file's data flushed before it and the folder
+        after (see the module docstring); on S3 one multipart upload read from the file part
         by part (s3fs's `put_file`, `HARVEST_S3_PART_BYTES` per part), so memory holds parts,
         never the file; elsewhere (in-memory stores of tests) an ordinary `write_bytes`."""
         target = self.path(name)
         if self.is_local:
-            os.replace(local_path, target)
+            _fsync_path(local_path)
+            _rename_durably(local_path, target)
             return
         if self._is_s3:
             self.fs.put_file(local_path, target, chunksize=get_settings().s3_part_bytes)
@@ -125,6 +137,12 @@ class Storage:
 
     def read_bytes(self, name: str) -> bytes:
         return self.fs.cat_file(self.path(name))
+
+    def digest(self, name: str) -> tuple[int, str]:
+        """Size and sha256 of file `name` as stored now, read `HASH_CHUNK_BYTES` at a time into
+        one reused buffer: a shard can be larger than memory."""
+        with self.fs.open(self._fresh(self.path(name)), "rb", block_size=HASH_CHUNK_BYTES, cache_type="none") as handle:
+            return stream_digest(handle)
 
     def exists(self, name: str) -> bool:
         return self.fs.exists(self._fresh(self.path(name)))
@@ -146,6 +164,34 @@ class Storage:
         if not self.fs.exists(self._fresh(self.root)):
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
+
+
+def stream_digest(handle) -> tuple[int, str]:
+    """Size and sha256 of what an open binary file holds from its position on, one
+    `HASH_CHUNK_BYTES` buffer at a time."""
+    sha = hashlib.sha256()
+    size = 0
+    buffer = bytearray(HASH_CHUNK_BYTES)
+    while n := handle.readinto(buffer):
+        sha.update(memoryview(buffer)[:n])
+        size += n
+    return size, sha.hexdigest()
+
+
+def _fsync_path(path: str) -> None:
+    """Flush a file (or a folder's entries) to the disk; any descriptor of it will do."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_durably(source: str, target: str) -> None:
+    """Rename a file whose data is already on disk, then flush the folder that holds the new
+    name, so the rename survives a crash before anything written after it does."""
+    os.replace(source, target)
+    _fsync_path(os.path.dirname(target) or ".")
 
 
 def open_storage(url: str | None = None) -> Storage:

@@ -2,7 +2,7 @@
 
 A shard is two task runs: `forward-k` runs *synchronously in the flow's main thread* (a plain
 call of a Prefect 3 task does), which is the point: a worker's cancel (SIGTERM) lands within a
-shard instead of after a 30 s grace (DESIGN, Prefect facts). `write-k` is submitted to the
+shard instead of after Prefect's 30 s grace. `write-k` is submitted to the
 flow's task runner, so the shard's encode, hash and upload run while the next shard's forward
 pass does, with Prefect's retries on storage errors. Between the two, the shard is a file
 staged on local disk (`harvest.pipeline.CapturedShard`), never its values in memory.

@@ -14,7 +14,7 @@ requests, then pass them through again:
   server did it" and "the client heard it", where a test kills the client.
 
 Every request is recorded in `seen` as ``(method, path, outcome)``. The client's Host header
-is forwarded as is (moto does not check SigV4 signatures, DESIGN), bodies are read whole.
+is forwarded as is (moto does not check SigV4 signatures), bodies are read whole.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def prefect_server(harvest_home: Path):
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from flows.prefect_auth import CLIENT_ENV
-    from flows.processes import free_port, start_server
+    from fleet.processes import free_port, start_server
 
     port = free_port()
     auth = f"harvest-test:{secrets.token_urlsafe(24)}"
@@ -113,9 +113,10 @@ def prefect_server(harvest_home: Path):
 
 @pytest.fixture(scope="session")
 def prefect_deployments(prefect_server) -> list[str]:
+    from fleet.processes import RUN_COMMAND
     from flows.deploy import apply_sync
 
-    return apply_sync()
+    return apply_sync(run_command=RUN_COMMAND)
 
 
 def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str | None = None) -> str:
@@ -127,7 +128,7 @@ def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str 
     from prefect.exceptions import ObjectAlreadyExists
     from prefect.flows import load_flow_from_entrypoint
 
-    from flows.deploy import RUN_COMMAND
+    from fleet.processes import RUN_COMMAND
 
     name = name or f"harvest-{pool}"
     flow = load_flow_from_entrypoint(entrypoint)
@@ -153,7 +154,7 @@ class LaneWorkers:
     large: object = None
 
     def start(self, lane: str, env: dict[str, str] | None = None):
-        from flows.processes import start_worker
+        from fleet.processes import start_worker
         from harvest.lanes import load_lanes
         from harvest.warm.protocol import unix_socket_path
 

@@ -37,8 +37,8 @@ class SlowShards(HFEngine):
 
     shard_s = 1.0
 
-    def capture_together(self, shards, spec, *, batch_size=None, sinks=None):
-        answers = super().capture_together(shards, spec, batch_size=batch_size, sinks=sinks)
+    def capture_cobatch(self, shards, spec, *, batch_size=None, sinks=None):
+        answers = super().capture_cobatch(shards, spec, batch_size=batch_size, sinks=sinks)
         time.sleep(self.shard_s)
         with open(calls_file(get_settings().home), "a") as log:
             log.write(json.dumps({"pid": os.getpid(), "shards": shards}) + "\n")

@@ -74,7 +74,7 @@ def test_pydantic_errors_read_the_same_through_both_routes_and_the_cli(harvest_a
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     out = subprocess.run(
-        [sys.executable, "-m", "harvest.cli", "run", "--model", "llama-tiny", "--prompts", str(prompts),
+        [sys.executable, "-m", "fleet.cli", "run", "--model", "llama-tiny", "--prompts", str(prompts),
          "--out", str(tmp_path / "out"), "--shard-size", "0"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )

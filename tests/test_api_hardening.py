@@ -1,4 +1,4 @@
-"""Hardening of the HTTP surface (issue 12), against the real app under uvicorn on loopback:
+"""Hardening of the HTTP surface, against the real app under uvicorn on loopback:
 every body capped, one answer with a request id for unexpected errors, links that ignore the
 client's Host, messages without server paths, per-key request rates shared by replicas, and a
 failed start that leaves no run going.
@@ -185,7 +185,7 @@ def test_a_key_can_have_its_own_rates(guarded):
     guarded.make_key(name="plain-rates")
     env = {**os.environ, "HARVEST_DATABASE_URL": guarded.env["HARVEST_DATABASE_URL"],
            "HARVEST_RATE_READ_BURST": "4", "HARVEST_RATE_READ_PER_S": "1"}
-    cli = [sys.executable, "-m", "harvest.cli", "keys"]
+    cli = [sys.executable, "-m", "fleet.cli", "keys"]
     made = subprocess.run([*cli, "create", "--name", "own-rates", "--read-burst", "2", "--read-per-s", "0.5"],
                           env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     own = made.stdout.strip().splitlines()[-1]

@@ -91,7 +91,7 @@ def test_a_done_job_has_a_result_with_links_that_need_no_key(harvest_api, key, d
     assert result["layer_indices"] == [2, 4, 7] and result["contents"] == "activations"
     assert set(result["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}
     assert result["bytes_written"] > 0 and job["urls_expired"] is False
-    # The seeds' reading code, with plain HTTP and no key.
+    # The documented reading code, with plain HTTP and no key.
     shard = load_tensors(httpx.get(result["shard_urls"][0], timeout=30).content)
     assert shard["prompt_0"].dtype == torch.bfloat16
     n_tokens = shard["tokens_0"].shape[0]
@@ -343,7 +343,7 @@ def test_the_api_killed_mid_job_follows_on_and_charges_once(harvest_api, hf_engi
         server.start()
 
         # The status is the database's, whichever process reads it: still running (never back
-        # to pending), and a cancel now charges what a started GPU run costs (SPEC §6).
+        # to pending), and a cancel now charges what a started GPU run costs.
         for job in (finishing, cancelled):
             assert _get(server, key, job).json()["status"] == "running"
         reserved = _get(server, key, cancelled).json()["reserved_tokens"]
@@ -418,7 +418,7 @@ def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
 
     env = {**os.environ, "HARVEST_DATABASE_URL": harvest_api.env["HARVEST_DATABASE_URL"]}
     out = subprocess.run(
-        [sys.executable, "-m", "harvest.cli", "keys", "create", "--name", "cli", "--limit", "small=1", "--limit", "large=0",
+        [sys.executable, "-m", "fleet.cli", "keys", "create", "--name", "cli", "--limit", "small=1", "--limit", "large=0",
          "--monthly-jobs", "9", "--token-budget", "1000", "--activation-quota", "5"],
         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
     )
@@ -428,7 +428,7 @@ def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
     refused = httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), json={"model": "llama-tiny", "prompts": ["b"]})
     assert refused.status_code == 429 and "1 harvest on small models" in refused.json()["error"]["message"]
     _cancel(harvest_api, key, one["job_id"])
-    listing = subprocess.run([sys.executable, "-m", "harvest.cli", "keys", "list"], env=env, capture_output=True,
+    listing = subprocess.run([sys.executable, "-m", "fleet.cli", "keys", "list"], env=env, capture_output=True,
                              text=True, check=True).stdout
     assert "cli" in listing and key not in listing and key[:10] in listing
 

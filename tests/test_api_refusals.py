@@ -1,5 +1,5 @@
-"""Every refusal of SPEC §2, §3 and §6 over HTTP, against the real app under uvicorn: status,
-`code`, `param`, message and headers. No run is started by a refused submit."""
+"""Every documented refusal of a harvest (submit, read, cancel, caps) over HTTP, against the
+real app under uvicorn: status, `code`, `param`, message and headers. No run is started by a refused submit."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_revoked_key_is_401(harvest_api):
     key = harvest_api.make_key(name="to-revoke")
     assert httpx.get(f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     env = {**os.environ, "HARVEST_DATABASE_URL": harvest_api.env["HARVEST_DATABASE_URL"]}
-    out = subprocess.run([sys.executable, "-m", "harvest.cli", "keys", "revoke", key[:10]], env=env, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "fleet.cli", "keys", "revoke", key[:10]], env=env, cwd=REPO,
                          capture_output=True, text=True, check=True)
     assert "revoked 1" in out.stdout
     _error(httpx.get(f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}), 401, "invalid_api_key", None)
@@ -221,7 +221,7 @@ def test_lane_capacity_is_service_wide(harvest_api):
 
 def test_spend_cap_switch_from_the_admin_command(harvest_api, key):
     env = {**os.environ, "HARVEST_DATABASE_URL": harvest_api.env["HARVEST_DATABASE_URL"]}
-    cli = [sys.executable, "-m", "harvest.cli", "spend-cap"]
+    cli = [sys.executable, "-m", "fleet.cli", "spend-cap"]
     subprocess.run([*cli, "on", "--retry-after", "90"], env=env, cwd=REPO, check=True, capture_output=True)
     try:
         response = _post(harvest_api, key, OK)

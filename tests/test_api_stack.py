@@ -1,4 +1,4 @@
-"""Against a live `harvest up` stack (what `make run` runs): the seeds' curl and Python
+"""Against a live `harvest up` stack (what `make run` runs): the documented curl and Python
 examples, unchanged but for `"model": "llama-tiny"` and its layers; then the API killed and
 restarted mid-job while its Prefect flow run goes on, re-attached and charged once."""
 
@@ -82,7 +82,7 @@ def stack(tmp_path_factory, harvest_home, tiny):
     port, prefect_port = free_port(), free_port()
     log = open(home / "up.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "up", "--port", str(port), "--prefect-port", str(prefect_port)],
+        [sys.executable, "-m", "fleet.cli", "up", "--port", str(port), "--prefect-port", str(prefect_port)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
     )
     info: dict[str, str] = {}

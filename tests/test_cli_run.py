@@ -19,7 +19,7 @@ PROMPTS = ["The sky is", "Grass is green.", "A shard is a file."]
 def _harvest(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HARVEST_ENGINE": "hf", **(env_extra or {})}
     return subprocess.run(
-        [sys.executable, "-m", "harvest.cli", "run", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "fleet.cli", "run", *args], capture_output=True, text=True, env=env, timeout=300
     )
 
 
@@ -77,7 +77,7 @@ def test_projection_and_no_special_tokens(corpora, tiny):
 )
 def test_bad_input_gets_a_clear_message_and_nonzero_exit(corpora, args, message, capsys, monkeypatch):
     """In-process (the same `main` the console script calls), so each case costs no interpreter start."""
-    from harvest.cli import main
+    from fleet.cli import main
 
     monkeypatch.setenv("HARVEST_ENGINE", "hf")
     (corpora / "p.csv").write_text("a,b\n")

@@ -1,4 +1,4 @@
-"""Shards of concurrent jobs in shared forward passes (`harvest.warm.batching.SharedEngine` over
+"""Shards of concurrent jobs co-batched in shared forward passes (`harvest.warm.cobatch.CobatchedEngine` over
 the HF engine), in one process.
 
 Checked against what the model itself saw (a forward pre-hook recording the rows of every
@@ -17,7 +17,7 @@ import torch
 
 from harvest.capture import CaptureSpec
 from harvest.tokenize import load_tokenizer
-from harvest.warm.batching import Abandoned, SharedEngine
+from harvest.warm.cobatch import Abandoned, CobatchedEngine
 from tests.reference import bf16_tolerance, hf_reference_layers
 
 LAYERS = [1, 4]
@@ -52,20 +52,20 @@ class Gate:
         self.opened = threading.Event()
         self.first = True
 
-    def capture_together(self, shards, spec, *, batch_size=None, sinks=None):
+    def capture_cobatch(self, shards, spec, *, batch_size=None, sinks=None):
         if self.first:
             self.first = False
             self.opened.wait(10)
-        return self.engine.capture_together(shards, spec, batch_size=batch_size, sinks=sinks)
+        return self.engine.capture_cobatch(shards, spec, batch_size=batch_size, sinks=sinks)
 
     def close(self):
         pass
 
 
-def _ask(shared, prompts, spec, results, key, gone):
+def _ask(cobatched, prompts, spec, results, key, gone):
     def run():
         try:
-            results[key] = shared.capture(prompts, spec, None, gone=gone)
+            results[key] = cobatched.capture(prompts, spec, None, gone=gone)
         except Exception as exc:  # noqa: BLE001 - the test reads it
             results[key] = exc
 
@@ -80,18 +80,18 @@ def _stats_of(values: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return rows.mean(axis=1), rows.var(axis=1)
 
 
-def _held_then_released(hf_engine, asks: list[tuple], before_release=lambda: None) -> tuple[dict, list[int], SharedEngine]:
-    """`asks` [(key, prompts, spec, gone)] as concurrent jobs on one SharedEngine: the first
+def _held_then_released(hf_engine, asks: list[tuple], before_release=lambda: None) -> tuple[dict, list[int], CobatchedEngine]:
+    """`asks` [(key, prompts, spec, gone)] as concurrent jobs on one CobatchedEngine: the first
     holds the engine (at a gate) while the others arrive in order, then the gate opens.
-    Returns the answers by key, the rows of every forward pass, and the SharedEngine."""
+    Returns the answers by key, the rows of every forward pass, and the CobatchedEngine."""
     gate = Gate(hf_engine)
-    shared = SharedEngine(gate, max_shards=4)
+    cobatched = CobatchedEngine(gate, max_shards=4)
     log = ForwardLog(hf_engine.hf_model)
     results: dict = {}
     try:
         threads = []
         for n, (key, prompts, spec, gone) in enumerate(asks):
-            threads.append(_ask(shared, prompts, spec, results, key, gone))
+            threads.append(_ask(cobatched, prompts, spec, results, key, gone))
             time.sleep(0.3 if n == 0 else 0.1)
         time.sleep(0.2)
         before_release()
@@ -100,7 +100,7 @@ def _held_then_released(hf_engine, asks: list[tuple], before_release=lambda: Non
             thread.join(30)
     finally:
         log.close()
-    return results, log.rows, shared
+    return results, log.rows, cobatched
 
 
 def _never_gone() -> bool:
@@ -110,10 +110,10 @@ def _never_gone() -> bool:
 def test_waiting_shards_share_forward_passes_and_keep_their_own_values_and_statistics(hf_engine, shards):
     spec = CaptureSpec(layers=LAYERS)
     asks = [("first", [[1, 2, 3]], spec, _never_gone)] + [(k, shard, spec, _never_gone) for k, shard in enumerate(shards)]
-    results, rows, shared = _held_then_released(hf_engine, asks)
+    results, rows, cobatched = _held_then_released(hf_engine, asks)
     # The model ran two passes: the gated shard alone, then all three waiting shards at once.
     assert rows == [1, sum(len(s) for s in shards)], rows
-    assert shared.counters() == {"calls": 2, "shards": 4}
+    assert cobatched.counters() == {"calls": 2, "shards": 4}
     for k, shard in enumerate(shards):
         answer = results[k]
         assert len(answer.values) == len(shard)
@@ -156,7 +156,7 @@ def test_a_shard_whose_job_left_while_it_waited_never_runs(hf_engine, shards):
 
 
 def test_an_engine_error_reaches_its_asker_and_the_engine_goes_on(hf_engine, shards):
-    shared = SharedEngine(hf_engine)
+    cobatched = CobatchedEngine(hf_engine)
     with pytest.raises(Exception, match="out of range|index"):
-        shared.capture([[10**9]], CaptureSpec(layers=LAYERS), None)  # a token id past the vocabulary
-    assert shared.capture(shards[1], CaptureSpec(layers=LAYERS), None).stats.count == len(shards[1][0]) - 1
+        cobatched.capture([[10**9]], CaptureSpec(layers=LAYERS), None)  # a token id past the vocabulary
+    assert cobatched.capture(shards[1], CaptureSpec(layers=LAYERS), None).stats.count == len(shards[1][0]) - 1

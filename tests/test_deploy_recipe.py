@@ -35,7 +35,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from harvest.cli import DELEGATED, main as harvest_main
+from fleet.cli import COMMANDS, main as harvest_main
 from harvest.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,7 +165,7 @@ def _help(*words: str) -> str:
 
 def _check_flags(words: list[str], where: str) -> None:
     """`words` is a harvest command line after `harvest`: its (sub)command exists and has each flag."""
-    assert words and words[0] in DELEGATED, f"{where}: `harvest {' '.join(words)}`: {words[:1]} is not a harvest subcommand ({sorted(DELEGATED)})"
+    assert words and words[0] in COMMANDS, f"{where}: `harvest {' '.join(words)}`: {words[:1]} is not a harvest subcommand ({sorted(COMMANDS)})"
     path = [words[0]]
     # Subcommands with their own verbs (keys create, spend-cap on, schedule create).
     if len(words) > 1 and not words[1].startswith("-") and re.fullmatch(r"[a-z][a-z-]*", words[1]):
@@ -419,7 +419,7 @@ def test_dockerfile_installs_every_module_the_service_imports():
     brought = {d for d, _ in closure}
 
     modules: dict[str, str] = {}
-    for package in ("harvest", "flows", "api", "tasks"):
+    for package in ("harvest", "flows", "api", "tasks", "fleet"):
         for path in (REPO / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
@@ -429,7 +429,7 @@ def test_dockerfile_installs_every_module_the_service_imports():
     distributions = md.packages_distributions()
     dockerfile = " ".join(i for i in _instructions() if i.startswith("RUN ") and "pip install" in i)
     for module, where in sorted(modules.items()):
-        if module in sys.stdlib_module_names or module in ("harvest", "flows", "api", "tasks", "tests"):
+        if module in sys.stdlib_module_names or module in ("harvest", "flows", "api", "tasks", "fleet", "tests"):
             continue
         dists = distributions.get(module)
         assert dists, f"{where} imports {module}, which is not installed here"

@@ -95,3 +95,35 @@ def test_a_failed_load_counts_nothing_and_the_next_client_tries_again():
     loader.fail.clear()
     entry, warm = cache.acquire("bad")
     assert not warm and loader.loaded == [("bad", entry.engine)]
+
+
+def test_an_eviction_unloads_outside_the_lock_and_holds_its_slot_until_done():
+    """While an evicted engine unloads (slow on a GPU), the cache answers its other clients;
+    and the model that evicted it is loaded only once the unload is over."""
+    unloading, finish = threading.Event(), threading.Event()
+    loader = Loader(0.01)
+
+    def slow_close(engine) -> None:
+        unloading.set()
+        finish.wait(30)
+        loader.close(engine)
+
+    cache = EngineCache(2, loader.load, slow_close)
+    a, _ = cache.acquire("a")
+    cache.release(a)
+    b, _ = cache.acquire("b")  # held throughout
+    evicting = threading.Thread(target=cache.acquire, args=("c",))
+    evicting.start()
+    assert unloading.wait(10)
+    # The lock is free while the unload runs: a client of b is served, describe answers.
+    served = []
+    client = threading.Thread(target=lambda: served.append(cache.acquire("b")))
+    client.start()
+    client.join(10)  # a guard, not a timing: the unload goes on until `finish`
+    assert served == [(b, True)] and not finish.is_set()
+    assert [d["key"] for d in cache.describe()] == ["b"]
+    assert [key for key, _ in loader.loaded] == ["a", "b"]  # c waits for a's memory
+    finish.set()
+    evicting.join(10)
+    assert not evicting.is_alive() and loader.closed == [a.engine]
+    assert [key for key, _ in loader.loaded] == ["a", "b", "c"] and (cache.loads, cache.evictions) == (3, 1)

@@ -160,7 +160,7 @@ def test_shards_captured_together_run_in_one_generate_call_with_statistics_of_th
     rng = np.random.default_rng(1)
     raw = rng.standard_normal((4, 256)).astype(np.float32)
     unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
-    answers = vllm_engine.capture_together([[prompts[i] for i in g] for g in groups], CaptureSpec(layers=LAYERS, directions=unit))
+    answers = vllm_engine.capture_cobatch([[prompts[i] for i in g] for g in groups], CaptureSpec(layers=LAYERS, directions=unit))
     assert calls == [len(prompts)]
     for group, answer in zip(groups, answers):
         projected = [reference[i] @ unit.T for i in group]
@@ -239,7 +239,7 @@ def _harvest_cli(tmp_path: Path, name: str, engine: str | None) -> tuple[subproc
     env = {k: v for k, v in os.environ.items() if k != "HARVEST_ENGINE"}
     if engine is not None:
         env["HARVEST_ENGINE"] = engine
-    cmd = [sys.executable, "-m", "harvest.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus), "--out", str(out), "--shard-size", "2", "--layers", "0,7"]
+    cmd = [sys.executable, "-m", "fleet.cli", "run", "--model", "llama-tiny", "--prompts", str(corpus), "--out", str(out), "--shard-size", "2", "--layers", "0,7"]
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out
 

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import psycopg
-import pytest
 from sqlalchemy import create_engine, text
 
 from tests.slow_engine import slow_shards
@@ -52,7 +51,7 @@ def _prefect_runs_of(job_id: str) -> list:
 
 
 def test_prefect_server_restarted_mid_job_ends_done_and_charged_once(faults_api, prefect_server, harvest_home):
-    from flows.processes import start_server
+    from fleet.processes import start_server
     from tests.prefect_fixtures import server_env
 
     faults_api.flow_env(**slow_shards(1.0))
@@ -130,7 +129,7 @@ def test_postgres_connection_killed_mid_admission_fails_clean_or_admits_never_ha
             assert count_jobs() == jobs_before + 1
             assert faults_api.server.storage().exists(f"jobs/{job['job_id']}/request.json")
             _assert_charged_once(faults_api, faults_api.wait(job["job_id"]))
-        else:  # refused whole: the SPEC error body, no row, no files
+        else:  # refused whole: the service's error body, no row, no files
             error = answer.json()["error"]
             assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
             assert count_jobs() == jobs_before

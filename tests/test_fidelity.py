@@ -1,6 +1,6 @@
 """Data-fidelity paths no other test reaches, each checked against an independent source:
 a shard corrupted in place (same size) caught by its sha256 and rewritten on resume;
-`stats.safetensors` dtypes and shapes as SPEC §4 says, read with safetensors' numpy loader;
+`stats.safetensors` dtypes and shapes as documented, read with safetensors' numpy loader;
 a projection job through the API against numpy float64 projections of HF `hidden_states`;
 a link to a swept file; a job on the `large` lane end to end.
 
@@ -54,7 +54,7 @@ def test_a_shard_corrupted_without_changing_its_size_is_caught_by_sha256_and_rew
 
 
 def _assert_stats_layout(stats: dict[str, np.ndarray], layers: list[int], width: int, count: int) -> None:
-    """SPEC §4: mean, std float32 [n_layers_kept, width]; layer_indices int32; count int64."""
+    """stats.safetensors: mean, std float32 [n_layers_kept, width]; layer_indices int32; count int64."""
     assert stats["mean"].dtype == np.float32 and stats["mean"].shape == (len(layers), width)
     assert stats["std"].dtype == np.float32 and stats["std"].shape == (len(layers), width)
     assert stats["layer_indices"].dtype == np.int32 and stats["layer_indices"].tolist() == layers

@@ -34,7 +34,7 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
     assert status.status == "done", status
     manifest = job.files.read_manifest()
     assert manifest["job_id"] == job.job_id
-    assert [s["file"] for s in manifest["shards"]] == [f"shard_0000{k}.safetensors" for k in range(3)]  # SPEC §4
+    assert [s["file"] for s in manifest["shards"]] == [f"shard_0000{k}.safetensors" for k in range(3)]  # the documented names
     assert job.files.read_result()["n_shards"] == 3 and job.files.shards_done() == 3
     assert manifest["layer_indices"] == [1, 3, 7]
     assert set(manifest["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}

@@ -201,7 +201,10 @@ def test_the_lanes_file_declares_the_pools_and_deployments():
     from flows.deploy import lane_spec, load_spec
     from harvest.lanes import load_lanes
 
-    spec = lane_spec(load_lanes())
+    spec = lane_spec(load_lanes(), "python -m launcher")
     assert {p["name"]: (p["type"], p["concurrency_limit"]) for p in spec["pools"]} == {"small": ("process", 3), "large": ("process", 1)}
     assert {d["name"]: d["work_pool"]["name"] for d in spec["deployments"]} == {"harvest-small": "small", "harvest-large": "large"}
+    # The run command is the caller's (the fleet's launcher); without one, Prefect's own.
+    assert [d["job_variables"] for d in spec["deployments"]] == [{"command": "python -m launcher"}] * 2
+    assert [d["job_variables"] for d in lane_spec(load_lanes(), None)["deployments"]] == [{}] * 2
     assert {d["name"] for d in load_spec()["deployments"]} == {"corpus-refresh", "retention-sweep"}

@@ -24,9 +24,9 @@ from tests.test_residual_codec import decode_residual_stream
 
 def _session_engines(engine, **options):
     """An engine pool whose every model is `engine` (the session's, never closed by the pool)."""
-    from harvest.batcher import EnginePool
+    from harvest.warm.inline import InlineEngines
 
-    return EnginePool(factory=lambda _model: engine, close_engines=False, **options)
+    return InlineEngines(factory=lambda _model: engine, close_engines=False, **options)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from harvest.batcher import EnginePool
+from harvest.warm.inline import InlineEngines
 from harvest.engines.base import SamplingSpec
 
 GREEDY = SamplingSpec(max_tokens=2, temperature=0)
@@ -21,7 +21,7 @@ def _run(hf_engine, tiny, requests, **options):
         return type(hf_engine).generate(hf_engine, *args)
 
     async def main():
-        pool = EnginePool(factory=lambda _m: hf_engine, close_engines=False, **options)
+        pool = InlineEngines(factory=lambda _m: hf_engine, close_engines=False, **options)
         batcher = await pool.get(tiny)
         batcher.engine = type("Counted", (), {"generate": staticmethod(generate), "model": tiny})()
         results = await asyncio.gather(*(batcher.generate(p, GREEDY, layers) for p, layers in requests), return_exceptions=True)
@@ -68,7 +68,7 @@ def test_pool_loads_each_model_once(tiny):
         return HFEngine(model)
 
     async def main():
-        pool = EnginePool(factory=factory)
+        pool = InlineEngines(factory=factory)
         first, second = await asyncio.gather(pool.get(tiny), pool.get(tiny))
         assert first is second
         await pool.close()  # releases the engine it made
@@ -76,3 +76,47 @@ def test_pool_loads_each_model_once(tiny):
 
     asyncio.run(main())
     assert len(loads) == 1 and loads[0].startswith("engine-llama-tiny")
+
+
+def test_inline_engines_follow_the_worker_hosts_rules_one_model_evicts_another(tiny, monkeypatch):
+    """`HARVEST_ENGINE_MODELS_PER_GROUP=1`, as on a worker host: a second model loaded inline
+    unloads the first (the cache's own counters, and the first engine really closed), and a
+    model a request holds is never the one evicted."""
+    import dataclasses
+
+    from harvest.engines.hf import HFEngine
+    from harvest.settings import get_settings
+
+    monkeypatch.setenv("HARVEST_ENGINE_MODELS_PER_GROUP", "1")
+    get_settings.cache_clear()
+    second = dataclasses.replace(tiny, name="llama-tiny-b")  # the same weights under another served name
+    made: list[HFEngine] = []
+
+    def factory(model):
+        made.append(HFEngine(model))
+        return made[-1]
+
+    async def main():
+        engines = InlineEngines(factory=factory)
+        assert engines.cache.capacity == 1
+        first = await engines.generate(tiny, [0, 5, 9], GREEDY, [1])
+        assert [d["key"] for d in engines.cache.describe()] == ["llama-tiny"]
+        again = await engines.generate(second, [0, 5, 9], GREEDY, [1])
+        assert [d["key"] for d in engines.cache.describe()] == ["llama-tiny-b"]
+        assert (engines.cache.loads, engines.cache.evictions) == (2, 1)
+        assert not hasattr(made[0], "hf_model")  # unloaded: HFEngine.close drops its model
+        assert again.token_ids == first.token_ids  # same weights, greedy
+        async with engines.hold(second):
+            waiting = asyncio.ensure_future(engines.generate(tiny, [0, 6], GREEDY, None))
+            await asyncio.sleep(0.5)
+            assert not waiting.done() and [d["key"] for d in engines.cache.describe()] == ["llama-tiny-b"]
+        await waiting
+        assert [d["key"] for d in engines.cache.describe()] == ["llama-tiny"] and engines.cache.evictions == 2
+        await engines.close()
+        assert len(made) == 3 and not any(hasattr(engine, "hf_model") for engine in made)
+
+    try:
+        asyncio.run(main())
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()

@@ -44,15 +44,16 @@ def test_a_bad_lanes_file_is_refused_clearly(tmp_path):
 def test_the_control_plane_creates_an_added_lanes_pool_and_deployment(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
 
+    from fleet.processes import RUN_COMMAND
     from flows.deploy import apply_sync
     from harvest.lanes import load_lanes
     from harvest.settings import Settings
 
     lanes_file = tmp_path / "lanes.toml"
     lanes_file.write_text((REPO / "infra" / "lanes.toml").read_text() + TEST_LANES)
-    names = apply_sync(lanes=load_lanes(Settings(lanes_file=lanes_file)))
+    names = apply_sync(lanes=load_lanes(Settings(lanes_file=lanes_file)), run_command=RUN_COMMAND)
     assert "harvest/harvest-xl" in names
-    apply_sync(lanes=load_lanes(Settings(lanes_file=lanes_file)))  # idempotent
+    apply_sync(lanes=load_lanes(Settings(lanes_file=lanes_file)), run_command=RUN_COMMAND)  # idempotent
     with get_client(sync_client=True) as client:
         pool = client.read_work_pool("xl")
         deployment = client.read_deployment_by_name("harvest/harvest-xl")
@@ -62,7 +63,7 @@ def test_the_control_plane_creates_an_added_lanes_pool_and_deployment(prefect_se
 
 def _cli(harvest_api, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, **{k: v for k, v in harvest_api.env.items() if k.startswith("HARVEST_")}}
-    return subprocess.run([sys.executable, "-m", "harvest.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def _keys_json(harvest_api) -> dict[str, dict]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.run_starter import connect_to_starter
+from fleet.run_starter import connect_to_starter
 from harvest.private_files import NotPrivate
 from harvest.warm.protocol import unix_socket_path
 

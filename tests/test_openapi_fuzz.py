@@ -1,5 +1,5 @@
 """schemathesis `--checks all` (use_after_free excluded: DELETE cancels and the job stays
-readable, SPEC §3) against the real API under uvicorn, with a valid key, over every route:
+readable) against the real API under uvicorn, with a valid key, over every route:
 at least 200 generated cases and not one failure of any check. The same harness with more
 cases is `bench/fuzz_api.py` (figures in bench/RESULTS.md); its docstring says why two
 checks are configured as they are."""

@@ -1,5 +1,5 @@
 """GPU placement and automatic scale-out, on real hosts: `harvest worker` hosts (real `prefect
-worker` processes started by `flows.roles.start_worker_host`, each with its own HARVEST_HOME)
+worker` processes started by `fleet.roles.start_worker_host`, each with its own HARVEST_HOME)
 on work pools of this module's own (the session's `small`/`large` workers would take the runs),
 with the tiny model on the HF engine. Jobs are started as the API starts them
 (`flows.submit.start_harvest_run`: no `workers`, so the flow chooses).
@@ -115,7 +115,7 @@ class Lanes:
     hosts: list = field(default_factory=list)
 
     def host(self, pool: str, name: str, **slots):
-        from flows.roles import start_worker_host
+        from fleet.roles import start_worker_host
 
         worker = start_worker_host(self.home / name, pool, self.api_url, env=self.env, name=name, **slots)
         self.hosts.append(worker)
@@ -326,7 +326,7 @@ def test_a_corpus_refresh_spreads_its_parts_over_the_lanes_hosts(lanes, two_host
 def test_a_slot_whose_gpu_group_holds_the_model_is_claimed_first(tmp_path, tiny):
     """A real engine server of group gpu-1 (on the CPU: the group is only a name here) with
     llama-tiny loaded: the slot on GPU 1 comes first for llama-tiny, and is the one claimed."""
-    from flows.placement import warm_first
+    from harvest.placement import warm_first
     from harvest.settings import Settings
     from harvest.warm.client import open_engine
     from harvest.warm.protocol import stop_engine_servers

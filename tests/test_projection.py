@@ -1,4 +1,4 @@
-"""Projection onto directions: every rejection of SPEC §5, and the numbers against numpy."""
+"""Projection onto directions: every documented rejection, and the numbers against numpy."""
 
 from __future__ import annotations
 

@@ -64,6 +64,25 @@ def test_layer_resolution(registry):
             resolve_layers(big, bad)
 
 
+def test_checkpoints_on_disk_lists_what_is_there_and_builds_nothing(tmp_path, tiny):
+    """What the run starter preloads from: a model not built yet stays unbuilt (building it
+    would start threads in a process that must stay single-threaded)."""
+    shapes = {"n_layers": 8, "hidden_size": 256, "max_position_embeddings": 2048}
+    registry = Registry({
+        "llama-tiny": {"weights": "models/llama-tiny", "builtin": True},
+        "installed": {"weights": "org/installed", "declared": shapes},
+        "absent": {"weights": "org/absent", "declared": shapes},
+    }, get_settings().model_copy(update={"home": tmp_path}))
+    assert registry.checkpoints_on_disk() == {}
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no staging folder, no lock file
+    (tmp_path / "models" / "org").mkdir(parents=True)
+    (tmp_path / "models" / "llama-tiny").symlink_to(tiny.path)
+    (tmp_path / "models" / "org" / "installed").symlink_to(tiny.path)
+    assert registry.checkpoints_on_disk() == {
+        "llama-tiny": tmp_path / "models" / "llama-tiny", "installed": tmp_path / "models" / "org" / "installed",
+    }
+
+
 def test_the_embedded_model_is_built_once_when_first_requests_arrive_together(tmp_path):
     """A fresh replica's first submits come at once: all of them get a whole checkpoint."""
     import json

@@ -17,7 +17,7 @@ from harvest.residual_codec import ZSTD_LEVEL, decode_residual, encode_residual
 
 
 def decode_residual_stream(resp):
-    """Verbatim from the user docs (seeds/003, "Decode it")."""
+    """Verbatim from the user docs' "Decode it" example."""
     d = resp["activations"]["residual_stream"]
     raw = base64.b64decode(d["data"])
     if d.get("compression") == "zstd":

@@ -1,5 +1,6 @@
-"""Shard writes behind the forward passes (`harvest.pipeline.ShardWriter`), and large shards
-as S3 multipart uploads (`harvest.storage`), on the real pipeline and moto's S3 server.
+"""Shard writes behind the forward passes (`harvest.pipeline.ShardWriter`), large shards as S3
+multipart uploads (`harvest.storage`), and two writers racing on one shard, on the real
+pipeline, local disk and moto's S3 server.
 
 The order of events is recorded by the engine and the storage themselves (wrappers around the
 real ones), not by the writer under test; the multipart upload is read back from S3's own
@@ -9,16 +10,22 @@ ETag, which for a multipart object is `<md5 of the parts' md5s>-<number of parts
 from __future__ import annotations
 
 import hashlib
+import itertools
+import json
 import threading
 import time
 
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load as load_tensors
 
-from harvest.jobfiles import MANIFEST
-from harvest.pipeline import run_job
+from harvest.jobfiles import MANIFEST, PARTS, STATS
+from harvest.capture import ShardCapture
+from harvest.pipeline import capture_shard, finalize, run_job, run_shards, tokenize_job, write_shard
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
+from harvest.stats import RunningStats
 from harvest.storage import Storage
 
 
@@ -147,3 +154,157 @@ def test_a_large_shard_goes_up_as_one_multipart_upload(registry, hf_engine, moto
     manifest = json.loads(client.get_object(Bucket="shards", Key="job-multipart/manifest.json")["Body"].read())
     assert hashlib.sha256(body).hexdigest() == manifest["shards"][0]["sha256"]
     assert load_tensors(body)["prompt_15"].shape[0] == 8
+
+
+# --- two writers of one shard ----------------------------------------------------------------
+
+STEPS = [("A", "publish"), ("A", "record"), ("B", "publish"), ("B", "record")]
+RACES = [order for order in itertools.permutations(STEPS) if all(order.index((w, "publish")) < order.index((w, "record")) for w in "AB")]
+"""Every order the two writers' steps can land in (each publishes its file, then its record)."""
+
+
+class Turns:
+    """Lets each writer's step run only when it is that step's turn in `order`."""
+
+    def __init__(self, order):
+        self.order, self.done, self.cond = list(order), 0, threading.Condition()
+
+    def take(self, who: str, what: str, step):
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.order[self.done] == (who, what), timeout=60), (who, what, self.done)
+        try:
+            return step()
+        finally:
+            with self.cond:
+                self.done += 1
+                self.cond.notify_all()
+
+
+class RacingStorage(Storage):
+    """The real storage as one writer sees it: its shard publication and its record wait for
+    their turn (nothing else changes)."""
+
+    def __init__(self, url: str, who: str, turns: Turns):
+        super().__init__(url)
+        self.who, self.turns = who, turns
+
+    def publish_file(self, name, local_path):
+        return self.turns.take(self.who, "publish", lambda: Storage.publish_file(self, name, local_path))
+
+    def write_bytes(self, name, data):
+        if name.startswith(PARTS):
+            return self.turns.take(self.who, "record", lambda: Storage.write_bytes(self, name, data))
+        return super().write_bytes(name, data)
+
+
+class Replay:
+    """The real engine, each shard's forward pass run once and its values replayed after (the
+    races repeat the same shards)."""
+
+    def __init__(self, engine):
+        self.engine, self.name, self.model, self.seen = engine, engine.name, engine.model, {}
+
+    def capture(self, prompts, spec, *, batch_size=None, sink=None):
+        key = tuple(map(tuple, prompts))
+        if key not in self.seen:
+            self.seen[key] = self.engine.capture(prompts, spec, batch_size=batch_size)
+        for position, value in enumerate(self.seen[key].values):
+            sink(position, value)
+        return ShardCapture(values=[], stats=self.seen[key].stats)
+
+    def versions(self):
+        return self.engine.versions()
+
+
+class LastBitApart(Replay):
+    """Every stored value one bf16 step away (the last bit flipped), with the statistics of
+    those values: another write of the same shard, batched differently."""
+
+    def capture(self, prompts, spec, *, batch_size=None, sink=None):
+        stats = RunningStats(len(spec.layers), spec.n_features(self.model.hidden_size))
+
+        def apart(position, value):
+            other = (value.view(torch.int16) ^ 1).view(value.dtype)
+            stats.update(other[:, 1:])
+            sink(position, other)
+
+        super().capture(prompts, spec, batch_size=batch_size, sink=apart)
+        return ShardCapture(values=[], stats=stats)
+
+
+@pytest.fixture(scope="module")
+def replayed(hf_engine):
+    return Replay(hf_engine), LastBitApart(hf_engine)
+
+
+def _race(job, url: str, order, engines) -> tuple[str, str]:
+    """Shard 1 written once; shard 0 written by two threads, their steps landing in `order`;
+    then finalize. Returns the two writes' sha256 of shard 0."""
+    storage = Storage(url)
+    storage.delete_all()
+    tokenized = tokenize_job(job)
+    run_shards(job, storage, engines[0], [1], tokenized=tokenized)
+    turns = Turns(order)
+    writers = {"A": RacingStorage(url, "A", turns), "B": RacingStorage(url, "B", turns)}
+    captured = {who: capture_shard(job, engine, tokenized, 0, writers[who]) for who, engine in zip("AB", engines, strict=True)}
+    errors = []
+
+    def write(who):
+        try:
+            write_shard(job, writers[who], tokenized, 0, captured[who])
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(who,)) for who in "AB"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and turns.done == 4, (errors, turns.done)
+    finalize(job, storage, {"engine": "hf"}, "race", tokenized=tokenized)
+    return captured["A"].staged.sha256, captured["B"].staged.sha256
+
+
+def _check_manifest_against_stored_bytes(read, writes: tuple[str, str], order) -> None:
+    """The manifest's sha256 of each shard is hashlib's over the stored bytes, and its
+    statistics those of the stored values (numpy, float64), whichever write stayed."""
+    manifest = json.loads(read(MANIFEST))
+    values = []
+    for record in manifest["shards"]:
+        body = read(record["file"])
+        assert record["sha256"] == hashlib.sha256(body).hexdigest() and record["bytes"] == len(body), (order, record)
+        tensors = load_tensors(body)
+        values += [tensors[name].float().numpy().astype(np.float64)[:, 1:] for name in sorted(tensors) if name.startswith("prompt_")]
+    assert hashlib.sha256(read(manifest["shards"][0]["file"])).hexdigest() in writes and writes[0] != writes[1]
+    expected = np.concatenate(values, axis=1).mean(axis=1)
+    stats = load_tensors(read(STATS))
+    np.testing.assert_allclose(stats["mean"].numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=str(order))
+
+
+def _two_prompts(registry):
+    return resolve_job(HarvestRequest(model="llama-tiny", prompts=["The sky is", "Grass is green."], shard_size=1), registry)
+
+
+def test_two_writers_of_one_shard_in_any_order_leave_a_manifest_that_lists_the_stored_bytes_on_disk(registry, replayed, tmp_path):
+    job = _two_prompts(registry)
+    for n, order in enumerate(RACES):
+        folder = tmp_path / f"race-{n}"
+        writes = _race(job, str(folder), order, replayed)
+        _check_manifest_against_stored_bytes(lambda name: (folder / name).read_bytes(), writes, order)
+        assert not list(folder.glob("*.partial")), order  # neither write's staging copy is left
+
+
+def test_two_writers_of_one_shard_in_any_order_leave_a_manifest_that_lists_the_stored_bytes_on_s3(registry, replayed, moto_s3, monkeypatch):
+    endpoint, client = moto_s3
+    for name, value in {"HARVEST_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    get_settings.cache_clear()
+    job = _two_prompts(registry)
+    try:
+        for n, order in enumerate(RACES):
+            writes = _race(job, f"s3://shards/race-{n}", order, replayed)
+            read = lambda name, n=n: client.get_object(Bucket="shards", Key=f"race-{n}/{name}")["Body"].read()  # noqa: E731
+            _check_manifest_against_stored_bytes(read, writes, order)
+    finally:
+        get_settings.cache_clear()

@@ -59,7 +59,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from flows.processes import free_port
+    from fleet.processes import free_port
 
     home = tmp_path_factory.mktemp("stack") / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
@@ -115,7 +115,7 @@ def test_the_control_plane_refuses_calls_without_its_password(stack):
 
 
 def test_a_killed_api_comes_back_alone_on_its_port(stack):
-    workers = {p.pid for p in _children(stack, "flows.run_starter", "--socket")}
+    workers = {p.pid for p in _children(stack, "fleet.run_starter", "--socket")}
     server = {p.pid for p in _children(stack, "prefect", "server")}
     (api,) = _children(stack, "api.app:create_app")
     assert len(workers) == 2 and len(server) == 1
@@ -132,7 +132,7 @@ def test_a_killed_api_comes_back_alone_on_its_port(stack):
         time.sleep(0.3)
     (again,) = _children(stack, "api.app:create_app")
     assert again.pid != api.pid
-    assert {p.pid for p in _children(stack, "flows.run_starter", "--socket")} == workers
+    assert {p.pid for p in _children(stack, "fleet.run_starter", "--socket")} == workers
     assert {p.pid for p in _children(stack, "prefect", "server")} == server
     assert stack.proc.poll() is None
     assert any("api exited with -9; restarted" in line for line in stack.errors), "".join(stack.errors)[-3000:]

@@ -13,7 +13,7 @@ against what:
   on disk and its values against HF;
 - each engine (`HARVEST_ENGINE=hf` and `vllm`) through the host and through `/v1/completions`;
   the run's own environment choosing the engine, though its process is forked from the
-  host's run starter (`flows.run_starter`), whose environment says `hf`;
+  host's run starter (`fleet.run_starter`), whose environment says `hf`;
 - runs forked from the run starter: the process tree (psutil), and a launcher killed taking
   its run along.
 """
@@ -68,7 +68,7 @@ class Host:
 
 @pytest.fixture(scope="module")
 def host(prefect_deployments, prefect_server, tmp_path_factory):
-    from flows.processes import start_worker
+    from fleet.processes import start_worker
 
     home = tmp_path_factory.mktemp("warm-host")
     models = home / "models.toml"
@@ -80,7 +80,7 @@ def host(prefect_deployments, prefect_server, tmp_path_factory):
         "HARVEST_MODELS_FILE": str(models),
         "HARVEST_SLOTS": json.dumps([[], []]),
         "HARVEST_ENGINE_MODELS_PER_GROUP": "1",  # one model per group: another one evicts
-        "HARVEST_ENGINE_COBATCH_SHARDS": "4",  # shared calls, as on a GPU host (the CPU default is 1)
+        "HARVEST_ENGINE_COBATCH_SHARDS": "4",  # co-batched calls (the default is 1: each shard alone)
         "HARVEST_ENGINE_COBATCH_WAIT_S": "1",  # a run's turnaround between shards on a loaded CI box
     }
     worker = start_worker(POOL, prefect_server.api_url, home / "worker.log", env, name=f"warm-{uuid.uuid4().hex[:6]}",
@@ -201,9 +201,9 @@ def _run_processes(host) -> tuple[list, list]:
 
     starter = psutil.Process(host.worker.pid)
     # The forked runs keep the starter's command line; the worker has its own.
-    worker = next(p for p in starter.children() if "flows.run_starter" not in cmdline(p))
+    worker = next(p for p in starter.children() if "fleet.run_starter" not in cmdline(p))
     forked = [p for p in starter.children() if p.pid != worker.pid and cmdline(p)]
-    launchers = [p for p in worker.children(recursive=True) if cmdline(p)[-2:] == ["-m", "flows.run_starter"]]
+    launchers = [p for p in worker.children(recursive=True) if cmdline(p)[-2:] == ["-m", "fleet.run_starter"]]
     return launchers, forked
 
 

@@ -36,14 +36,14 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from flows.processes import Managed, free_port
+from fleet.processes import Managed, free_port
 from tests.netns import Host, Network
 
 __all__ = ["Fleet", "Role", "MotoS3", "PG_ADMIN", "CREDENTIALS"]
 
 PG_ADMIN = "host=127.0.0.1 port=5432 dbname=postgres user=postgres"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-HARVEST = [sys.executable, "-m", "harvest.cli"]
+HARVEST = [sys.executable, "-m", "fleet.cli"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

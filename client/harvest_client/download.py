@@ -11,7 +11,7 @@ File names come from the manifest, which the client does not control: a name tha
 outside the job's folder (`..`, an absolute path, any path separator) is refused
 (`UnsafeManifest`) before anything is written.
 
-`stats.safetensors` has no sha256 in the manifest (SPEC §4 lists one per shard only): it is
+`stats.safetensors` has no sha256 in the manifest (it lists one per shard only): it is
 checked by its size (`bytes_written` minus the shards) and by its `count`, which must equal
 the token positions the manifest lists minus each prompt's first.
 """

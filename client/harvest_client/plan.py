@@ -1,6 +1,6 @@
 """Cutting a corpus into jobs the service accepts, and the body of each job's request.
 
-A job holds at most 4,096 prompts and its JSON body at most 50 MB (SPEC §2); both are known
+A job holds at most 4,096 prompts and its JSON body at most 50 MB; both are known
 here exactly, so parts are cut greedily in corpus order. The third cap, 2,000,000 estimated
 tokens, needs the model's tokenizer, which the client does not have: a part the service
 refuses for too many tokens is split in two and each half submitted in its place
@@ -95,5 +95,5 @@ _TOKENS = re.compile(r"come to ([\d,]+) tokens")
 
 
 def too_many_tokens(status: int, param: str | None, message: str) -> bool:
-    """Whether a refusal is the 2,000,000-token cap (400 on `prompts`, SPEC §2)."""
+    """Whether a refusal is the 2,000,000-token cap (400 on `prompts`)."""
     return status == 400 and param == "prompts" and (_TOKENS.search(message) is not None or "tokens" in message)

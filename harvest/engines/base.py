@@ -98,8 +98,8 @@ class Engine(ABC):
         """Run every prompt (token ids, as given) and return one shard's values in prompt order;
         with a `sink`, each prompt's values go to it as soon as they exist, and none are returned."""
 
-    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
-                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
+    def capture_cobatch(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
+                        sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
         """Several shards of one spec (concurrent jobs on one warm engine) in shared forward
         passes: one answer per shard, each with statistics of its own prompts only, and its
         values handed to its sink (if any). An engine that cannot batch across shards runs

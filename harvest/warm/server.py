@@ -4,8 +4,9 @@ It listens on the group's Unix socket (`harvest.warm.protocol`) and serves each 
 job's run) in a thread of its own. A client first asks for a model (`load`: which engine and
 why, whether it was warm, the load time), then for shards (`capture`), one at a time, each
 answered as a stream of its prompts' values as the engine makes them, then its statistics
-(`harvest.warm.protocol`). The engines are an `EngineCache` of `SharedEngine`s: the shards of jobs on one engine that wait
-together run together, in shared forward passes (`harvest.warm.batching`).
+(`harvest.warm.protocol`). The engines are an `EngineCache` of `CobatchedEngine`s: the shards of
+jobs on one engine that wait together can be co-batched, in shared forward passes
+(`harvest.warm.cobatch`).
 
 A client that goes away (its run was cancelled and its process ended) is noticed when its
 connection reads EOF or refuses the answer; only its own work is dropped. The server exits
@@ -27,7 +28,7 @@ from harvest.capture import CaptureSpec
 from harvest.engines.base import EngineChoice, choose_engine, load_engine
 from harvest.registry import load_registry
 from harvest.settings import get_settings
-from harvest.warm.batching import Abandoned, SharedEngine, shards_per_call
+from harvest.warm.cobatch import Abandoned, CobatchedEngine
 from harvest.warm.cache import EngineCache, Loaded
 from harvest.warm.protocol import GroupFiles, error_reply, receive, send, send_value
 
@@ -52,10 +53,10 @@ class _Stream:
 
 
 class EngineServer:
-    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (4, 0.1)):
+    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (1, 0.1)):
         self.files = files
         self.idle_s = idle_s
-        self.cobatch = cobatch  # SharedEngine's max_shards and wait_s
+        self.cobatch = cobatch  # CobatchedEngine's max_shards and wait_s
         self.registry = load_registry()
         self.cache = EngineCache(capacity, self._load)
         self.clients = 0
@@ -63,9 +64,9 @@ class EngineServer:
         self.lock = threading.Lock()
         self.listener: Listener | None = None
 
-    def _load(self, key: tuple[str, str]) -> SharedEngine:
+    def _load(self, key: tuple[str, str]) -> CobatchedEngine:
         model, engine = key
-        return SharedEngine(load_engine(self.registry.get(model), EngineChoice(engine, "")), *self.cobatch)
+        return CobatchedEngine(load_engine(self.registry.get(model), EngineChoice(engine, "")), *self.cobatch)
 
     # -- one client -----------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ class EngineServer:
                             return  # cancelled while its shard ran: its values had nobody to go to
                     elif op == "status":
                         reply = {"pid": os.getpid(), "group": self.files.group, "clients": self.clients - 1,  # not the asker
-                                 "loaded": self.cache.describe(SharedEngine.counters), "loads": self.cache.loads,
+                                 "loaded": self.cache.describe(CobatchedEngine.counters), "loads": self.cache.loads,
                                  "evictions": self.cache.evictions}
                     else:
                         raise ValueError(f"unknown request {op!r}")
@@ -145,7 +146,7 @@ class EngineServer:
     def run(self) -> None:
         self.files.socket.unlink(missing_ok=True)
         self.listener = Listener(str(self.files.socket), family="AF_UNIX", authkey=self.files.authkey())
-        self.files.pid.write_text(str(os.getpid()))
+        self.files.record_pid()
         print(f"engine server {self.files.group}: pid {os.getpid()}, socket {self.files.socket}", flush=True)
         threading.Thread(target=self._watch_idle, daemon=True, name="idle").start()
         while True:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = get_settings()
     server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s,
-                          (shards_per_call(settings.engine_cobatch_shards), settings.engine_cobatch_wait_s))
+                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s))
 
     def stop(signum, frame):
         raise SystemExit(0)

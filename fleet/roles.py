@@ -5,7 +5,7 @@
     harvest api                  one API replica (any number of them on one PostgreSQL)
     harvest worker --lane LANE   one worker host of a lane (its Prefect worker)
 
-`harvest up` (`flows.stack`) is the one-box stack built from the same parts.
+`harvest up` (`fleet.stack`) is the one-box stack built from the same parts.
 
 Each role reads only its own configuration: `PREFECT_API_URL` (api, worker),
 `HARVEST_DATABASE_URL` (api), `HARVEST_STORAGE_URL` with `HARVEST_S3_ENDPOINT_URL` and the
@@ -34,13 +34,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from fleet.processes import RUN_COMMAND, Managed, free_port, start_server, start_worker, wait_http
 from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
-from flows.processes import WILDCARDS, Managed, free_port, local_address, start_server, start_worker, wait_http
+from harvest.addresses import advertised, local_address
 
 __all__ = [
     "Supervisor",
     "serve",
-    "advertised",
     "start_control_plane",
     "start_api_replica",
     "start_worker_host",
@@ -52,11 +52,6 @@ __all__ = [
 
 def say(prog: str, text: str) -> None:
     print(f"{prog}: {text}", file=sys.stderr, flush=True)
-
-
-def advertised(host: str) -> str:
-    """The address others use to reach a server bound to `host` (a wildcard means this host)."""
-    return socket.getfqdn() if host in WILDCARDS else host
 
 
 class Supervisor:
@@ -174,14 +169,15 @@ def start_control_plane(home: Path, host: str, port: int, timeout: float = 90) -
 
 
 def apply_control_plane(api_url: str) -> list[str]:
-    """Everything the control plane declares, applied to the server at `api_url` (idempotent)."""
+    """Everything the control plane declares, applied to the server at `api_url` (idempotent);
+    the harvest deployments run their flow runs through this fleet's launcher (RUN_COMMAND)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.deploy import apply_sync
     from flows.liveness import apply_automations_sync
 
     with temporary_settings({PREFECT_API_URL: api_url}):
-        names = apply_sync()
+        names = apply_sync(run_command=RUN_COMMAND)
         pools = sorted({name.split("harvest-", 1)[1] for name in names if "/harvest-" in name})
         names += apply_automations_sync(pools)
     return names

@@ -1,6 +1,6 @@
 """`harvest up` (what `make run` runs): the whole service on this machine, in the foreground.
 
-The fleet's roles (`flows.roles`) on one box, sharing one HARVEST_HOME, started in order and
+The fleet's roles (`fleet.roles`) on one box, sharing one HARVEST_HOME, started in order and
 each waited for:
 
 1. the control plane: the Prefect server on 127.0.0.1:$HARVEST_PREFECT_PORT (default 4200),
@@ -21,7 +21,7 @@ Then prints, on stdout:
 and `$HARVEST_HOME/stack.json` records the URLs (for `harvest schedule`). Ctrl-C or SIGTERM
 stops every child, the workers' flow-run processes included, and leaves no process behind.
 A child that dies on its own (an API OOM-killed) is restarted alone, on the same port, while
-the others run on (`flows.roles.Supervisor`, a bounded number of times; then the stack stops
+the others run on (`fleet.roles.Supervisor`, a bounded number of times; then the stack stops
 and exits 1, saying which and where its log is).
 Logs: `$HARVEST_HOME/logs/`.
 """
@@ -37,9 +37,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from fleet.processes import start_server
+from fleet.roles import apply_control_plane, serve, start_api_replica, start_worker_host
 from flows.prefect_auth import SERVER_ENV, server_auth, use_client_auth
-from flows.roles import apply_control_plane, serve, start_api_replica, start_worker_host
-from flows.processes import start_server
 from harvest.lanes import load_lanes
 from harvest.placement import visible_gpus
 from harvest.private_files import write_private
@@ -57,7 +57,7 @@ def dev_key(home: Path, env: dict[str, str]) -> str | None:
     if path.exists() and path.read_text().strip():
         return path.read_text().strip()
     result = subprocess.run(
-        [sys.executable, "-m", "harvest.cli", "keys", "create", "--name", "dev"],
+        [sys.executable, "-m", "fleet.cli", "keys", "create", "--name", "dev"],
         env=env, cwd=home, capture_output=True, text=True, timeout=120,
     )
     lines = result.stdout.strip().splitlines()

@@ -1,7 +1,10 @@
 """Warm engines for inline completions, and the batcher that shares each one between requests.
 
-`EnginePool` loads one engine per model the first time it is asked for and keeps it (loading
-a model costs seconds to minutes; a request should not). Each engine gets an `EngineBatcher`
+`InlineEngines` keeps an API replica's engines in an `EngineCache`, under the same rules as a
+worker host's engine server: a model is loaded the first time it is asked for and kept
+(loading costs seconds to minutes; a request should not), at most
+`HARVEST_ENGINE_MODELS_PER_GROUP` models at once, the least recently used idle one unloaded
+when another is asked for, never one a request holds. Each engine gets an `EngineBatcher`
 with ONE worker thread: every call into the engine (load, generate, close) runs there, so the
 event loop never blocks on a forward pass and two batches never share hooks on one model.
 
@@ -17,14 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from harvest.engines.base import Engine, Generation, SamplingSpec
 from harvest.registry import ModelInfo
+from harvest.settings import get_settings
+from harvest.warm.cache import EngineCache, Loaded
 
-__all__ = ["BatcherStats", "EngineBatcher", "EnginePool"]
+__all__ = ["BatcherStats", "EngineBatcher", "InlineEngines"]
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +159,18 @@ class EngineBatcher:
         for pending, generation in zip(batch, generations):
             _settle(pending.future, result=generation)
 
-    async def close(self) -> None:
+    def shut_down(self) -> None:
+        """Stop the dispatcher and fail what still waits; safe from any thread (an eviction
+        runs in the evicting request's), as the queue belongs to the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._shut_down)
+        except RuntimeError:  # the loop closed meanwhile: nothing runs on it any more
+            pass
+
+    def _shut_down(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         for pending in self._queue:
@@ -170,15 +187,15 @@ def _settle(future: asyncio.Future, *, result=None, exception: BaseException | N
         future.set_result(result)
 
 
-class EnginePool:
-    """One warm `EngineBatcher` per model, loaded on first use and kept until `close`."""
+class InlineEngines:
+    """The replica's warm `EngineBatcher`s, one per loaded model, in an `EngineCache`."""
 
-    def __init__(self, factory: Callable[[ModelInfo], Engine] | None = None, *, close_engines: bool = True, **batcher_options):
-        """`factory` loads a model's engine (default `load_engine`: vLLM where installed, else HF).
-
+    def __init__(self, factory: Callable[[ModelInfo], Engine] | None = None, *, capacity: int | None = None,
+                 close_engines: bool = True, **batcher_options):
+        """`factory` loads a model's engine (default `load_engine`: vLLM where installed, else
+        HF). `capacity`: models kept loaded (default `HARVEST_ENGINE_MODELS_PER_GROUP`).
         `close_engines=False` leaves engines the factory shares with others (a test session's
-        engine) open at `close`.
-        """
+        engine) open when they are unloaded."""
         if factory is None:
             from harvest.engines.base import load_engine
 
@@ -186,41 +203,68 @@ class EnginePool:
         self._factory = factory
         self._close_engines = close_engines
         self._options = batcher_options
-        self._batchers: dict[str, EngineBatcher] = {}
-        self._loading: dict[str, asyncio.Future] = {}
+        self._models: dict[str, ModelInfo] = {}
+        self.cache = EngineCache(capacity or get_settings().engine_models_per_group, self._load, self._unload)
+        # Requests that must wait for a load or a free slot wait here, not on the event loop.
+        self._waiters = ThreadPoolExecutor(max_workers=16, thread_name_prefix="inline-acquire")
 
-    async def get(self, model: ModelInfo) -> EngineBatcher:
-        """The model's batcher; the first call loads the engine in its own worker thread."""
-        if model.name in self._batchers:
-            return self._batchers[model.name]
-        if model.name not in self._loading:
-            self._loading[model.name] = asyncio.ensure_future(self._load(model))
-        try:
-            # shield: a request that goes away must not cancel a load that others wait for
-            return await asyncio.shield(self._loading[model.name])
-        finally:
-            if self._loading.get(model.name) is not None and self._loading[model.name].done():
-                self._loading.pop(model.name, None)
-
-    async def _load(self, model: ModelInfo) -> EngineBatcher:
+    def _load(self, name: str) -> EngineBatcher:
+        """In the thread of the request that loads it: the engine, made in its own worker thread."""
+        model = self._models[name]
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{model.name}")
         try:
-            engine = await asyncio.get_running_loop().run_in_executor(executor, self._factory, model)
+            engine = executor.submit(self._factory, model).result()
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        batcher = EngineBatcher(executor, engine, **self._options)
-        self._batchers[model.name] = batcher
-        return batcher
+        return EngineBatcher(executor, engine, **self._options)
 
-    def loaded(self) -> dict[str, EngineBatcher]:
-        return dict(self._batchers)
+    def _unload(self, batcher: EngineBatcher) -> None:
+        """Evicted (nobody holds it, so nothing is queued) or closing: outside the cache lock."""
+        batcher.shut_down()
+        if self._close_engines:
+            batcher._executor.submit(batcher.engine.close).result()
+        batcher._executor.shutdown(wait=False)
+
+    @asynccontextmanager
+    async def hold(self, model: ModelInfo) -> AsyncIterator[EngineBatcher]:
+        """The model's batcher, loaded if need be and not evicted while held."""
+        self._models.setdefault(model.name, model)
+        entry = self.cache.try_acquire(model.name)
+        if entry is None:
+            entry = await self._acquire(model.name)
+        try:
+            yield entry.engine
+        finally:
+            self.cache.release(entry)
+
+    async def _acquire(self, name: str) -> Loaded:
+        waiting = asyncio.get_running_loop().run_in_executor(self._waiters, self.cache.acquire, name)
+        try:
+            # shield: the wait in its thread goes on whatever happens here (a load others may
+            # wait for included), so its future must stay uncancelled to hand its result back.
+            entry, _ = await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            waiting.add_done_callback(self._hand_back)  # the wait goes on in its thread
+            raise
+        return entry
+
+    def _hand_back(self, done: asyncio.Future) -> None:
+        """What a request that went away got after all goes back at once."""
+        if not done.cancelled() and done.exception() is None:
+            self.cache.release(done.result()[0])
+
+    async def generate(self, model: ModelInfo, prompt: list[int], sampling: SamplingSpec, layers: list[int] | None) -> Generation:
+        """One completion, in the batch it runs in, its engine held throughout."""
+        async with self.hold(model) as batcher:
+            return await batcher.generate(prompt, sampling, layers)
+
+    async def get(self, model: ModelInfo) -> EngineBatcher:
+        """The model's batcher, loaded (a preload, a test); not held, so it may be evicted."""
+        async with self.hold(model) as batcher:
+            return batcher
 
     async def close(self) -> None:
-        """Stop every dispatcher and release every engine (in its own thread)."""
-        for batcher in self._batchers.values():
-            await batcher.close()
-            if self._close_engines:
-                await asyncio.get_running_loop().run_in_executor(batcher._executor, batcher.engine.close)
-            batcher._executor.shutdown(wait=False)
-        self._batchers.clear()
+        """Stop every dispatcher and release every engine (each in its own thread)."""
+        await asyncio.get_running_loop().run_in_executor(self._waiters, self.cache.close)
+        self._waiters.shutdown(wait=False)

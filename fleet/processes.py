@@ -2,7 +2,7 @@
 
 Shared by `harvest up` and the test fixtures, so the tests start things exactly as users do.
 
-Stopping is the delicate part (DESIGN, Prefect facts): a `prefect worker` turns the first
+Stopping is the delicate part: a `prefect worker` turns the first
 SIGTERM into SIGINT and keeps polling, so `stop()` signals twice, then SIGKILLs; and flow-run
 processes are started by the worker in sessions of their own, so a process-group kill misses
 them. `stop()` therefore snapshots the whole descendant tree first and kills what is left of
@@ -22,22 +22,27 @@ from pathlib import Path
 import httpx
 import psutil
 
-__all__ = ["Managed", "WILDCARDS", "WORKER_QUERY_S", "local_address", "free_port", "start_server", "start_worker", "wait_http", "descendants"]
+from harvest.addresses import local_address
+
+__all__ = [
+    "Managed", "WORKER_QUERY_S", "STARTER_MODULE", "RUN_COMMAND", "free_port", "start_server", "start_worker", "wait_http",
+    "descendants",
+]
 
 
-WILDCARDS = ("0.0.0.0", "::", "")
 WORKER_QUERY_S = 1.0
 """How often a worker asks its pool for scheduled runs (PREFECT_WORKER_QUERY_SECONDS), as
 shipped to every worker the roles start. Prefect's own default, 10 s, left a warm 2-prompt job
 waiting 2.7-10.2 s to start for 0.2-0.8 s of work; at 1 s a job starts within a second, and
 the cost on the Prefect server, measured by bench/bench_polling.py for 1, 10 and 50 hosts, is
 in bench/RESULTS.md ("Worker polling"). An operator's PREFECT_WORKER_QUERY_SECONDS wins."""
-"""Bind addresses that mean "every interface of this host"."""
 
-
-def local_address(host: str) -> str:
-    """Where this host reaches a server it bound to `host` (a wildcard: loopback)."""
-    return "127.0.0.1" if host in WILDCARDS else host
+STARTER_MODULE = "fleet.run_starter"
+"""The run starter (a worker host's fork server) and its launcher, run as `python -m`."""
+RUN_COMMAND = f"python -m {STARTER_MODULE}"
+"""The harvest deployments' `command` job variable (`flows.deploy` is handed it): the launcher,
+which forks the run from its host's starter, or becomes `python -m prefect.engine` where there
+is none."""
 
 
 def free_port() -> int:
@@ -197,7 +202,7 @@ def start_server(
 
     Its database is Prefect's own setting: PREFECT_API_DATABASE_CONNECTION_URL (PostgreSQL in
     production) when set, else SQLite under `home`. Returns the process and the API URL (at the
-    `advertise` address, default `host`), once the API answers (~10 s cold, DESIGN).
+    `advertise` address, default `host`), once the API answers (~10 s cold).
     """
     api_url = f"http://{advertise or host}:{port}/api"
     env = {
@@ -233,10 +238,10 @@ def start_worker(
     supervisor's view of whether the worker still polls).
     limit: flow runs at once on this worker (`--limit`; Prefect holds a slot for the run
     process's whole life), e.g. the host's slots.
-    run_starter: a Unix socket path: the worker runs under `flows.run_starter`, which forks its
+    run_starter: a Unix socket path: the worker runs under `fleet.run_starter`, which forks its
     flow runs from a preloaded process listening there (a worker host's runs start in ms).
     """
-    # The harvest deployments' run command is `python -m flows.run_starter`: this interpreter's.
+    # The harvest deployments' run command (RUN_COMMAND) says `python`: this interpreter's.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     # The shipped poll interval unless the operator (or a caller) sets one (WORKER_QUERY_S).
     env = {"PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_S), **os.environ, **(env or {}), "PREFECT_API_URL": api_url, "PATH": path}
@@ -249,7 +254,7 @@ def start_worker(
         argv += ["--limit", str(limit)]
     if run_starter is None:
         return Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)
-    argv = [sys.executable, "-m", "flows.run_starter", "--socket", str(run_starter), "--", *argv]
+    argv = [sys.executable, "-m", STARTER_MODULE, "--socket", str(run_starter), "--", *argv]
     worker = Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)
     _wait_for_starter(Path(run_starter), worker, STARTER_TIMEOUT_S)
     return worker

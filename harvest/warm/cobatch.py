@@ -1,10 +1,10 @@
-"""One warm engine's forward passes, shared by the jobs using it.
+"""Co-batching: one warm engine's forward passes shared by the jobs using it.
 
 Each job asks for one shard at a time. While the engine runs one call, the shards that arrive
 wait; when it comes free (and after at most `wait_s` for the other jobs holding the engine to
 ask again), the oldest waiting shard goes next together with every other waiting shard of the
 same capture (layers, directions, batch size), up to `max_shards`, in one
-`Engine.capture_together` call: their prompts share forward passes (vLLM schedules them as one
+`Engine.capture_cobatch` call: their prompts share forward passes (vLLM schedules them as one
 batch; HF sorts them into one set of batches), and each job gets its own values and statistics
 back. The oldest waiting shard always goes next, so no job is passed over.
 
@@ -12,6 +12,11 @@ A job that goes away while its shard waits (its run cancelled) is dropped before
 runs; one that goes while its shard runs only loses the answer. Each shard may bring a sink
 (`harvest.engines.base.ValueSink`; in the server, its connection): its values go there batch
 by batch, from whichever job's thread runs the call, while the shard's own asker waits.
+
+`HARVEST_ENGINE_COBATCH_SHARDS` (`max_shards`) is 1 by default, each shard alone, on every
+device: on the CPU 4 jobs co-batched measured 0.82x the throughput of each shard alone, and no
+GPU measurement exists yet to say whether a GPU gains (`bench/gpu.sh` measures 1 and 4 side by
+side, so the next GPU run decides).
 """
 
 from __future__ import annotations
@@ -24,18 +29,7 @@ from dataclasses import dataclass
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.engines.base import Engine, ValueSink, hand_over
 
-__all__ = ["SharedEngine", "Abandoned", "shards_per_call"]
-
-
-def shards_per_call(setting: int | None) -> int:
-    """`HARVEST_ENGINE_COBATCH_SHARDS`, or by device: on a GPU one forward pass over more
-    sequences fills it better; on the CPU the passes are compute-bound at any batch, and 4 jobs
-    sharing calls measured 0.82x the throughput of each shard alone (bench/RESULTS.md)."""
-    if setting is not None:
-        return setting
-    import torch
-
-    return 4 if torch.cuda.is_available() else 1
+__all__ = ["CobatchedEngine", "Abandoned"]
 
 
 class Abandoned(Exception):
@@ -58,10 +52,10 @@ class _Shard:
         return (tuple(self.spec.layers), None if directions is None else (directions.shape, directions.tobytes()), self.batch_size)
 
 
-class SharedEngine:
+class CobatchedEngine:
     """An engine and the shards waiting for it (the warm engine server's cache holds these)."""
 
-    def __init__(self, engine: Engine, max_shards: int = 4, wait_s: float = 0.1):
+    def __init__(self, engine: Engine, max_shards: int = 1, wait_s: float = 0.1):
         self.engine = engine
         self.max_shards = max(1, max_shards)
         self.wait_s = wait_s
@@ -122,7 +116,7 @@ class SharedEngine:
     def _run(self, group: list[_Shard]) -> None:
         first = group[0]
         try:
-            answers = self.engine.capture_together([s.prompts for s in group], first.spec, batch_size=first.batch_size,
+            answers = self.engine.capture_cobatch([s.prompts for s in group], first.spec, batch_size=first.batch_size,
                                                    sinks=[s.sink for s in group])
             for shard, answer in zip(group, answers, strict=True):
                 shard.answer = hand_over(answer, shard.sink)

@@ -1,0 +1,167 @@
+"""The layers import only downwards, read from the source (AST; nothing imported, no server).
+
+    fleet → api, flows;   api → flows.submit (start and cancel runs), harvest;
+    flows → tasks → harvest;   harvest → nothing of the service
+
+An edge counts whether it is an `import` or a string that names a module for the machinery to
+load later: an `importlib` argument, a `module:attr` string (uvicorn's app, a settings default),
+a `python -m module` command (a string, or the word after `"-m"` in an argv list), a dotted
+module path (a deployment entrypoint). Docstrings are prose and do not count.
+
+And every module of the service that the code, the tests and the benchmarks import or run
+exists: a module moved between packages leaves no import or `-m` of its old path behind.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAYERS = ("harvest", "tasks", "flows", "api", "fleet")
+
+# What each package must not name, as package prefixes; `ALLOWED` makes exceptions.
+FORBIDDEN = {
+    "harvest": ("api", "flows", "fleet", "tasks"),
+    "tasks": ("api", "flows", "fleet"),
+    "flows": ("api", "fleet"),
+    "api": ("fleet", "flows", "tasks"),
+}
+# The facade's one door into the orchestration layer: starting and cancelling runs.
+ALLOWED = {"api": ("flows.submit",)}
+
+_MODULE = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_WHOLE = re.compile(rf"^\s*({_MODULE})(:[\w.]+)?\s*$")  # `a.b` or `a.b:attr` (or `a:attr`)
+_DASH_M = re.compile(rf"(?:^|\s)-m\s+({_MODULE})")  # a command line with `-m module`
+
+
+def _prose(tree: ast.AST) -> set[int]:
+    """The string statements: docstrings of modules, classes and functions, and the string
+    under an assignment that documents it."""
+    return {
+        id(stmt.value)
+        for node in ast.walk(tree)
+        for stmt in (getattr(node, "body", None) if isinstance(getattr(node, "body", None), list) else [])
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+    }
+
+
+def _string_names(text: str, dotted: bool = True) -> list[str]:
+    whole = _WHOLE.match(text)
+    # One bare word ("api", "small") is a name of something else; a module path has a dot.
+    # A dotted string without `:attr` may also be a file or logger name: `dotted` counts it.
+    if whole and (whole.group(2) or (dotted and "." in whole.group(1))):
+        return [whole.group(1)]
+    return [m.group(1) for m in _DASH_M.finditer(text)]
+
+
+def names(source: str, dotted: bool = True) -> list[tuple[int, str]]:
+    """(line, module) for every module the source imports or names in a string (`dotted`:
+    counting a plain `a.b` string as a module path too)."""
+    tree = ast.parse(source)
+    prose = _prose(tree)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from flows import submit` is flows.submit: the names may be modules.
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            found += [(node.lineno, name) for name in _string_names(node.value, dotted)]
+        elif isinstance(node, (ast.List, ast.Tuple)):  # [python, "-m", "module", ...]
+            items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            found += [(node.lineno, m) for flag, m in zip(items, items[1:]) if flag == "-m" and isinstance(m, str)]
+        elif isinstance(node, ast.JoinedStr) and node.values:  # f"tasks.{name}": its literal head
+            head = node.values[0]
+            if dotted and isinstance(head, ast.Constant) and isinstance(head.value, str) and re.fullmatch(rf"{_MODULE}\.", head.value):
+                found.append((node.lineno, head.value.rstrip(".")))
+    return found
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def violations(root: Path, package: str) -> list[str]:
+    """`path:line: module` for each name in `root/package` that its layer must not use."""
+    bad = []
+    for path in sorted((root / package).rglob("*.py")):
+        for line, module in names(path.read_text()):
+            if any(_under(module, p) for p in FORBIDDEN[package]) and not any(_under(module, a) for a in ALLOWED.get(package, ())):
+                bad.append(f"{path.relative_to(root)}:{line}: {module}")
+    return bad
+
+
+def _exists(root: Path, module: str) -> bool:
+    """`module` is a module or package of the service under `root`, or a name in a module
+    (`fleet.processes.free_port`, an entrypoint `flows.harvest.harvest`); a name in a package
+    counts only if its `__init__` defines or imports it."""
+    base = root.joinpath(*module.split("."))
+    if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+        return True
+    parent, name = base.parent, base.name
+    if parent.with_suffix(".py").is_file():
+        return True
+    init = parent / "__init__.py"
+    return init.is_file() and re.search(rf"\b{re.escape(name)}\b", init.read_text()) is not None
+
+
+def stale(root: Path) -> list[str]:
+    """`path:line: module` for each module of the service imported, run with `-m` or named as
+    `module:attr` anywhere in its Python (tests and benchmarks included) that does not exist:
+    a reference a move left behind. (A plain `a.b` string may be a file or logger name.)"""
+    bad = []
+    for path in sorted(p for top in (*LAYERS, "tests", "bench") for p in (root / top).rglob("*.py")):
+        for line, module in names(path.read_text(), dotted=False):
+            top = module.split(".")[0]
+            if top in LAYERS and "." in module and not _exists(root, module):
+                bad.append(f"{path.relative_to(root)}:{line}: {module}")
+    return bad
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_layer_names_one_above_it(package):
+    assert violations(REPO, package) == []
+
+
+def test_every_module_named_exists():
+    """Tests, benchmarks and the service name modules that are there (a module moved between
+    packages leaves no `python -m` or import of its old path behind)."""
+    assert stale(REPO) == []
+
+
+def test_the_scan_sees_every_kind_of_edge():
+    """Each way of naming a module that the rule covers is seen; prose is not."""
+    source = '''
+"""Module docstring naming flows.stack and `python -m fleet.cli` (prose)."""
+import api.app
+from flows.submit import start_harvest_run
+from flows import deploy
+X = "api.runs:PrefectRuns"
+"""An attribute docstring naming api.admin (prose)."""
+COMMAND = "python -m fleet.run_starter --socket s"
+ARGV = [PY, "-m", "flows.retention", "--flag"]
+module = importlib.import_module("fleet.roles")
+dynamic = importlib.import_module(f"tasks.{name}")
+MESSAGE = "set PREFECT_API_URL to the control plane's (what `harvest server` printed)"
+ROLE = "api"
+'''
+    assert {n for _, n in names(source)} == {
+        "api.app", "flows.submit.start_harvest_run", "flows.deploy", "api.runs", "fleet.run_starter", "flows.retention",
+        "fleet.roles", "tasks",
+    }
+    # Without plain dotted strings: imports, `-m` (in a string or an argv) and `module:attr` only.
+    assert {n for _, n in names(source + 'LOG = "harvest.api.notify"\n', dotted=False)} == {
+        "api.app", "flows.submit.start_harvest_run", "flows.deploy", "api.runs", "fleet.run_starter", "flows.retention",
+    }
+
+
+def test_every_layer_is_scanned():
+    """A package added to the service gets a rule here, or this fails."""
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "client", "bench", "notebooks"}
+    assert packages == set(LAYERS), packages
+    assert set(FORBIDDEN) | {"fleet"} == set(LAYERS)
