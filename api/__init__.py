@@ -1,12 +1,14 @@
 """The HTTP facade: bulk harvests and inline completions in one FastAPI app.
 
-    app.py       the app: routers, the one error handler, lifespan (migrate, start the watcher)
+    app.py       `create_app(runs=, storage=, ...)`: the app's parts, routers, the one error
+                 handler, lifespan (migrate, start the watcher)
+    deps.py      the parts as typed route dependencies, the capped body reader and parser
     harvest.py   POST/GET/DELETE /v1/harvest[/{job_id}]: validate, admit, write request, start run
     files.py     GET /v1/files/{job_id}/{name}: the HMAC-signed download route (file:// storage)
     auth.py      API keys (SHA-256 at rest), `current_key`, the activation quota (positions)
     store.py     the job store: atomic admission under the caps, charging by compare-and-set
     db.py        tables, engines (SQLite/PostgreSQL), Alembic migrations (api/migrations)
-    runs.py      the seam to Prefect: start / cancel / read many runs at once
+    runs.py      the run store (Prefect): start / cancel / read many runs at once
     watcher.py   the one background loop that follows all runs and wakes long-poll waiters
     links.py     presigned links: S3 SigV4 presigning, HMAC links for local files
     schemas.py   response shapes (OpenAPI) and the harvest object of a job row

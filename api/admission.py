@@ -27,15 +27,15 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import Annotated, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, Request
 
 from api import deps
 from harvest.errors import ReplicaBusy, RequestTimeout
-from harvest.settings import Settings, get_settings
+from harvest.settings import Settings
 
-__all__ = ["AdmissionBudget", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S"]
+__all__ = ["AdmissionBudget", "Admission", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S"]
 
 RETRY_AFTER_S = 5
 """What a refused submit is told to wait: about one large submit's time here."""
@@ -121,12 +121,12 @@ class AdmissionBudget:
                 self._changed.notify_all()
 
 
-def admission(app: FastAPI) -> AdmissionBudget:
-    """The replica's budget (`app.state.admission`), made from the settings on first use."""
-    budget = getattr(app.state, "admission", None)
-    if budget is None:
-        budget = app.state.admission = AdmissionBudget.from_settings(get_settings())
-    return budget
+async def admission(request: Request) -> AdmissionBudget:
+    """The replica's budget (`app.state.admission`, given by the app's factory)."""
+    return request.app.state.admission
+
+
+Admission = Annotated[AdmissionBudget, Depends(admission)]
 
 
 def declared_bytes(request: Request, cap: int) -> int:

@@ -9,7 +9,12 @@ the path lacks 405 `method_not_allowed` with `Allow`. Anything else is a bug or 
 carries `X-Request-ID`). The published OpenAPI document is `api.openapi`'s.
 The lifespan migrates the job store and runs the single watcher (`api.watcher`).
 
-Run it: `uvicorn api.app:app --host 127.0.0.1 --port $HARVEST_PORT` (what `harvest up` does).
+The app is built by `create_app`, which takes its parts (run store, storage, registry, inline
+engines, the per-replica budgets) and builds from the settings whichever it is not given;
+routes receive them as typed dependencies (`api.deps`). Tests hand the factory what they swap.
+
+Run it: `uvicorn --factory api.app:create_app --host 127.0.0.1 --port $HARVEST_PORT` (what
+`harvest up` does).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,20 +30,28 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api import deps
-from api.db import get_engine
+from api.admission import AdmissionBudget
+from api.completions import ResponseBudget
 from api.completions import router as completions_router
+from api.db import get_engine
 from api.files import router as files_router
 from api.guard import RequestGuard
 from api.openapi import install as install_openapi
 from api.lease import Lease, replica_id
 from api.harvest import router as harvest_router
 from api.models import router as models_router
+from api.ratelimit import AddressLimiter
+from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
 from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, RouteNotFound, invalid_from_pydantic
+from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
+from harvest.storage import Storage, open_storage
 
-__all__ = ["app", "create_app"]
+if TYPE_CHECKING:
+    from harvest.warm.inline import InlineEngines
+
+__all__ = ["create_app", "harvest_error", "RedactLinkQueries"]
 
 log = logging.getLogger("harvest.api")
 
@@ -65,8 +79,8 @@ async def lifespan(app: FastAPI):
     settings = get_settings()
     await run_in_threadpool(get_engine)  # migrate before the first request
     watcher = Watcher(
-        deps.runs(),
-        deps.storage(),
+        app.state.runs,
+        app.state.storage,
         interval=settings.watch_interval_s,
         max_waiters=settings.longpoll_max_waiters,
         lease=Lease("watcher", REPLICA, settings.watcher_lease_s),
@@ -116,20 +130,53 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     return await harvest_error(request, error)
 
 
-def create_app() -> FastAPI:
+def create_app(
+    *,
+    runs: RunStore | None = None,
+    storage: Storage | None = None,
+    registry: Registry | None = None,
+    inline_engines: InlineEngines | None = None,
+    inline_budget: ResponseBudget | None = None,
+    admission: AdmissionBudget | None = None,
+    anonymous_limiter: AddressLimiter | None = None,
+) -> FastAPI:
+    """The API app with these parts; each one not given is built from the settings:
+
+    - `runs`: the run store (Prefect flow runs on the lanes' deployments);
+    - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
+    - `registry`: the served models (HARVEST_MODELS_FILE);
+    - `inline_engines`: the inline completions' warm engines (`api.completions.inline_engines`);
+    - `inline_budget`: the bytes of inline responses held at once (`api.completions.ResponseBudget`);
+    - `admission`: the harvest submits' admission budget (`api.admission`);
+    - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`).
+    """
+    settings = get_settings()
     app = FastAPI(
         title="Residual-stream harvesting API",
         version="1.0",
         description="Bulk harvests of residual-stream activations, and inline activations on completions.",
         lifespan=lifespan,
     )
+    app.state.runs = runs if runs is not None else PrefectRuns()
+    app.state.storage = storage if storage is not None else open_storage()
+    app.state.registry = registry if registry is not None else load_registry(settings)
+    if inline_engines is not None:  # else made on first use (`api.completions.inline_engines`)
+        app.state.inline_engines = inline_engines
+    if inline_budget is None:
+        inline_budget = ResponseBudget(settings.inline_response_budget_bytes)
+    if admission is None:
+        admission = AdmissionBudget.from_settings(settings)
+    if anonymous_limiter is None:
+        anonymous_limiter = AddressLimiter(settings.rate_anonymous_per_s, settings.rate_anonymous_burst)
+    app.state.inline_budget = inline_budget
+    app.state.admission = admission
+    app.state.anonymous_limiter = anonymous_limiter
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(RequestGuard)
     app.include_router(harvest_router)
     app.include_router(files_router)
-    # The inline-completions routes (issue 6) live in this app too.
     app.include_router(completions_router)
     app.include_router(models_router)
 
@@ -141,6 +188,3 @@ def create_app() -> FastAPI:
 
     install_openapi(app)
     return app
-
-
-app = create_app()

@@ -42,7 +42,6 @@ import json
 import logging
 import threading
 from contextlib import asynccontextmanager
-from functools import lru_cache
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -50,7 +49,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import ApiKey, reserve_activations, settle_activations
-from api.deps import INLINE_MAX_BODY_BYTES, read_body
+from api.deps import INLINE_MAX_BODY_BYTES, Models, read_body
 from api.openapi import errors, request_body
 from api.ratelimit import submit_key
 from harvest.errors import InvalidRequest, ReplicaBusy
@@ -62,7 +61,7 @@ from harvest.inline import (
     parse_completion_request,
     prepare_completion,
 )
-from harvest.registry import Registry, load_registry
+from harvest.registry import Registry
 from harvest.settings import get_settings
 from harvest.warm.inline import InlineEngines
 
@@ -79,14 +78,9 @@ log = logging.getLogger(__name__)
 _THREADED_ZSTD_BYTES = 8 << 20
 
 
-@lru_cache(maxsize=1)
-def _default_registry() -> Registry:
-    return load_registry()
-
-
 def registry_of(app: FastAPI) -> Registry:
-    """The app's registry (`app.state.registry` when the app set one), else the configured one."""
-    return getattr(app.state, "registry", None) or _default_registry()
+    """The app's registry (given by the app's factory, `api.app.create_app`)."""
+    return app.state.registry
 
 
 def inline_engines(app: FastAPI) -> InlineEngines:
@@ -215,7 +209,7 @@ class _HeldStream(StreamingResponse):
 
 
 @router.post("/v1/completions", responses=errors(400, 401, 429, 503), openapi_extra=request_body(CompletionRequest, patch=_as_accepted))
-async def create_completion(request: Request, key: ApiKey = Depends(submit_key)) -> StreamingResponse:
+async def create_completion(request: Request, registry: Models, key: ApiKey = Depends(submit_key)) -> StreamingResponse:
     """A completion; with `output_residual_stream`, the residual stream at every position that ran."""
     raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
     try:
@@ -224,7 +218,7 @@ async def create_completion(request: Request, key: ApiKey = Depends(submit_key))
         raise InvalidRequest("The request body is not valid JSON.") from None
     parsed = parse_completion_request(body)
     # Tokenizing (and, the first time, reading the model's files) is blocking work.
-    prepared = await run_in_threadpool(prepare_completion, parsed, registry_of(request.app))
+    prepared = await run_in_threadpool(prepare_completion, parsed, registry)
     hold = response_budget(request.app).hold(prepared.max_residual_bytes)
     try:
         month = None

@@ -1,30 +1,42 @@
-"""What the routes share: the registry, the storage, the run backend, the watcher, where links
-point, and the body reader with its cap (`api.guard`) and parser (pydantic's errors become the
-400 of `harvest.errors.invalid_from_pydantic`, the one translation the CLI and inline route use)."""
+"""What the routes share, as typed dependencies: the registry, the storage, the run store, the
+watcher, where links point, and the body reader with its cap (`api.guard`) and parser
+(pydantic's errors become the 400 of `harvest.errors.invalid_from_pydantic`, the one
+translation the CLI and inline route use).
+
+The app's parts live on `app.state`, put there by its factory (`api.app.create_app`) and by
+nothing else; a route names what it needs as a parameter (`runs: Runs`, `storage: Files`)
+and never builds or looks one up itself.
+"""
 
 from __future__ import annotations
 
-from functools import lru_cache
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 from pydantic import ValidationError
 
 from api.guard import INLINE_MAX_BODY_BYTES, MAX_HARVEST_BODY_BYTES, too_large
-from api.runs import Runs, load_runs
+from api.runs import RunStore
 from api.watcher import Watcher
 from harvest.errors import invalid_from_pydantic
-from harvest.registry import Registry, load_registry
+from harvest.registry import Registry
 from harvest.settings import get_settings
-from harvest.storage import Storage, open_storage
+from harvest.storage import Storage
 
 __all__ = [
     "MAX_BODY_BYTES",
     "INLINE_MAX_BODY_BYTES",
+    "Models",
+    "Files",
+    "Runs",
+    "JobWatcher",
+    "LinkBase",
     "registry",
     "storage",
     "runs",
     "watcher",
     "base_url",
+    "link_base",
     "read_body",
     "parse",
 ]
@@ -32,22 +44,37 @@ __all__ = [
 MAX_BODY_BYTES = MAX_HARVEST_BODY_BYTES
 
 
-@lru_cache(maxsize=1)
-def registry() -> Registry:
-    return load_registry()
+# async: a plain `def` dependency would cost each request a worker-thread hop to read an attribute.
+async def registry(request: Request) -> Registry:
+    """The app's model registry."""
+    return request.app.state.registry
 
 
-@lru_cache(maxsize=1)
-def storage() -> Storage:
-    return open_storage()
+async def storage(request: Request) -> Storage:
+    """The app's storage root (job files)."""
+    return request.app.state.storage
 
 
-def runs() -> Runs:
-    return load_runs()
+async def runs(request: Request) -> RunStore:
+    """The app's run store (Prefect flow runs in production)."""
+    return request.app.state.runs
 
 
-def watcher(request: Request) -> Watcher:
+async def watcher(request: Request) -> Watcher:
+    """The app's one watcher (made by its lifespan)."""
     return request.app.state.watcher
+
+
+async def link_base(request: Request) -> str:
+    """Where this request's links point (`base_url`)."""
+    return base_url(request)
+
+
+Models = Annotated[Registry, Depends(registry)]
+Files = Annotated[Storage, Depends(storage)]
+Runs = Annotated[RunStore, Depends(runs)]
+JobWatcher = Annotated[Watcher, Depends(watcher)]
+LinkBase = Annotated[str, Depends(link_base)]
 
 
 def base_url(request: Request) -> str:

@@ -13,7 +13,7 @@ import re
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
-from api import deps
+from api.deps import Files
 from api.links import verify
 from api.openapi import errors
 from harvest.errors import FileGone, LinkRefused
@@ -41,12 +41,14 @@ _FILE = {
 
 
 @router.get("/files/{job_id}/{name}", response_class=FileResponse, responses={**_FILE, **errors(403, 404)})
-def download(job_id: str, name: str, expires: str | None = Query(None), signature: str | None = Query(None)):
+def download(
+    job_id: str, name: str, storage: Files, expires: str | None = Query(None), signature: str | None = Query(None),
+):
     """A job's result file, for a signed unexpired link."""
     if not (expires and EXPIRES.fullmatch(expires) and signature and SIGNATURE.fullmatch(signature)):
         raise LinkRefused("This download link is not valid.")
     verify(job_id, name, expires, signature)
-    files = JobFiles.for_job(job_id, deps.storage()).storage
+    files = JobFiles.for_job(job_id, storage).storage
     if not files.is_local:
         raise FileGone("This store serves its own presigned links.")
     if not files.exists(name):

@@ -4,7 +4,7 @@ The route is a thin facade: take a place in the replica's admission budget (`api
 before reading the body, parse it and learn what the job costs off the event loop, cheapest
 facts first (`harvest.cost`: refused with a 400 before any tokenizer runs when the prompts'
 characters already say it is too big), admit under the caps (job store), write the request
-next to the job's files, start the lane's run (run backend), and answer the harvest object.
+next to the job's files, start the lane's run (run store), and answer the harvest object.
 Status changes come from the watcher.
 """
 
@@ -18,21 +18,25 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from api import deps
-from api.admission import admission, declared_bytes, read_body_within
+from api.deps import MAX_BODY_BYTES, Files, JobWatcher, LinkBase, Models, Runs, parse
+from api.admission import Admission, declared_bytes, read_body_within
 from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
 from api.openapi import KEYED, errors, request_body
 from api.ratelimit import read_key, submit_key
+from api.runs import RunStore
 from api.schemas import Harvest, HarvestList, render
+from api.watcher import Watcher
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, run_stopped
 from harvest.cost import check_before_tokenizing, check_counts
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles, n_shards
 from harvest.lanes import load_lanes
+from harvest.registry import Registry
 from harvest.request import MAX_TOKENS, HarvestRequest, resolve_job
 from harvest.settings import get_settings
+from harvest.storage import Storage
 from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
 __all__ = ["router"]
@@ -49,10 +53,10 @@ log = logging.getLogger("harvest.api")
 router = APIRouter(prefix="/v1", tags=["harvest"])
 
 
-def _prepare(request: HarvestRequest) -> dict:
+def _prepare(request: HarvestRequest, registry: Registry, storage: Storage) -> dict:
     """Check the request against its model and learn its cost, cheapest facts first (every
     400 comes from here); the job's row, its tokens counted."""
-    job = resolve_job(request, deps.registry())
+    job = resolve_job(request, registry)
     lane = load_lanes()[job.model.lane]
     path = job.model.require_path()
     chars_per_token = max_token_chars(path)
@@ -63,7 +67,7 @@ def _prepare(request: HarvestRequest) -> dict:
     )
     cost = check_counts(job, counts, lane)
     job_id = str(uuid.uuid4())
-    files = JobFiles.for_job(job_id, deps.storage())
+    files = JobFiles.for_job(job_id, storage)
     return {
         "id": job_id,
         "model": job.model.name,
@@ -79,20 +83,20 @@ def _prepare(request: HarvestRequest) -> dict:
     }
 
 
-def _submit(key: ApiKey, request: HarvestRequest, job: dict) -> dict:
+def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore) -> dict:
     """Admit the prepared job under the caps, write its request, start its run."""
     admit(key, job, capacity=load_lanes()[job["lane"]].capacity)
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts.
-        JobFiles.for_job(job["id"], deps.storage()).write_request(request)
-        run_id = deps.runs().start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
+        JobFiles.for_job(job["id"], storage).write_request(request)
+        run_id = runs.start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
     except Exception as exc:
         # The backend may have created the run before failing (an answer lost on the way
         # back): the job is failed and charged nothing, and its runs are cancelled by the job's
         # tag, here or, if the backend is away, by the watcher (`stop_run`).
         log.error("job %s: its run could not be started", job["id"], exc_info=exc)
         fail_job(job["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True)
-        _stop_runs(job["id"])
+        _stop_runs(job["id"], runs)
         unavailable = ModelUnavailable(
             f"The harvest app for {job['model']} is not reachable right now. Job {job['id']} was recorded as failed "
             "and charged nothing; show us this id if it persists."
@@ -102,13 +106,13 @@ def _submit(key: ApiKey, request: HarvestRequest, job: dict) -> dict:
     attach_run(job["id"], run_id)
     row = get_job(job["id"])
     if row["status"] == "cancelled":  # cancelled while its run was starting
-        deps.runs().cancel(run_id)
+        runs.cancel(run_id)
     return row
 
 
-def _stop_runs(job_id: str) -> None:
+def _stop_runs(job_id: str, runs: RunStore) -> None:
     try:
-        deps.runs().cancel_job(job_id)
+        runs.cancel_job(job_id)
     except Exception:  # the watcher tries again (`stop_run` stays set)
         log.warning("job %s: could not cancel its runs yet; the watcher will", job_id, exc_info=True)
     else:
@@ -135,25 +139,27 @@ _FOLLOW = {
     responses={**_FOLLOW, **errors(400, 401, 408, 409, 429, 503)},
     openapi_extra=request_body(HarvestRequest),
 )
-async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
+async def submit_harvest(
+    request: Request, budget: Admission, registry: Models, storage: Files, runs: Runs, watcher: JobWatcher,
+    links: LinkBase, key: ApiKey = Depends(submit_key),
+):
     """Submit a harvest: 202 with the harvest object, status pending."""
-    budget = admission(request.app)
-    async with budget.hold(key.id, declared_bytes(request, deps.MAX_BODY_BYTES)):
+    async with budget.hold(key.id, declared_bytes(request, MAX_BODY_BYTES)):
         body = await read_body_within(request, get_settings().admission_read_s)
         async with budget.work():
             # In worker threads: parsing 50 MB of JSON and counting its tokens holds a thread
             # for a while, never the event loop. Strict: a JSON string is not a number nor a
             # bool here, as the published schema says.
-            harvest_request = await run_in_threadpool(deps.parse, HarvestRequest, body, strict=True)
+            harvest_request = await run_in_threadpool(parse, HarvestRequest, body, strict=True)
             del body  # the parsed prompts are all that is kept
-            job = await run_in_threadpool(_prepare, harvest_request)
+            job = await run_in_threadpool(_prepare, harvest_request, registry, storage)
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(
-            submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job)
+            submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job, storage, runs)
         )
-    request.app.state.watcher.kick()
-    return JSONResponse(render(row, deps.storage(), deps.base_url(request)), status_code=202)
+    watcher.kick()
+    return JSONResponse(render(row, storage, links), status_code=202)
 
 
 @router.get(
@@ -162,7 +168,9 @@ async def submit_harvest(request: Request, key: ApiKey = Depends(submit_key)):
 )
 async def read_harvest(
     job_id: str,
-    request: Request,
+    storage: Files,
+    watcher: JobWatcher,
+    links: LinkBase,
     wait: float = Query(0, ge=0, le=60, description="Seconds to hold the request until the status changes."),
     key: ApiKey = Depends(read_key),
 ):
@@ -171,7 +179,6 @@ async def read_harvest(
     headers: dict[str, str] = {}
     status = row["status"]
     if wait > 0 and status not in TERMINAL:
-        watcher = deps.watcher(request)
         if not watcher.try_enter(key.id):
             headers = {"X-Acs-Longpoll": "declined", "Retry-After": "3"}
         else:
@@ -189,11 +196,11 @@ async def read_harvest(
                         row = await run_in_threadpool(get_job, job_id, key.id)
             finally:
                 watcher.leave(key.id)
-    body = await run_in_threadpool(render, row, deps.storage(), deps.base_url(request), check_files=True)
+    body = await run_in_threadpool(render, row, storage, links, check_files=True)
     return JSONResponse(body, headers=headers)
 
 
-def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
+def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore) -> dict:
     row = get_job(job_id, key.id)
     if row["status"] in ("pending", "running"):
         try:
@@ -203,7 +210,7 @@ def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
     row, cancelled_now = cancel_job(job_id, key.id)
     if cancelled_now and row["flow_run_id"]:
         try:
-            deps.runs().cancel(row["flow_run_id"])
+            runs.cancel(row["flow_run_id"])
         except Exception:  # the job is cancelled and charged; Prefect finishes a cancel whose host is gone
             log.exception("could not stop run %s of cancelled job %s", row["flow_run_id"], job_id)
     return row
@@ -213,10 +220,12 @@ def _cancel(job_id: str, key: ApiKey, watcher) -> dict:
     "/harvest/{job_id}", response_model=Harvest, operation_id="cancelHarvest",
     responses=errors(401, 404, 409, 429), openapi_extra=KEYED,
 )
-async def cancel_harvest(job_id: str, request: Request, key: ApiKey = Depends(read_key)):
+async def cancel_harvest(
+    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, key: ApiKey = Depends(read_key),
+):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
-    row = await run_in_threadpool(_cancel, job_id, key, deps.watcher(request))
-    return JSONResponse(render(row, deps.storage(), deps.base_url(request)))
+    row = await run_in_threadpool(_cancel, job_id, key, watcher, runs)
+    return JSONResponse(render(row, storage, links))
 
 
 @router.get(
@@ -224,23 +233,23 @@ async def cancel_harvest(job_id: str, request: Request, key: ApiKey = Depends(re
     responses=errors(400, 401, 404, 429), openapi_extra=KEYED,
 )
 async def list_harvests(
-    request: Request,
+    storage: Files,
     limit: int = Query(20, ge=1, le=100, description="Jobs per page."),
     after: str | None = Query(None, description="The last job_id of the previous page."),
     key: ApiKey = Depends(read_key),
 ):
     """The caller's harvests, newest first, `limit` per page (page on with `after`); without
     download links (read a job for its links)."""
-    page = await run_in_threadpool(_list_page, key.id, limit, after)
+    page = await run_in_threadpool(_list_page, key.id, limit, after, storage)
     return JSONResponse(page)
 
 
-def _list_page(key_id: str, limit: int, after: str | None) -> dict:
+def _list_page(key_id: str, limit: int, after: str | None, storage: Storage) -> dict:
     """One page of the list, built in a worker thread: no links are signed for it (a page of
     done jobs could otherwise need 100 × 4,096 signatures), so its cost is one query and
     `limit` small objects."""
     rows, has_more = list_jobs(key_id, limit=limit, after=after)
-    data = [render(r, deps.storage(), "", links=False) for r in rows]
+    data = [render(r, storage, "", links=False) for r in rows]
     return {
         "object": "list",
         "data": data,

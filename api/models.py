@@ -7,11 +7,11 @@ settings): `n_layers`, `hidden_size`, `max_model_len`, `max_activation_prompt_to
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import ApiKey
-from api.completions import registry_of
+from api.deps import Models
 from api.openapi import KEYED, errors
 from api.ratelimit import read_key
 
@@ -35,7 +35,7 @@ router = APIRouter()
 
 
 @router.get("/v1/models", responses=errors(401, 429), openapi_extra=KEYED)
-async def list_models(request: Request, key: ApiKey = Depends(read_key)) -> dict:
+async def list_models(registry: Models, key: ApiKey = Depends(read_key)) -> dict:
     """Every served model and what it can do."""
     # The first read resolves each entry (and builds the embedded model): blocking work.
-    return await run_in_threadpool(models_body, registry_of(request.app))
+    return await run_in_threadpool(models_body, registry)

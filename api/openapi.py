@@ -78,11 +78,9 @@ def errors(*statuses: int) -> dict[int | str, dict]:
     }
 
 
-def _constrain_models(schemas: dict) -> None:
+def _constrain_models(schemas: dict, registry) -> None:
     """The registry's models in the request schemas (module docstring)."""
-    from api import deps
-
-    models = deps.registry().all()
+    models = registry.all()
     harvestable = [m for m in models if m.harvest]
     schemas["HarvestRequest"]["properties"]["model"]["enum"] = [m.name for m in harvestable]
     schemas["HarvestRequest"]["properties"]["prompts"]["items"]["minLength"] = 1  # its validator's rule
@@ -105,7 +103,7 @@ def install(app: FastAPI) -> None:
             components = document.setdefault("components", {})
             schemas = components.setdefault("schemas", {})
             schemas.update(json.loads(json.dumps(_components)))  # a copy: refined per app below
-            _constrain_models(schemas)
+            _constrain_models(schemas, app.state.registry)
             components["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "An API key: `acs_…`."}
             }

@@ -31,8 +31,9 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, Request
 from sqlalchemy import Float, case, literal, select, update
 from starlette.concurrency import run_in_threadpool
 
@@ -132,19 +133,14 @@ class AddressLimiter:
                 bucket[0] = min(float(self.burst), bucket[0] + 1.0)
 
 
-def anonymous_limiter(app: FastAPI) -> AddressLimiter:
-    """The app's limiter of requests without a valid key, made from the settings on first use."""
-    limiter = getattr(app.state, "anonymous_limiter", None)
-    if limiter is None:
-        settings = get_settings()
-        limiter = app.state.anonymous_limiter = AddressLimiter(settings.rate_anonymous_per_s, settings.rate_anonymous_burst)
-    return limiter
+async def anonymous_limiter(request: Request) -> AddressLimiter:
+    """The app's limiter of requests without a valid key (given by the app's factory)."""
+    return request.app.state.anonymous_limiter
 
 
-async def caller_key(request: Request) -> ApiKey:
+async def caller_key(request: Request, limiter: Annotated[AddressLimiter, Depends(anonymous_limiter)]) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), after its address's token for
     requests without a valid key (429 when it has none left, before the job store is asked)."""
-    limiter = anonymous_limiter(request.app)
     address = request.client.host if request.client is not None else ""
     limiter.take(address)
     try:

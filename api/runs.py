@@ -1,8 +1,9 @@
 """The API's one seam to whatever runs jobs: start a run, cancel it, read many runs' states.
 
 Production runs are Prefect flow runs (`PrefectRuns`, through the orchestration layer's
-`flows.submit`); `Settings.run_backend` names the class (`module:Class`), so tests can put a
-run store of their own at exactly this seam and exercise everything above it for real.
+`flows.submit`). The app takes its run store from its factory (`api.app.create_app(runs=...)`),
+so a test can hand it a run store of its own at exactly this seam and exercise everything
+above it for real.
 
 `read` takes every active run at once: the API's single watcher calls it once per tick for all
 jobs, instead of each long-poll waiter polling Prefect.
@@ -10,16 +11,12 @@ jobs, instead of each long-poll waiter polling Prefect.
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
 from typing import Protocol
 
-from harvest.settings import get_settings
-
-__all__ = ["RunState", "Runs", "PrefectRuns", "load_runs"]
+__all__ = ["RunState", "RunStore", "PrefectRuns"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +33,7 @@ class RunState:
     """Its host died under it (Prefect's Crashed); the watcher reschedules it (`status` failed)."""
 
 
-class Runs(Protocol):
+class RunStore(Protocol):
     def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
         """Start the job's run (idempotent per job id); returns the run id."""
 
@@ -104,14 +101,3 @@ class PrefectRuns:
                         crashed=run.state is not None and run.state.type == StateType.CRASHED,
                     )
         return states
-
-
-@lru_cache(maxsize=4)
-def _load(path: str) -> Runs:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)()
-
-
-def load_runs() -> Runs:
-    """The configured run backend (one instance per process)."""
-    return _load(get_settings().run_backend)

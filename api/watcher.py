@@ -3,7 +3,7 @@
 Every API replica runs a `Watcher`; only the one holding the `watcher` lease (`api.lease`)
 works, so the service makes one Prefect query per tick however many replicas and clients
 there are. Once per `watch_interval_s` the holder reads the states of every active job's run
-in one call to the run backend, records changes in the job store (which charges ended jobs,
+in one call to the run store, records changes in the job store (which charges ended jobs,
 exactly once) and counts written shards for progress. It also finishes what others left:
 
 - a run whose host died is marked Crashed by Prefect's heartbeat automation
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 from api.lease import Lease
 from api.notify import JobChanges
-from api.runs import Runs, RunState
+from api.runs import RunState, RunStore
 from api.store import (
     active_jobs,
     apply_state,
@@ -57,7 +57,7 @@ class Watcher:
     """One per API process (started by the app's lifespan)."""
 
     def __init__(
-        self, runs: Runs, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
+        self, runs: RunStore, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
         max_restarts: int = 3, orphan_after_s: float = 30.0, per_key: int | None = None,
     ):
         self.runs = runs

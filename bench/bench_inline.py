@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from harvest.engines.base import SamplingSpec  # noqa: E402
 from harvest.engines.hf import HFEngine  # noqa: E402
 from harvest.registry import load_registry  # noqa: E402
 from harvest.residual_codec import ZSTD_LEVEL, _le_int16_bytes  # noqa: E402
+from tests.api_fixtures import serve_in_thread  # noqa: E402
 
 
 def zstd_sweep(engine: HFEngine, levels: list[int]) -> list[dict]:
@@ -71,41 +70,11 @@ def zstd_sweep(engine: HFEngine, levels: list[int]) -> list[dict]:
 
 
 def make_app(engine: HFEngine, max_batch: int):
-    from fastapi import FastAPI
-
-    import api.completions
-    import api.models
-    from api.app import harvest_error
+    """The real app (its factory), its inline engines all `engine` with this batch cap."""
+    from api.app import create_app
     from harvest.warm.inline import InlineEngines
-    from harvest.errors import HarvestError
 
-    app = FastAPI()
-    app.add_exception_handler(HarvestError, harvest_error)
-    app.include_router(api.completions.router)
-    app.include_router(api.models.router)
-    app.state.inline_engines = InlineEngines(factory=lambda _m: engine, close_engines=False, max_batch=max_batch)
-    return app
-
-
-class Server:
-    def __init__(self, app):
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
+    return create_app(inline_engines=InlineEngines(factory=lambda _m: engine, close_engines=False, max_batch=max_batch))
 
 
 async def load(base_url: str, key: str, bodies: list[dict], concurrency: int) -> dict:
@@ -172,9 +141,10 @@ def main() -> None:
     print(f"{'round':>5} {'batcher':>8} {'clients':>7} {'p50 ms':>8} {'p95 ms':>8} {'req/s':>7} {'wire bytes':>11} {'wire/raw':>8}")
     # Both servers stay up and the arms alternate within each round, so load drift on a
     # shared machine hits every arm alike.
-    with Server(make_app(engine, 64)) as batched, Server(make_app(engine, 1)) as unbatched:
+    with serve_in_thread(make_app(engine, 64)) as batched, serve_in_thread(make_app(engine, 1)) as unbatched:
         for round_ in range(args.rounds):
-            for label, base_url in (("on", batched), ("off", unbatched)):
+            for label, root in (("on", batched), ("off", unbatched)):
+                base_url = f"{root}/v1"
                 for concurrency in (1, 16):
                     result = asyncio.run(load(base_url, key, bodies, concurrency))
                     print(f"{round_:>5} {label:>8} {concurrency:>7} {result['p50_ms']:>8.0f} {result['p95_ms']:>8.0f} "

@@ -187,7 +187,7 @@ def start_api_replica(home: Path, host: str, port: int, env: dict[str, str] | No
     """One uvicorn API process on host:port; returns it and its `ACS_API_BASE` once it answers."""
     api = Managed(
         "api",
-        [sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port)],
+        [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port)],
         {**os.environ, **(env or {}), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port)},
         home / "logs" / f"api-{port}.log",
         cwd=str(home),

@@ -81,9 +81,6 @@ class Settings(BaseSettings):
     orphan_after_s: float = Field(default=30.0, gt=0)
     """A job with no run this long after admission (its replica died mid-submit) is started by the watcher."""
 
-    run_backend: str = "api.runs:PrefectRuns"
-    """`module:Class` that starts, cancels and reads job runs (the API's one seam to Prefect)."""
-
     public_base_url: str | None = None
     """Base URL put in file download links (e.g. behind a proxy); default the request's own."""
 

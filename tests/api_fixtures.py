@@ -3,7 +3,7 @@
 Fixtures (each server starts only when a test asks for it, and is killed at session end):
 
 ``api_server`` → ``ApiServer``
-    `uvicorn api.app:app` on 127.0.0.1 and a free port, with the project's own registry
+    the real app (`uvicorn --factory`, ``tests.api_factories``) on 127.0.0.1 and a free port, with the project's own registry
     (infra/models.toml), its own SQLite job store and storage folder under the session's
     HARVEST_HOME. Harvest runs go to ``FileRuns`` (below), so no Prefect is needed; inline
     completions and ``/v1/models`` are served for real. ``.base_url`` is ``http://127.0.0.1:<port>/v1``.
@@ -16,13 +16,19 @@ Fixtures (each server starts only when a test asks for it, and is killed at sess
     (served, not harvested), and ``llama-tiny-xl`` on a lane ``xl`` whose shards hold at most 1 MiB,
     a 0.2 s watcher, a waiter limit of 2 and a large-lane capacity of 2. Its ``.make_key(**limits)``
     works like ``make_key``.
-For real Prefect runs, give an ``ApiServer`` ``HARVEST_RUN_BACKEND=api.runs:PrefectRuns`` and
-``PREFECT_API_URL`` (as tests/test_api_stack.py does against a live ``harvest up``).
+For real Prefect runs, give an ``ApiServer`` ``app=PRODUCTION_APP`` (the production factory,
+nothing swapped) and ``PREFECT_API_URL`` (as tests/test_api_stack.py does against a live
+``harvest up``); ``app=FLOW_ENV_APP`` hands those runs an environment (``tests.flow_env_runs``).
 
 ``ApiServer(env).start()`` starts more servers (e.g. to kill and restart one mid-job):
 ``.kill()`` (SIGKILL), ``.start()`` again on the same port, database and storage, ``.stop()``.
 
-``FileRuns`` is the run backend of the Prefect-free servers: the one seam the API tests fake.
+``serve_in_thread(app)`` serves an app made by ``api.app.create_app`` (with the parts a test
+swaps: an engine pool on the session's engine, a budget or limiter of its own) under uvicorn in
+a thread of the test process, without its lifespan (no watcher: the routes these tests call
+need none); a context manager giving the server's root URL.
+
+``FileRuns`` is the run store of the Prefect-free servers: the one seam the API tests fake.
 Each ``read`` appends a line to ``<runs_dir>/reads.log``; a file ``<runs_dir>/unreachable``
 makes reads fail as a Prefect server that is down would, ``<runs_dir>/start-fails`` starts;
 ``<runs_dir>/start-fails-after-create`` makes a start create the run and then fail (an answer
@@ -40,16 +46,26 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import pytest
 
-__all__ = ["ApiServer", "FileRuns", "set_run", "finish_run", "free_port"]
+__all__ = [
+    "ApiServer", "FileRuns", "set_run", "finish_run", "free_port", "serve_in_thread",
+    "PRODUCTION_APP", "FILE_RUNS_APP", "FLOW_ENV_APP",
+]
 
 REPO = Path(__file__).resolve().parent.parent
+
+# What `uvicorn --factory` runs (`tests.api_factories`).
+PRODUCTION_APP = "api.app:create_app"
+FILE_RUNS_APP = "tests.api_factories:file_runs_app"
+FLOW_ENV_APP = "tests.api_factories:flow_env_app"
 
 # The service's lanes with a smaller service-wide capacity on `large` (so a test can fill it)
 # and one lane more, `xl`, declared in config only (as an operator adds one), whose shards
@@ -194,17 +210,17 @@ class PortInUse(RuntimeError):
 
 
 class ApiServer:
-    """One uvicorn process running api.app (see the module docstring)."""
+    """One uvicorn process running the app `app` makes (see the module docstring)."""
 
-    def __init__(self, home: Path, name: str, env: dict[str, str] | None = None):
+    def __init__(self, home: Path, name: str, env: dict[str, str] | None = None, *, app: str = FILE_RUNS_APP):
         self.home = home
+        self.app = app
         self.dir = home / "api" / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.env = {
             "HARVEST_DATABASE_URL": f"sqlite:///{self.dir / 'harvest.db'}",
             "HARVEST_STORAGE_URL": f"file://{self.dir / 'storage'}",
-            "HARVEST_RUN_BACKEND": "tests.api_fixtures:FileRuns",
             "HARVEST_TEST_RUNS_DIR": str(self.dir / "runs"),
             "HARVEST_PORT": str(self.port),
             **(env or {}),
@@ -245,7 +261,7 @@ class ApiServer:
         logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1", "--port", str(self.port),
+                [sys.executable, "-m", "uvicorn", "--factory", self.app, "--host", "127.0.0.1", "--port", str(self.port),
                  "--log-level", "warning"],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
@@ -325,6 +341,29 @@ def finish_run(server: ApiServer, job_id: str, engine, storage=None) -> None:
     set_run(server, job_id, "running")
     run_job(job, files.storage, engine, job_id)
     set_run(server, job_id, "done")
+
+
+@contextmanager
+def serve_in_thread(app):
+    """Serve `app` under uvicorn in a daemon thread on a free loopback port, without its
+    lifespan; yields the root URL and stops the server on exit."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
 
 
 def _server(home: Path, name: str, env: dict[str, str] | None = None):

@@ -1,6 +1,6 @@
 """The live stack for the client's tests and the notebooks: the session's real Prefect server
 and lane workers (`harvest_stack`, tests/prefect_fixtures.py) behind one more uvicorn API whose
-runs go to Prefect for real (`api.runs:PrefectRuns`), on the storage the workers write.
+runs go to Prefect for real (the production app, `api.app:create_app`), on the storage the workers write.
 
 Loaded by the test modules that need it through `pytest_plugins = ["tests.client_fixtures"]`,
 which registers it once for the session, so the API starts once however many modules ask.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api_fixtures import ApiServer
+from tests.api_fixtures import PRODUCTION_APP, ApiServer
 
 __all__ = ["client_api", "client_env"]
 
@@ -26,12 +26,11 @@ __all__ = ["client_api", "client_env"]
 @pytest.fixture(scope="session")
 def client_api(harvest_home: Path, harvest_stack, tiny):
     server = ApiServer(harvest_home, "client", {
-        "HARVEST_RUN_BACKEND": "api.runs:PrefectRuns",
         "PREFECT_API_URL": harvest_stack.server.api_url,
         # the workers' storage: the default of the session's HARVEST_HOME
         "HARVEST_STORAGE_URL": f"file://{harvest_home / 'storage'}",
         "HARVEST_WATCH_INTERVAL_S": "0.5",
-    }).start()
+    }, app=PRODUCTION_APP).start()
     try:
         yield server
     finally:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_fixtures import ApiServer, harvest_api_env
+from tests.api_fixtures import FLOW_ENV_APP, ApiServer, harvest_api_env
 from tests.fault_proxy import FaultProxy
 from tests.flow_env_runs import write_flow_env
 from tests.test_api_store import _drop_pg, _pg_url
@@ -90,13 +90,12 @@ def faults_api(harvest_home: Path, harvest_stack, tiny):
     server = ApiServer(harvest_home, "faults", {
         **harvest_api_env(harvest_home),
         "HARVEST_DATABASE_URL": pg_url,
-        "HARVEST_RUN_BACKEND": "tests.flow_env_runs:FlowEnvRuns",
         "HARVEST_TEST_FLOW_ENV_FILE": str(env_file),
         "PREFECT_API_URL": f"{proxy.url}/api",
         "HARVEST_WATCH_INTERVAL_S": "0.5",
         "HARVEST_RATE_SUBMIT_PER_S": "100",
         "HARVEST_RATE_READ_PER_S": "1000",
-    })
+    }, app=FLOW_ENV_APP)
     try:
         server.start()
         key = server.make_key(name="faults", small=3, large=1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_fixtures import ApiServer, free_port
+from tests.api_fixtures import PRODUCTION_APP, ApiServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,12 +158,11 @@ def test_api_killed_mid_job_follows_the_same_flow_run(stack):
 
     home = Path(stack["home"])
     server = ApiServer(home, f"restart-{uuid.uuid4().hex[:6]}", {
-        "HARVEST_RUN_BACKEND": "api.runs:PrefectRuns",
         "PREFECT_API_URL": stack["prefect_api_url"],
         "PREFECT_API_AUTH_STRING": stack["prefect_auth"],
         "HARVEST_STORAGE_URL": f"file://{home / 'storage'}",
         "HARVEST_WATCH_INTERVAL_S": "0.5",
-    }).start()
+    }, app=PRODUCTION_APP).start()
     try:
         key = server.make_key(name="restart")
         auth = {"Authorization": f"Bearer {key}"}

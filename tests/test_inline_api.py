@@ -1,61 +1,45 @@
 """`POST /v1/completions` and `GET /v1/models` over real HTTP: a uvicorn server on loopback
 running the real routes, real API keys in the real key store, and the session's HF engine.
 
-The one seam: the app's engine pool is given the session's warm HF engine (so the model is
-not loaded twice), instead of whatever `load_engine` would pick on this machine.
+The one seam: the app's factory is given an engine pool on the session's warm HF engine (so
+the model is not loaded twice), instead of whatever `load_engine` would pick on this machine.
+The app is served in a thread of the test process (`tests.api_fixtures.serve_in_thread`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from fastapi import FastAPI
 
+from tests.api_fixtures import serve_in_thread
 from tests.test_inline_engine import assert_within_one_bf16_rounding, hf_reference
 from tests.test_residual_codec import decode_residual_stream
 
 
+def _session_engines(engine, **options):
+    """An engine pool whose every model is `engine` (the session's, never closed by the pool)."""
+    from harvest.warm.inline import InlineEngines
+
+    return InlineEngines(factory=lambda _model: engine, close_engines=False, **options)
+
+
 @pytest.fixture(scope="module")
 def inline_app(hf_engine):
-    import api.completions
-    import api.models
-    from api.app import harvest_error  # the API's one error handler
-    from harvest.warm.inline import InlineEngines
-    from harvest.errors import HarvestError
+    from api.app import create_app
 
-    app = FastAPI()
-    app.add_exception_handler(HarvestError, harvest_error)
-    app.include_router(api.completions.router)
-    app.include_router(api.models.router)
-    app.state.inline_engines = InlineEngines(factory=lambda _model: hf_engine, close_engines=False, window_s=0.02)
-    return app
+    return create_app(inline_engines=_session_engines(hf_engine, window_s=0.02))
 
 
 @pytest.fixture(scope="module")
 def base_url(inline_app):
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(inline_app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serve_in_thread(inline_app) as root:
+        yield f"{root}/v1"
 
 
 @pytest.fixture(scope="module")
@@ -251,16 +235,17 @@ def _given_back(budget) -> None:
         time.sleep(0.05)
 
 
-def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(base_url, key, inline_app):
+def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(key, hf_engine):
     """Two concurrent `[8, 150, 256]` responses that do not fit the budget together: one runs,
     the other is 503 replica_busy with Retry-After before any engine work or quota; one
     response bigger than the whole budget still runs alone; every hold is given back."""
+    from api.app import create_app
     from api.auth import activations_used, create_key
     from api.completions import ResponseBudget
 
     one = 8 * (1 + 150 - 1) * 256 * 2  # all layers, a 1-token prompt, 150 tokens: its most bytes
     budget = ResponseBudget(limit=one + one // 2)
-    inline_app.state.inline_budget = budget
+    app = create_app(inline_engines=_session_engines(hf_engine, window_s=0.02), inline_budget=budget)
     quota_key, record = create_key("inline-budget", activation_quota=10_000)
     body = {"model": "llama-tiny", "prompt": [7], "max_tokens": 150, "temperature": 0, "output_residual_stream": True}
 
@@ -268,7 +253,8 @@ def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(base_ur
         async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {quota_key}"}, timeout=120) as session:
             return await asyncio.gather(session.post("/completions", json=body), session.post("/completions", json=body))
 
-    try:
+    with serve_in_thread(app) as root:
+        base_url = f"{root}/v1"
         answers = asyncio.run(both())
         assert sorted(a.status_code for a in answers) == [200, 503], [a.text[:200] for a in answers]
         busy = next(a for a in answers if a.status_code == 503)
@@ -280,12 +266,10 @@ def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(base_ur
         with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as session:
             assert session.post("/completions", json=body).status_code == 200
         _given_back(budget)
-    finally:
-        del inline_app.state.inline_budget
 
 
-def test_a_capture_that_misses_a_layer_fails_the_request(client, inline_app, hf_engine):
-    from harvest.warm.inline import InlineEngines
+def test_a_capture_that_misses_a_layer_fails_the_request(key, hf_engine):
+    from api.app import create_app
     from harvest.engines.hf import HFEngine
 
     class MissingBlock(HFEngine):
@@ -300,13 +284,12 @@ def test_a_capture_that_misses_a_layer_fails_the_request(client, inline_app, hf_
         def blocks(self):
             return self._blocks
 
-    healthy = inline_app.state.inline_engines
-    inline_app.state.inline_engines = InlineEngines(factory=lambda _model: MissingBlock(), close_engines=False)
-    try:
+    app = create_app(inline_engines=_session_engines(MissingBlock()))
+    with serve_in_thread(app) as root, httpx.Client(
+        base_url=f"{root}/v1", headers={"Authorization": f"Bearer {key}"}, timeout=120
+    ) as client:
         error = _error(_complete(client, max_tokens=2, output_residual_stream=[2, 3]), 500, "capture_failed")
         assert "[3]" in error["message"]
-    finally:
-        inline_app.state.inline_engines = healthy
 
 
 def test_sixteen_concurrent_requests_run_in_batches(base_url, key, inline_app, hf_engine):

@@ -1,4 +1,4 @@
-"""Inline activations through the real app (`uvicorn api.app:app` in its own process), used
+"""Inline activations through the real app (`uvicorn --factory` in its own process), used
 the way the user docs use it: `requests` with ACS_API_BASE/ACS_API_KEY, the docs' decode
 snippet and their "always assert the shape" checks, compared with an HF reference."""
 

@@ -4,23 +4,21 @@ per client address before the job store is asked, and a failed job's `error` nam
 reference, never the run's own text (the details are in the log under that reference).
 
 The harvest tests use the session's `harvest_api` (real uvicorn, SQLite job store, runs as
-files: tests/api_fixtures.py); the address limit uses a small in-process app, so the job
-store's statements can be counted with an SQLAlchemy event.
+files: tests/api_fixtures.py); the address limit uses an app served in the test process
+(`serve_in_thread`), so the job store's statements can be counted with an SQLAlchemy event.
 """
 
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from sqlalchemy import event
 
-from tests.api_fixtures import set_run
+from tests.api_fixtures import serve_in_thread, set_run
 from tests.test_api_jobs import _auth, _get, _submit, _until, done_job  # noqa: F401 - done_job is a fixture
 
 
@@ -77,32 +75,13 @@ def test_one_key_cannot_take_every_long_poll_slot(harvest_api, key):
 
 @pytest.fixture(scope="module")
 def keyed_app():
-    """The models route (a read with a key) in an app of its own, under uvicorn in a thread,
-    with an address limit of 5 requests without a valid key (then 1 every 100 s)."""
-    import uvicorn
-
-    import api.models
-    from api.app import harvest_error
+    """The app with an address limit of 5 requests without a valid key (then 1 every 100 s),
+    under uvicorn in a thread; the tests read the models route (a read with a key)."""
+    from api.app import create_app
     from api.ratelimit import AddressLimiter
-    from harvest.errors import HarvestError
 
-    app = FastAPI()
-    app.add_exception_handler(HarvestError, harvest_error)
-    app.include_router(api.models.router)
-    app.state.anonymous_limiter = AddressLimiter(per_s=0.01, burst=5)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serve_in_thread(create_app(anonymous_limiter=AddressLimiter(per_s=0.01, burst=5))) as root:
+        yield f"{root}/v1"
 
 
 def test_requests_without_a_valid_key_are_limited_per_address_before_the_job_store(keyed_app):

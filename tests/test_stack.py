@@ -117,7 +117,7 @@ def test_the_control_plane_refuses_calls_without_its_password(stack):
 def test_a_killed_api_comes_back_alone_on_its_port(stack):
     workers = {p.pid for p in _children(stack, "fleet.run_starter", "--socket")}
     server = {p.pid for p in _children(stack, "prefect", "server")}
-    (api,) = _children(stack, "api.app:app")
+    (api,) = _children(stack, "api.app:create_app")
     assert len(workers) == 2 and len(server) == 1
     api.kill()  # as the OOM killer would
     health = stack.lines["ACS_API_BASE"].removesuffix("/v1") + "/health"
@@ -130,7 +130,7 @@ def test_a_killed_api_comes_back_alone_on_its_port(stack):
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    (again,) = _children(stack, "api.app:app")
+    (again,) = _children(stack, "api.app:create_app")
     assert again.pid != api.pid
     assert {p.pid for p in _children(stack, "fleet.run_starter", "--socket")} == workers
     assert {p.pid for p in _children(stack, "prefect", "server")} == server

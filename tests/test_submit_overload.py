@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.api_fixtures import ApiServer
+from tests.api_fixtures import PRODUCTION_APP, ApiServer
 from tests.fault_proxy import FaultProxy
 
 
@@ -30,9 +30,8 @@ def stalled_prefect(harvest_stack):
 @pytest.fixture(scope="module")
 def overloaded_api(harvest_home, harvest_stack, stalled_prefect, tiny):
     server = ApiServer(harvest_home, "overload", {
-        "HARVEST_RUN_BACKEND": "api.runs:PrefectRuns",
         "PREFECT_API_URL": f"{stalled_prefect.url}/api",
-    }).start()
+    }, app=PRODUCTION_APP).start()
     yield server
     server.stop()
 
