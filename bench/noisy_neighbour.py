@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -414,10 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stack ready: {base}; attacker bodies: {sizes}", flush=True)
 
         _warm_up(base, victim_key)
+        load = {"start": os.getloadavg()[0]}  # the host is shared: the ratio is side by side, the load says how busy
         baseline = _phase(base, victim_key, None, args.seconds, bodies, waiters)
-        print(f"baseline done: {len(baseline.turnaround)} victim jobs", flush=True)
+        load["baseline"] = os.getloadavg()[0]
+        print(f"baseline done: {len(baseline.turnaround)} victim jobs, load average {load['baseline']:.1f}", flush=True)
         attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters)
-        print(f"attack done: {len(attack.turnaround)} victim jobs", flush=True)
+        load["attack"] = os.getloadavg()[0]
+        print(f"attack done: {len(attack.turnaround)} victim jobs, load average {load['attack']:.1f}", flush=True)
 
         from sqlalchemy import create_engine, text
 
@@ -440,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
 
         reads = lambda r: r.latency.get(("victim", "read"), [])  # noqa: E731
         print(f"\nnoisy neighbour, {args.seconds:.0f} s per phase, attacker scale {args.scale}, shard scale "
-              f"{args.shard_scale}: {sizes}\n")
+              f"{args.shard_scale}: {sizes}; 1-min load average at start / end of baseline / end of attack: "
+              f"{load['start']:.1f} / {load['baseline']:.1f} / {load['attack']:.1f}\n")
         print("| victim | baseline p50 / p95 | under attack p50 / p95 | p95 ratio |")
         print("|---|---:|---:|---:|")
         for name, before, after in (("submit → done (s)", baseline.turnaround, attack.turnaround),
