@@ -24,17 +24,16 @@ the EOS id is kept in `token_ids`, left out of the text) or at a stop string ("s
 text ends before it, `token_ids` end with the token that completed it, since that token was
 sampled and the positions before it ran).
 
-Cost. The KV cache grows in place (`GrowingLayer`: storage doubled when full, each step's
-keys written into it), so a step copies only its own keys: transformers' `DynamicCache`
-concatenates the whole cache into a fresh tensor at every step of every layer, which made
-decoding quadratic in the generated length (2,047 tokens of llama-tiny: ~33 of 71 s in
-`torch.cat` on an idle 2-core box). On the CPU the decode runs with ONE intra-op thread, at a
-lower priority (nice `DECODE_NICE`) for its thread: a decode step is a few small
-matrix-vector products that a second thread barely speeds up, and on a shared host every op's
-thread barrier waits for whichever thread was descheduled (measured under load 10-17 on 2
-cores: 384 tokens took 13-14 s with one thread, 67-110 s with two). The lower priority keeps
-the replica's event loop (the control path: submits, reads, long-polls) ahead of a long
-generation on a contended CPU.
+Cost. The KV cache grows in place (`GrowingLayer`: storage doubled when full, each step's keys
+written into it), so a step copies only its own keys: transformers' `DynamicCache` concatenates
+the whole cache into a fresh tensor at every step of every layer, which made decoding quadratic
+in the generated length (2,047 tokens of llama-tiny: ~33 of 71 s in `torch.cat` on a 2-core box
+at load ~5). On the CPU the decode runs with ONE intra-op thread, at a lower priority (nice
+`DECODE_NICE`) for its thread: a decode step is a few small matrix-vector products that a
+second thread barely speeds up, and on a shared host every op's thread barrier waits for
+whichever thread was descheduled (measured under load 10-17 on 2 cores: 384 tokens took 13-14 s
+with one thread, 67-110 s with two). The lower priority keeps the replica's event loop (the
+control path: submits, reads, long-polls) ahead of a long generation on a contended CPU.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ class GrowingLayer(DynamicLayer):
 
     def _reserve(self, rows: int, needed: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         capacity = 0 if self.key_store is None else self.key_store.shape[-2]
-        if self.key_store is not None and needed <= capacity and self.key_store.shape[0] == rows:
+        if self.key_store is not None and needed <= capacity:
             return
         capacity = max(needed, 2 * capacity, 64)
         keys = like_k.new_empty((rows, like_k.shape[1], capacity, like_k.shape[3]))
