@@ -26,7 +26,8 @@ activation usage equal to the positions its responses carried. Exits 1 on a fail
 `--scale` < 1 shrinks the attacker's refused bodies, `--shard-scale` < 1 its largest shard
 (on a shared machine: at 1.0 a single shard is ~8 GB, and on a branch without bounded
 shards its engine server needs several times that); the report says what ran. Everything
-else is as shipped (the worker's poll included).
+else is as shipped (the worker's poll included). `--without inline,bodies` leaves attacks out,
+to find which one costs the victim what (the target is for the whole attack).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -247,7 +249,11 @@ def attack_bodies(scale: float, shard_scale: float, rng: random.Random) -> dict[
             (("too_many_tokens", too_many_tokens), ("largest_shard", largest_shard), ("inline", inline))}
 
 
-async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: dict[str, bytes], waiters: int) -> None:
+ATTACKS = ("bodies", "shards", "inline", "lists", "long-polls", "no-key")
+
+
+async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: dict[str, bytes], waiters: int,
+                   attacks: tuple[str, ...] = ATTACKS) -> None:
     auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     transport = lambda: httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS)  # noqa: E731
     jobs: list[str] = []
@@ -300,10 +306,15 @@ async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: 
                 await record.call("no key", "GET /v1/harvest/{id} (bad key)", client, "GET", f"{base}/harvest/{job}",
                                   headers={"Authorization": "Bearer acs_" + uuid.uuid4().hex})
 
-    await asyncio.gather(
-        submitter("too_many_tokens"), submitter("too_many_tokens"), submitter("largest_shard"),
-        inline(), inline(), lister(), *(long_poller() for _ in range(waiters)), no_key(), no_key(),
-    )
+    work = {
+        "bodies": lambda: [submitter("too_many_tokens"), submitter("too_many_tokens")],
+        "shards": lambda: [submitter("largest_shard")],
+        "inline": lambda: [inline(), inline()],
+        "lists": lambda: [lister()],
+        "long-polls": lambda: [long_poller() for _ in range(waiters)],
+        "no-key": lambda: [no_key(), no_key()],
+    }
+    await asyncio.gather(*(call for name in attacks for call in work[name]()))
 
 
 # --- one run -------------------------------------------------------------------------------------
@@ -316,7 +327,8 @@ async def _until(work, seconds: float) -> None:
         pass
 
 
-def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float, bodies, waiters: int) -> Record:
+def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float, bodies, waiters: int,
+           attacks: tuple[str, ...] = ATTACKS) -> Record:
     record = Record()
     done: list[str] = []
 
@@ -324,7 +336,7 @@ def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float,
         stop_at = time.monotonic() + seconds
         tasks = [victim(base, victim_key, record, stop_at, done)]
         if attacker_key is not None:
-            tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters), seconds + 2))
+            tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters, attacks), seconds + 2))
         await asyncio.gather(*tasks)
         for call in record.lingering:
             answer = await call
@@ -389,7 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="shrink the attacker's refused bodies (shared machines)")
     parser.add_argument("--shard-scale", type=float, default=1.0, help="shrink the attacker's largest shard (shared machines)")
     parser.add_argument("--drain", type=float, default=60, help="seconds for jobs to end before they are cancelled")
+    parser.add_argument("--without", default="", help=f"leave out attacks to find which one costs the victim "
+                        f"(comma-separated: {', '.join(ATTACKS)}); the target is measured with none left out")
     args = parser.parse_args(argv)
+    left_out = {name.strip() for name in args.without.split(",") if name.strip()}
+    if left_out - set(ATTACKS):
+        parser.error(f"--without: unknown attack(s) {sorted(left_out - set(ATTACKS))}; known: {', '.join(ATTACKS)}")
+    attacks = tuple(name for name in ATTACKS if name not in left_out)
 
     home = Path(tempfile.mkdtemp(prefix="harvest-noisy-"))
     schema, db_url = _pg_schema()
@@ -414,10 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stack ready: {base}; attacker bodies: {sizes}", flush=True)
 
         _warm_up(base, victim_key)
+        load = {"start": os.getloadavg()[0]}  # the host is shared: the ratio is side by side, the load says how busy
         baseline = _phase(base, victim_key, None, args.seconds, bodies, waiters)
-        print(f"baseline done: {len(baseline.turnaround)} victim jobs", flush=True)
-        attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters)
-        print(f"attack done: {len(attack.turnaround)} victim jobs", flush=True)
+        load["baseline"] = os.getloadavg()[0]
+        print(f"baseline done: {len(baseline.turnaround)} victim jobs, load average {load['baseline']:.1f}", flush=True)
+        attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters, attacks)
+        load["attack"] = os.getloadavg()[0]
+        print(f"attack done: {len(attack.turnaround)} victim jobs, load average {load['attack']:.1f}", flush=True)
 
         from sqlalchemy import create_engine, text
 
@@ -440,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
 
         reads = lambda r: r.latency.get(("victim", "read"), [])  # noqa: E731
         print(f"\nnoisy neighbour, {args.seconds:.0f} s per phase, attacker scale {args.scale}, shard scale "
-              f"{args.shard_scale}: {sizes}\n")
+              f"{args.shard_scale}: {sizes}; attacks: {', '.join(attacks)}; 1-min load average at start / end of baseline / end of attack: "
+              f"{load['start']:.1f} / {load['baseline']:.1f} / {load['attack']:.1f}\n")
         print("| victim | baseline p50 / p95 | under attack p50 / p95 | p95 ratio |")
         print("|---|---:|---:|---:|")
         for name, before, after in (("submit → done (s)", baseline.turnaround, attack.turnaround),

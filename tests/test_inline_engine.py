@@ -141,3 +141,62 @@ def test_eos_ends_the_generation(hf_engine, prompts):
     assert generation[0].token_ids == [first] and generation[0].finish_reason == "stop"
     assert tuple(generation[0].residual.shape) == (1, len(prompts[0]), 256)  # the EOS never ran
     assert len(generation[1].token_ids) == 5 or generation[1].finish_reason == "stop"
+
+
+def test_a_long_generation_matches_reference_across_cache_growth(hf_engine, prompts):
+    # 150 and 70 tokens: the KV cache's storage grows past 64 and 128 positions while both
+    # rows run, and again after the shorter row has left the batch.
+    specs = [SamplingSpec(max_tokens=150, temperature=0), SamplingSpec(max_tokens=70, temperature=0)]
+    layers = [0, 7]
+    generations = hf_engine.generate([prompts[0], prompts[2]], specs, layers)
+    for prompt, spec, generation in zip([prompts[0], prompts[2]], specs, generations):
+        if generation.finish_reason == "length":
+            assert len(generation.token_ids) == spec.max_tokens
+        ran = prompt + generation.token_ids[:-1]
+        reference, _ = hf_reference(hf_engine.hf_model, ran, layers)
+        assert_within_one_bf16_rounding(generation.residual, reference)
+
+
+def test_growing_kv_layer_holds_what_concatenation_would_and_reallocates_rarely():
+    from harvest.engines.hf_generate import GrowingLayer
+
+    torch.manual_seed(0)
+    layer = GrowingLayer()
+    keys, values = [torch.randn(3, 2, 5, 8)], [torch.randn(3, 2, 5, 8)]  # a 5-token prefill
+    layer.update(keys[0], values[0])
+    for _ in range(1000):
+        keys.append(torch.randn(3, 2, 1, 8))
+        values.append(torch.randn(3, 2, 1, 8))
+        got_k, got_v = layer.update(keys[-1], values[-1])
+    assert torch.equal(got_k, torch.cat(keys, dim=-2)) and torch.equal(got_v, torch.cat(values, dim=-2))
+    assert layer.get_seq_length() == 1005
+    assert layer.grown <= 6  # 64 → 128 → … → 1,024 → 2,048, not one copy per token
+    layer.batch_select_indices(torch.tensor([0, 2]))
+    step_k, step_v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    got_k, got_v = layer.update(step_k, step_v)
+    assert torch.equal(got_k, torch.cat([torch.cat(keys, dim=-2)[[0, 2]], step_k], dim=-2))
+    assert torch.equal(got_v, torch.cat([torch.cat(values, dim=-2)[[0, 2]], step_v], dim=-2))
+
+
+def test_cpu_decoding_uses_one_thread_below_the_callers_priority(hf_engine, prompts):
+    import os
+    import threading
+
+    from harvest.engines.hf_generate import DECODE_NICE
+
+    seen = []
+    handle = hf_engine.blocks[0].register_forward_hook(
+        lambda *_: seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    )
+    threads_before = torch.get_num_threads()
+    caller_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        # In a thread of its own, as an engine's worker thread calls it: the lower priority stays with that thread.
+        worker = threading.Thread(target=hf_engine.generate, args=([prompts[0]], [GREEDY], None))
+        worker.start()
+        worker.join()
+    finally:
+        handle.remove()
+    assert len(seen) == 5 and all(threads == 1 and nice >= DECODE_NICE for threads, nice in seen)
+    assert torch.get_num_threads() == threads_before
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller_nice  # the caller's own thread is untouched

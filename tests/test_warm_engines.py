@@ -132,6 +132,9 @@ def test_three_jobs_in_a_row_load_the_model_once_and_another_model_evicts_it(hos
     status = host.status()
     # The engine server's own record: one load, nothing evicted, the same process throughout.
     assert (status["loads"], status["evictions"], status["pid"]) == (1, 0, first_pid), status
+    import psutil
+
+    assert psutil.Process(first_pid).nice() >= 10  # no GPU here: its passes yield the CPU to the control path
     assert [w for _, w, _ in loads] == ["false", "true", "true"], loads
     assert all(load_s < 0.5 for load_s, _, _ in loads[1:]), loads
     assert loads[0][0] > loads[1][0] and all(where == "engine server cpu" for _, _, where in loads)

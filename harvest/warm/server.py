@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    import torch
+
+    if not torch.cuda.is_available():  # bulk passes yield a contended CPU to the control path (threads inherit it)
+        os.nice(10)
     try:
         server.run()
     except (SystemExit, KeyboardInterrupt):
