@@ -1,10 +1,12 @@
 """The processes of a deployment, above `api/` and `flows/` (which never import this package).
 
     cli.py          the `harvest` command: which module runs each subcommand
-    roles.py        `harvest server|api|worker`: one role each, supervised (`Supervisor`)
+    roles.py        `harvest server|api|worker`: one role each
     stack.py        `harvest up` (what `make run` runs): the roles on one box
-    processes.py    child processes: start, wait for, stop (with everything they started)
+    processes.py    process supervision: start children, watch and restart them (`Supervisor`),
+                    stop them with everything they started; `serve` runs a role
     run_starter.py  a worker host's fork server: its flow runs start in milliseconds
+    run_fork.py     what the run starter checks and does around each fork
 
 Dependency direction: `fleet → api, flows → tasks → harvest`.
 """

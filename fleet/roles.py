@@ -26,21 +26,16 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Callable
 
-from fleet.processes import RUN_COMMAND, Managed, free_port, start_server, start_worker, wait_http
+from fleet.processes import RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
 from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
 from harvest.addresses import advertised, local_address
 
 __all__ = [
-    "Supervisor",
-    "serve",
     "start_control_plane",
     "start_api_replica",
     "start_worker_host",
@@ -48,108 +43,6 @@ __all__ = [
     "api_main",
     "worker_main",
 ]
-
-
-def say(prog: str, text: str) -> None:
-    print(f"{prog}: {text}", file=sys.stderr, flush=True)
-
-
-class Supervisor:
-    """The children of one role (or of `harvest up`): watched, restarted one by one when they
-    die, and stopped together.
-
-    A child that dies (an API replica OOM-killed, a worker crashed) is started again on its own
-    command, port and log, while the others keep running: at most `restart_limit` times within
-    `restart_window_s` (settings); one more death means it cannot stay up, and the supervisor
-    stops everything and exits 1, saying which child and where its log is.
-    """
-
-    # Stop order: API first (no new jobs), then workers (and their flow runs), the server last.
-    ORDER = {"api": 0, "prefect-server": 2}
-
-    def __init__(self, prog: str):
-        from harvest.settings import get_settings
-
-        settings = get_settings()
-        self.prog = prog
-        self.stopping = threading.Event()
-        self.restart_limit = settings.restart_limit
-        self.restart_window_s = settings.restart_window_s
-        self.restarts: dict[int, list[float]] = {}  # id(child) -> monotonic times of its restarts
-
-    def watch(self) -> int:
-        """Block, restarting children that die, until one dies too often (→ 1); a signal
-        unwinds it with KeyboardInterrupt."""
-        while not self.stopping.wait(1.0):
-            for child in list(Managed.started):
-                if not child.alive() and not self.restart(child):
-                    return 1
-        return 0
-
-    def restart(self, child: Managed) -> bool:
-        """Restart a child that exited; False when it has used up its restarts."""
-        now = time.monotonic()
-        recent = [t for t in self.restarts.get(id(child), []) if now - t < self.restart_window_s]
-        code = child.proc.returncode
-        if len(recent) >= self.restart_limit:
-            say(self.prog, f"{child.name} exited with {code} after {len(recent)} restarts in {self.restart_window_s:.0f} s; "
-                           f"stopping (log: {child.log_path})")
-            return False
-        child.restart()
-        self.restarts[id(child)] = [*recent, now]
-        say(self.prog, f"{child.name} exited with {code}; restarted as pid {child.pid} "
-                       f"({len(recent) + 1} of {self.restart_limit} in {self.restart_window_s:.0f} s; log: {child.log_path})")
-        return True
-
-    def down(self) -> None:
-        self.stopping.set()
-        # `Managed.started` also holds a child whose start was interrupted before it answered.
-        for child in sorted(Managed.started, key=lambda c: self.ORDER.get(c.name, 1)):
-            if child.alive():
-                child.stop()
-
-
-def serve(prog: str, start: Callable[[], dict[str, str] | list[str]], on_stop: Callable[[], None] | None = None) -> int:
-    """Run a role in the foreground: start it, print its ready lines, watch it, stop it.
-
-    `start` returns the lines to print (a dict prints as NAME=value) once everything answers.
-    """
-    supervisor = Supervisor(prog)
-
-    def on_signal(signum, frame):
-        # Never take a lock here (no Event.set): the handler runs in the main thread, possibly
-        # inside `stopping.wait`, which holds the event's lock, and would deadlock. Ignore any
-        # further signal (make forwards one, an impatient Ctrl-C) so nothing can cut the stop
-        # short, then unwind; the `finally` below stops every child.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    code = 0
-    try:
-        ready = start()
-        lines = [f"{k}={v}" for k, v in ready.items()] if isinstance(ready, dict) else ready
-        for line in lines:
-            print(line, flush=True)
-        code = supervisor.watch()
-    except KeyboardInterrupt:
-        code = 0
-    except Exception as exc:
-        say(prog, f"failed to start: {type(exc).__name__}: {exc}")
-        code = 1
-    finally:
-        # Also when a child died (no signal): `down` is bounded (SIGKILL after a grace), so let
-        # nothing interrupt it and orphan the children.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        say(prog, "stopping")
-        supervisor.down()
-        if on_stop is not None:
-            on_stop()
-        say(prog, "stopped")
-    return code
 
 
 def _prefect_home(home: Path) -> Path:

@@ -21,7 +21,7 @@ Then prints, on stdout:
 and `$HARVEST_HOME/stack.json` records the URLs (for `harvest schedule`). Ctrl-C or SIGTERM
 stops every child, the workers' flow-run processes included, and leaves no process behind.
 A child that dies on its own (an API OOM-killed) is restarted alone, on the same port, while
-the others run on (`fleet.roles.Supervisor`, a bounded number of times; then the stack stops
+the others run on (`fleet.processes.Supervisor`, a bounded number of times; then the stack stops
 and exits 1, saying which and where its log is).
 Logs: `$HARVEST_HOME/logs/`.
 """
@@ -37,8 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fleet.processes import start_server
-from fleet.roles import apply_control_plane, serve, start_api_replica, start_worker_host
+from fleet.processes import serve, start_server
+from fleet.roles import apply_control_plane, start_api_replica, start_worker_host
 from flows.prefect_auth import SERVER_ENV, server_auth, use_client_auth
 from harvest.lanes import load_lanes
 from harvest.placement import visible_gpus

@@ -1,4 +1,4 @@
-"""A supervisor (`fleet.roles.Supervisor`, what every role and `harvest up` run) restarts a
+"""A supervisor (`fleet.processes.Supervisor`, what every role and `harvest up` run) restarts a
 child that dies, alone, a bounded number of times within its window, saying so each time;
 past the bound it gives up (and its role then stops everything). The whole-stack case, an
 API replica killed under `harvest up`, is in tests/test_stack.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.processes import Managed
-from fleet.roles import Supervisor
+from fleet.processes import Supervisor
 
 
 @pytest.fixture
