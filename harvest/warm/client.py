@@ -31,9 +31,13 @@ def _start_server(files: GroupFiles, settings: Settings) -> None:
     started it (a cancel signals the run's process group, not the server's)."""
     files.log.parent.mkdir(parents=True, exist_ok=True)
     log = open(files.log, "a")
+    # Not the run's own identity (`PREFECT__FLOW_RUN_ID` and the rest of Prefect's per-run
+    # context): the server serves every later run of the host, and a process carrying one run's
+    # id after it ended would pass for that run to whoever looks (an operator, a test).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
     subprocess.Popen(
         [sys.executable, "-m", "harvest.warm.server", "--group", files.group],
-        env={**os.environ, "HARVEST_HOME": str(settings.home)},
+        env={**env, "HARVEST_HOME": str(settings.home)},
         cwd=str(settings.home),
         stdin=subprocess.DEVNULL,
         stdout=log,
