@@ -40,7 +40,8 @@ from api.openapi import install as install_openapi
 from api.lease import Lease, replica_id
 from api.harvest import router as harvest_router
 from api.models import router as models_router
-from api.ratelimit import AddressLimiter
+from api.fairshare import FairShare
+from api.ratelimit import AddressLimiter, EmptyBuckets
 from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
 from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, RouteNotFound, invalid_from_pydantic
@@ -139,6 +140,7 @@ def create_app(
     inline_budget: ResponseBudget | None = None,
     admission: AdmissionBudget | None = None,
     anonymous_limiter: AddressLimiter | None = None,
+    fair_share: FairShare | None = None,
 ) -> FastAPI:
     """The API app with these parts; each one not given is built from the settings:
 
@@ -148,7 +150,8 @@ def create_app(
     - `inline_engines`: the inline completions' warm engines (`api.completions.inline_engines`);
     - `inline_budget`: the bytes of inline responses held at once (`api.completions.ResponseBudget`);
     - `admission`: the harvest submits' admission budget (`api.admission`);
-    - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`).
+    - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`);
+    - `fair_share`: each key's share of the replica, in flight and in turn (`api.fairshare`).
     """
     settings = get_settings()
     app = FastAPI(
@@ -171,6 +174,8 @@ def create_app(
     app.state.inline_budget = inline_budget
     app.state.admission = admission
     app.state.anonymous_limiter = anonymous_limiter
+    app.state.fair_share = fair_share if fair_share is not None else FairShare.from_settings(settings)
+    app.state.empty_buckets = EmptyBuckets()  # keys' buckets known empty (`api.ratelimit`)
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -31,6 +31,7 @@ __all__ = [
     "create_key",
     "list_keys",
     "revoke_key",
+    "bearer_hash",
     "authenticate",
     "current_key",
     "reserve_activations",
@@ -174,15 +175,22 @@ def revoke_key(key_id_or_name: str, engine=None) -> int:
         return result.rowcount
 
 
-def authenticate(authorization: str | None, engine=None) -> ApiKey:
-    """The key of an `Authorization: Bearer …` header; 401 when missing, unknown or revoked."""
+def bearer_hash(authorization: str | None) -> str:
+    """The SHA-256 of the key in an `Authorization: Bearer …` header (as the job store keeps
+    it), without asking the store; 401 when there is no key."""
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise Unauthorized(
             "You didn't provide an API key. Send it in the Authorization header as 'Bearer YOUR_KEY'."
         )
+    return _hash(key.strip())
+
+
+def authenticate(authorization: str | None, engine=None) -> ApiKey:
+    """The key of an `Authorization: Bearer …` header; 401 when missing, unknown or revoked."""
+    key_hash = bearer_hash(authorization)
     with transaction(engine) as conn:
-        row = conn.execute(select(api_keys).where(api_keys.c.key_hash == _hash(key.strip()))).mappings().first()
+        row = conn.execute(select(api_keys).where(api_keys.c.key_hash == key_hash)).mappings().first()
         if row is None or row["revoked_at"] is not None:
             raise Unauthorized("Incorrect API key provided.")
         limits = _limits(conn, [row["id"]])[row["id"]]

@@ -24,7 +24,7 @@ from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
 from api.openapi import KEYED, errors, request_body
-from api.ratelimit import read_key, submit_key
+from api.ratelimit import CallerShare, read_key, submit_key
 from api.runs import RunStore
 from api.schemas import Harvest, HarvestList, render
 from api.watcher import Watcher
@@ -171,11 +171,12 @@ async def read_harvest(
     storage: Files,
     watcher: JobWatcher,
     links: LinkBase,
+    share: CallerShare,
     wait: float = Query(0, ge=0, le=60, description="Seconds to hold the request until the status changes."),
     key: ApiKey = Depends(read_key),
 ):
     """Read a harvest; with `wait`, answer when its status changes or after `wait` seconds."""
-    row = await run_in_threadpool(get_job, job_id, key.id)
+    row = await share.run(get_job, job_id, key.id)
     headers: dict[str, str] = {}
     status = row["status"]
     if wait > 0 and status not in TERMINAL:
@@ -185,18 +186,19 @@ async def read_harvest(
             try:
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + wait
-                with watcher.subscription(job_id) as changed:
-                    row = await run_in_threadpool(get_job, job_id, key.id)  # after subscribing: nothing slips by
+                # Waiting is not work: the key's waiters have their share of the watcher instead.
+                with share.aside(), watcher.subscription(job_id) as changed:
+                    row = await share.run(get_job, job_id, key.id)  # after subscribing: nothing slips by
                     while row["status"] == status and (remaining := deadline - loop.time()) > 0:
                         try:
                             await asyncio.wait_for(changed.wait(), min(remaining, REREAD_S))
                         except asyncio.TimeoutError:
                             pass
                         changed.clear()
-                        row = await run_in_threadpool(get_job, job_id, key.id)
+                        row = await share.run(get_job, job_id, key.id)
             finally:
                 watcher.leave(key.id)
-    body = await run_in_threadpool(render, row, storage, links, check_files=True)
+    body = await share.run(render, row, storage, links, check_files=True)
     return JSONResponse(body, headers=headers)
 
 
@@ -221,10 +223,11 @@ def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore) -> dict:
     responses=errors(401, 404, 409, 429), openapi_extra=KEYED,
 )
 async def cancel_harvest(
-    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, key: ApiKey = Depends(read_key),
+    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, share: CallerShare,
+    key: ApiKey = Depends(read_key),
 ):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
-    row = await run_in_threadpool(_cancel, job_id, key, watcher, runs)
+    row = await share.run(_cancel, job_id, key, watcher, runs)
     return JSONResponse(render(row, storage, links))
 
 
@@ -234,13 +237,14 @@ async def cancel_harvest(
 )
 async def list_harvests(
     storage: Files,
+    share: CallerShare,
     limit: int = Query(20, ge=1, le=100, description="Jobs per page."),
     after: str | None = Query(None, description="The last job_id of the previous page."),
     key: ApiKey = Depends(read_key),
 ):
     """The caller's harvests, newest first, `limit` per page (page on with `after`); without
     download links (read a job for its links)."""
-    page = await run_in_threadpool(_list_page, key.id, limit, after, storage)
+    page = await share.run(_list_page, key.id, limit, after, storage)
     return JSONResponse(page)
 
 

@@ -23,6 +23,18 @@ request takes a token of its address before the store is asked, and a valid key 
 so only requests without a valid key spend them; an address with none left gets 429
 `rate_limit_exceeded` (Retry-After) without a query. Per replica is enough here: what it
 protects is this replica's time and the store's, and no key's quota is at stake.
+
+A refusal costs the replica almost nothing, so that a key sending far over its rate cannot
+slow the others by being refused:
+
+- The key is looked up and its bucket taken in one worker-thread call (`authenticate_within_rate`),
+  in the key's turn of the replica's fair share (`api.fairshare`), which also bounds the key's
+  requests in flight.
+- When the store answers that a key's bucket is empty until a token is back in w seconds, the
+  replica remembers it (`EmptyBuckets`) and answers that key's requests of that kind 429 from
+  memory, without the store, until then. This never refuses a request the store would have let
+  through: only time refills a bucket (other replicas only take tokens), so none is there
+  before w. (A key revoked, or given a higher rate, meanwhile is answered so for at most w.)
 """
 
 from __future__ import annotations
@@ -31,18 +43,30 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from typing import Annotated
+from typing import Annotated, AsyncIterator
 
 from fastapi import Depends, Request
 from sqlalchemy import Float, case, literal, select, update
-from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey, authenticate
+from api.auth import ApiKey, authenticate, bearer_hash
 from api.db import ensure_row, rate_buckets, transaction
+from api.fairshare import FairShare, KeyShare
 from harvest.errors import RateLimited, Unauthorized
 from harvest.settings import get_settings
 
-__all__ = ["take", "limits", "enforce", "AddressLimiter", "anonymous_limiter", "caller_key", "submit_key", "read_key"]
+__all__ = [
+    "take",
+    "limits",
+    "enforce",
+    "KeyOverRate",
+    "authenticate_within_rate",
+    "EmptyBuckets",
+    "AddressLimiter",
+    "key_share",
+    "CallerShare",
+    "submit_key",
+    "read_key",
+]
 
 
 def take(key_id: str, kind: str, *, per_s: float, burst: int, now: float | None = None, engine=None) -> float:
@@ -76,18 +100,69 @@ def limits(key: ApiKey, kind: str) -> tuple[float, int]:
     return float(per_s), int(burst)
 
 
-def enforce(key: ApiKey, kind: str) -> None:
-    """Raise 429 when the key is over its `kind` rate."""
-    per_s, burst = limits(key, kind)
-    wait = take(key.id, kind, per_s=per_s, burst=burst)
-    if wait > 0:
+class KeyOverRate(RateLimited):
+    """429: the key's bucket of `kind` is empty; a token is back in `wait` seconds."""
+
+    def __init__(self, kind: str, per_s: float, burst: int, wait: float):
         retry_after = max(math.ceil(wait), 1)
         noun = "submits" if kind == "submit" else "reads"
-        raise RateLimited(
+        super().__init__(
             f"Too many {noun} from this key: at most {burst} at once and {per_s:g} a second after that. "
             f"Try again in {retry_after} second{'s' if retry_after != 1 else ''}.",
             retry_after=retry_after,
         )
+        self.kind, self.per_s, self.burst, self.wait = kind, per_s, burst, wait
+
+
+def enforce(key: ApiKey, kind: str) -> None:
+    """Raise 429 (`KeyOverRate`) when the key is over its `kind` rate."""
+    per_s, burst = limits(key, kind)
+    wait = take(key.id, kind, per_s=per_s, burst=burst)
+    if wait > 0:
+        raise KeyOverRate(kind, per_s, burst, wait)
+
+
+def authenticate_within_rate(authorization: str | None, kind: str) -> ApiKey:
+    """The caller's key (401 otherwise) with one token of its `kind` bucket taken (429
+    otherwise): one worker-thread call for both."""
+    key = authenticate(authorization)
+    enforce(key, kind)
+    return key
+
+
+class EmptyBuckets:
+    """Buckets the job store answered empty, and when each has a token again, in this process
+    (see the module docstring): `(caller, kind)` → (monotonic time, the refusal).
+
+    At most `max_entries` are kept, least recently refused dropped first: a dropped one only
+    costs that key's next request a query again.
+    """
+
+    def __init__(self, max_entries: int = 65536):
+        self.max_entries = max_entries
+        self._until: OrderedDict[tuple[str, str], tuple[float, KeyOverRate]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, caller: str, kind: str, refusal: KeyOverRate, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._until.pop((caller, kind), None)
+            self._until[(caller, kind)] = (now + refusal.wait, refusal)
+            while len(self._until) > self.max_entries:
+                self._until.popitem(last=False)
+
+    def check(self, caller: str, kind: str, now: float | None = None) -> None:
+        """Raise 429, Retry-After counted down, while the caller's `kind` bucket is known empty."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            entry = self._until.get((caller, kind))
+            if entry is None:
+                return
+            until, refusal = entry
+            if until <= now:
+                del self._until[(caller, kind)]
+                return
+        raise KeyOverRate(kind, refusal.per_s, refusal.burst, until - now)
 
 
 class AddressLimiter:
@@ -133,20 +208,57 @@ class AddressLimiter:
                 bucket[0] = min(float(self.burst), bucket[0] + 1.0)
 
 
-async def anonymous_limiter(request: Request) -> AddressLimiter:
-    """The app's limiter of requests without a valid key (given by the app's factory)."""
-    return request.app.state.anonymous_limiter
+def _address(request: Request) -> str:
+    return request.client.host if request.client is not None else ""
 
 
-async def caller_key(request: Request, limiter: Annotated[AddressLimiter, Depends(anonymous_limiter)]) -> ApiKey:
-    """FastAPI dependency: the caller's key (401 otherwise), after its address's token for
-    requests without a valid key (429 when it has none left, before the job store is asked)."""
-    address = request.client.host if request.client is not None else ""
+async def key_share(request: Request) -> AsyncIterator[KeyShare]:
+    """FastAPI dependency (function scope: it ends when the route answers, not when a streamed
+    body ends): the request's place among its key's requests in flight on this replica.
+
+    First its address's token for requests without a valid key (429 when none is left, 401 for
+    a request without a key, both before the job store is asked); then 429 at once when the
+    key already has its share of requests in flight (the token given back: no store was asked)."""
+    limiter: AddressLimiter = request.app.state.anonymous_limiter
+    fair: FairShare = request.app.state.fair_share
+    address = _address(request)
     limiter.take(address)
+    caller = bearer_hash(request.headers.get("authorization"))  # 401 without a key; the token stays spent
     try:
-        key = await run_in_threadpool(authenticate, request.headers.get("authorization"))
+        share = fair.enter(caller)
+    except RateLimited:
+        limiter.give_back(address)
+        raise
+    try:
+        yield share
+    finally:
+        share.leave()
+
+
+CallerShare = Annotated[KeyShare, Depends(key_share, scope="function")]
+"""The request's share of this replica (`api.fairshare`): routes run their blocking calls with
+`share.run(fn, …)`, in the key's turn."""
+
+
+async def _key_within_rate(request: Request, share: KeyShare, kind: str) -> ApiKey:
+    """The caller's key with a token of its `kind` taken; 429 from memory while its bucket is
+    known empty, else one worker-thread call in the key's turn."""
+    limiter: AddressLimiter = request.app.state.anonymous_limiter
+    empty: EmptyBuckets = request.app.state.empty_buckets
+    address = _address(request)
+    try:
+        empty.check(share.caller, kind)
+    except RateLimited:
+        limiter.give_back(address)  # a key the store knew, refused without asking it
+        raise
+    try:
+        key = await share.run(authenticate_within_rate, request.headers.get("authorization"), kind)
     except Unauthorized:
         raise  # the token stays spent
+    except KeyOverRate as refused:
+        limiter.give_back(address)
+        empty.remember(share.caller, kind, refused)
+        raise
     except BaseException:
         limiter.give_back(address)  # the store failed, not the caller
         raise
@@ -154,13 +266,13 @@ async def caller_key(request: Request, limiter: Annotated[AddressLimiter, Depend
     return key
 
 
-async def submit_key(key: ApiKey = Depends(caller_key)) -> ApiKey:
-    """FastAPI dependency: the caller's key (401 otherwise), within its submit rate (429 otherwise)."""
-    await run_in_threadpool(enforce, key, "submit")
-    return key
+async def submit_key(request: Request, share: CallerShare) -> ApiKey:
+    """FastAPI dependency: the caller's key (401 otherwise), within its submit rate and its
+    share of the replica (429 otherwise)."""
+    return await _key_within_rate(request, share, "submit")
 
 
-async def read_key(key: ApiKey = Depends(caller_key)) -> ApiKey:
-    """FastAPI dependency: the caller's key (401 otherwise), within its read rate (429 otherwise)."""
-    await run_in_threadpool(enforce, key, "read")
-    return key
+async def read_key(request: Request, share: CallerShare) -> ApiKey:
+    """FastAPI dependency: the caller's key (401 otherwise), within its read rate and its share
+    of the replica (429 otherwise)."""
+    return await _key_within_rate(request, share, "read")

@@ -192,11 +192,25 @@ class Settings(BaseSettings):
     rate_submit_burst: int = Field(default=60, ge=1)
     """Per key: submits allowed at once before the sustained rate applies."""
 
-    rate_read_per_s: float = Field(default=50.0, gt=0)
-    """Per key: sustained reads (GET/DELETE /v1/harvest…, GET /v1/models) per second, all replicas."""
+    rate_read_per_s: float = Field(default=10.0, gt=0)
+    """Per key: sustained reads (GET/DELETE /v1/harvest…, GET /v1/models) per second, all replicas.
+    A researcher's client reads far less (the harvest client long-polls each job it follows,
+    one read per 10 s window; the docs ask for one read a minute); 10 a second is what a
+    2-core replica serves for one key while staying quick for the others."""
 
-    rate_read_burst: int = Field(default=500, ge=1)
-    """Per key: reads allowed at once before the sustained rate applies."""
+    rate_read_burst: int = Field(default=200, ge=1)
+    """Per key: reads allowed at once before the sustained rate applies (a listing of 20,000
+    jobs is 200 pages)."""
+
+    key_requests_in_flight: int = Field(default=8, ge=1)
+    """Per key, per replica: requests the replica works on at once (a long-poll that is waiting
+    is not counted); one more is answered 429 `rate_limit_exceeded` with Retry-After 1 at once,
+    without a query (`api.fairshare`)."""
+
+    replica_work_at_once: int = Field(default=0, ge=0)
+    """Per replica: the keyed routes' blocking calls (job-store queries, rendering) run in worker
+    threads at once; more wait their key's turn, keys served round-robin (`api.fairshare`).
+    0: two per CPU core, at least 4."""
 
     # --- admission (per API replica): what a submit may cost before its cost is known ---
     admission_concurrency: int = Field(default=2, ge=1)
