@@ -1,4 +1,4 @@
-"""A fair share of an API replica for each key: a bound on its requests in flight, and its
+"""A fair share of an API replica for each key: a bound on its reads in flight, and its
 blocking work served in turn with every other key's.
 
 Why: a replica used to serve each request as it came. One key sending at its full allowed
@@ -8,10 +8,12 @@ requests, and another key's single read waited behind all of them. The request r
 one key holds of one replica at a given moment. Both parts live in this process's memory and
 cost no query:
 
-- `FairShare.enter(caller)`: a replica works on at most `per_key` requests of one caller at
+- `FairShare.enter(caller)`: a replica works on at most `per_key` reads of one caller at
   once; one more is answered 429 `rate_limit_exceeded` with Retry-After 1 straight away (no
   thread, no query). A long-poll steps aside while it waits (`KeyShare.aside`): waiting costs
-  a socket, not work, and waiters have their own per-key share (`api.watcher`).
+  a socket, not work, and waiters have their own per-key share (`api.watcher`). Submits are
+  not counted (`FairShare.uncounted`): they have per-key shares of their own (`api.admission`,
+  the inline response budget), and a completion mostly waits for its engine.
 - `FairShare.run(caller, fn, …)`: the routes' blocking work (job-store queries, rendering)
   runs in a worker thread, at most `at_once` such calls at a time on the replica; the others
   wait in a queue per caller, and each freed place goes to the next caller in turn
@@ -59,7 +61,7 @@ class FairShare:
 
     @classmethod
     def from_settings(cls, settings) -> "FairShare":
-        return cls(settings.key_requests_in_flight, settings.replica_work_at_once or default_at_once())
+        return cls(settings.key_reads_in_flight, settings.replica_work_at_once or default_at_once())
 
     def in_flight(self, caller: str) -> int:
         return self._in_flight.get(caller, 0)
@@ -71,17 +73,21 @@ class FairShare:
         return sum(len(calls) for calls in self._waiting.values())
 
     def enter(self, caller: str) -> "KeyShare":
-        """Count one more request of `caller` in flight (`KeyShare.leave` ends it), or refuse it
+        """Count one more read of `caller` in flight (`KeyShare.leave` ends it), or refuse it
         with 429 when `per_key` already are."""
         held = self._in_flight.get(caller, 0)
         if held >= self.per_key:
             raise RateLimited(
-                f"Too many requests from this key at once: this server works on at most {self.per_key} of one "
-                "key's requests at a time. Wait for an answer before sending more, or try again in 1 second.",
+                f"Too many reads from this key at once: this server works on at most {self.per_key} of one "
+                "key's reads at a time. Wait for an answer before sending more, or try again in 1 second.",
                 retry_after=1,
             )
         self._in_flight[caller] = held + 1
         return KeyShare(self, caller)
+
+    def uncounted(self, caller: str) -> "KeyShare":
+        """`caller`'s turns for a request not counted in flight."""
+        return KeyShare(self, caller, counted=False)
 
     def _leave(self, caller: str) -> None:
         held = self._in_flight.get(caller, 0) - 1
@@ -134,12 +140,13 @@ class FairShare:
 
 
 class KeyShare:
-    """One request's place among its caller's requests in flight (`FairShare.enter`)."""
+    """One request's place among its caller's requests in flight (`FairShare.enter`), and its
+    turns for blocking calls."""
 
-    def __init__(self, fair: FairShare, caller: str):
+    def __init__(self, fair: FairShare, caller: str, *, counted: bool = True):
         self.fair = fair
         self.caller = caller
-        self._counted = True
+        self._counted = counted
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` in a worker thread, in this caller's turn."""
@@ -148,13 +155,14 @@ class KeyShare:
     @contextmanager
     def aside(self) -> Iterator[None]:
         """Not counted in flight meanwhile: a long-poll while it waits for its job to change."""
+        counted = self._counted
         self.leave()
         try:
             yield
         finally:
-            # Counted again whatever the others did meanwhile: the request is already being served.
-            self.fair._in_flight[self.caller] = self.fair._in_flight.get(self.caller, 0) + 1
-            self._counted = True
+            if counted:  # counted again whatever the others did meanwhile: it is being served already
+                self.fair._in_flight[self.caller] = self.fair._in_flight.get(self.caller, 0) + 1
+                self._counted = True
 
     def leave(self) -> None:
         """The request is answered (idempotent)."""

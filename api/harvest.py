@@ -24,7 +24,7 @@ from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
 from api.openapi import KEYED, errors, request_body
-from api.ratelimit import CallerShare, read_key, submit_key
+from api.ratelimit import ReadShare, read_key, submit_key
 from api.runs import RunStore
 from api.schemas import Harvest, HarvestList, render
 from api.watcher import Watcher
@@ -171,7 +171,7 @@ async def read_harvest(
     storage: Files,
     watcher: JobWatcher,
     links: LinkBase,
-    share: CallerShare,
+    share: ReadShare,
     wait: float = Query(0, ge=0, le=60, description="Seconds to hold the request until the status changes."),
     key: ApiKey = Depends(read_key),
 ):
@@ -223,7 +223,7 @@ def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore) -> dict:
     responses=errors(401, 404, 409, 429), openapi_extra=KEYED,
 )
 async def cancel_harvest(
-    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, share: CallerShare,
+    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, share: ReadShare,
     key: ApiKey = Depends(read_key),
 ):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
@@ -237,7 +237,7 @@ async def cancel_harvest(
 )
 async def list_harvests(
     storage: Files,
-    share: CallerShare,
+    share: ReadShare,
     limit: int = Query(20, ge=1, le=100, description="Jobs per page."),
     after: str | None = Query(None, description="The last job_id of the previous page."),
     key: ApiKey = Depends(read_key),

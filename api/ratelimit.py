@@ -29,7 +29,7 @@ slow the others by being refused:
 
 - The key is looked up and its bucket taken in one worker-thread call (`authenticate_within_rate`),
   in the key's turn of the replica's fair share (`api.fairshare`), which also bounds the key's
-  requests in flight.
+  reads in flight.
 - When the store answers that a key's bucket is empty until a token is back in w seconds, the
   replica remembers it (`EmptyBuckets`) and answers that key's requests of that kind 429 from
   memory, without the store, until then. This never refuses a request the store would have let
@@ -62,8 +62,9 @@ __all__ = [
     "authenticate_within_rate",
     "EmptyBuckets",
     "AddressLimiter",
-    "key_share",
-    "CallerShare",
+    "read_share",
+    "submit_share",
+    "ReadShare",
     "submit_key",
     "read_key",
 ]
@@ -212,22 +213,23 @@ def _address(request: Request) -> str:
     return request.client.host if request.client is not None else ""
 
 
-async def key_share(request: Request) -> AsyncIterator[KeyShare]:
-    """FastAPI dependency (function scope: it ends when the route answers, not when a streamed
-    body ends): the request's place among its key's requests in flight on this replica.
+def _caller(request: Request) -> str:
+    """The caller, as the hash of the key it presents, after its address's token for requests
+    without a valid key (429 when none is left, 401 without a key: both before the job store
+    is asked; the token stays spent)."""
+    request.app.state.anonymous_limiter.take(_address(request))
+    return bearer_hash(request.headers.get("authorization"))
 
-    First its address's token for requests without a valid key (429 when none is left, 401 for
-    a request without a key, both before the job store is asked); then 429 at once when the
-    key already has its share of requests in flight (the token given back: no store was asked)."""
-    limiter: AddressLimiter = request.app.state.anonymous_limiter
-    fair: FairShare = request.app.state.fair_share
-    address = _address(request)
-    limiter.take(address)
-    caller = bearer_hash(request.headers.get("authorization"))  # 401 without a key; the token stays spent
+
+async def read_share(request: Request) -> AsyncIterator[KeyShare]:
+    """FastAPI dependency (function scope: it ends when the route answers): a read's place
+    among its key's reads in flight on this replica; 429 at once when the key already has its
+    share of them (the address's token given back: the store was not asked)."""
+    caller = _caller(request)
     try:
-        share = fair.enter(caller)
+        share = request.app.state.fair_share.enter(caller)
     except RateLimited:
-        limiter.give_back(address)
+        request.app.state.anonymous_limiter.give_back(_address(request))
         raise
     try:
         yield share
@@ -235,8 +237,15 @@ async def key_share(request: Request) -> AsyncIterator[KeyShare]:
         share.leave()
 
 
-CallerShare = Annotated[KeyShare, Depends(key_share, scope="function")]
-"""The request's share of this replica (`api.fairshare`): routes run their blocking calls with
+async def submit_share(request: Request) -> KeyShare:
+    """FastAPI dependency: a submit's turns on this replica, not counted in flight: submits
+    have their own per-key shares (`api.admission`'s for harvests; the inline response budget
+    and the engines' batches for completions), and a completion waits on its engine for long."""
+    return request.app.state.fair_share.uncounted(_caller(request))
+
+
+ReadShare = Annotated[KeyShare, Depends(read_share, scope="function")]
+"""A read's share of this replica (`api.fairshare`): routes run their blocking calls with
 `share.run(fn, …)`, in the key's turn."""
 
 
@@ -266,13 +275,12 @@ async def _key_within_rate(request: Request, share: KeyShare, kind: str) -> ApiK
     return key
 
 
-async def submit_key(request: Request, share: CallerShare) -> ApiKey:
-    """FastAPI dependency: the caller's key (401 otherwise), within its submit rate and its
-    share of the replica (429 otherwise)."""
+async def submit_key(request: Request, share: Annotated[KeyShare, Depends(submit_share)]) -> ApiKey:
+    """FastAPI dependency: the caller's key (401 otherwise), within its submit rate (429 otherwise)."""
     return await _key_within_rate(request, share, "submit")
 
 
-async def read_key(request: Request, share: CallerShare) -> ApiKey:
+async def read_key(request: Request, share: ReadShare) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), within its read rate and its share
     of the replica (429 otherwise)."""
     return await _key_within_rate(request, share, "read")

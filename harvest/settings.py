@@ -202,10 +202,10 @@ class Settings(BaseSettings):
     """Per key: reads allowed at once before the sustained rate applies (a listing of 20,000
     jobs is 200 pages)."""
 
-    key_requests_in_flight: int = Field(default=8, ge=1)
-    """Per key, per replica: requests the replica works on at once (a long-poll that is waiting
-    is not counted); one more is answered 429 `rate_limit_exceeded` with Retry-After 1 at once,
-    without a query (`api.fairshare`)."""
+    key_reads_in_flight: int = Field(default=8, ge=1)
+    """Per key, per replica: reads the replica works on at once (a long-poll that is waiting is
+    not counted; submits have their own per-key shares); one more is answered 429
+    `rate_limit_exceeded` with Retry-After 1 at once, without a query (`api.fairshare`)."""
 
     replica_work_at_once: int = Field(default=0, ge=0)
     """Per replica: the keyed routes' blocking calls (job-store queries, rendering) run in worker

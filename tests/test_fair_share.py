@@ -80,19 +80,24 @@ def test_a_call_cancelled_while_waiting_leaves_no_place_taken():
     assert ran == ["C"] and fair.running == 0 and fair.waiting() == 0
 
 
-def test_a_key_has_at_most_its_requests_in_flight_and_waiting_long_polls_do_not_count():
+def test_a_key_has_at_most_its_reads_in_flight_and_waiting_long_polls_and_submits_do_not_count():
     fair = FairShare(per_key=2, at_once=4)
     first, second = fair.enter("A"), fair.enter("A")
     with pytest.raises(RateLimited) as refused:
         fair.enter("A")
     assert refused.value.headers["Retry-After"] == "1" and refused.value.status == 429
-    assert refused.value.code == "rate_limit_exceeded" and "at most 2 of one key's requests" in str(refused.value)
+    assert refused.value.code == "rate_limit_exceeded" and "at most 2 of one key's reads" in str(refused.value)
     fair.enter("B").leave()  # another key is not refused
     with first.aside():  # a long-poll waiting: its place is free meanwhile
         third = fair.enter("A")
     assert fair.in_flight("A") == 3  # the waiter came back: counted again, never refused
     for share in (first, second, third, third):  # leaving twice counts once
         share.leave()
+    assert fair.in_flight("A") == 0
+    submit = fair.uncounted("A")  # a submit: its turns only
+    with submit.aside():
+        pass
+    submit.leave()
     assert fair.in_flight("A") == 0 and fair.enter("A")
 
 
@@ -146,7 +151,7 @@ class _Statements:
 
 @pytest.fixture(scope="module")
 def fair_app():
-    """The app with one blocking call at a time on the replica and 8 requests in flight a key."""
+    """The app with one blocking call at a time on the replica and 8 reads in flight a key."""
     from api.app import create_app
 
     app = create_app(fair_share=FairShare(per_key=8, at_once=1))
