@@ -5,7 +5,8 @@ before reading the body, parse it and learn what the job costs off the event loo
 facts first (`harvest.cost`: refused with a 400 before any tokenizer runs when the prompts'
 characters already say it is too big), admit under the caps (job store), write the request
 next to the job's files, start the lane's run (run store), and answer the harvest object.
-Status changes come from the watcher.
+Status changes come from the watcher. The reads' blocking calls run in their key's turn of the
+replica (`api.fairshare`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from sqlalchemy import Float, case, literal, select, update
 
 from api.auth import ApiKey, authenticate, bearer_hash
 from api.db import ensure_row, rate_buckets, transaction
-from api.fairshare import FairShare, KeyShare
+from api.fairshare import KeyShare
 from harvest.errors import RateLimited, Unauthorized
 from harvest.settings import get_settings
 
