@@ -9,8 +9,8 @@ is `harvest.placement`; here only what reads or writes Prefect:
   counts as one slot; a worker whose heartbeats stopped (OFFLINE) counts as none.
 - `lane_free_slots`: free = min(pool limit, Σ slots of ONLINE workers) − runs of the pool that
   hold or wait for a slot (Pending, Running, Cancelling, and Scheduled runs already due); for a
-  run of a key's work queue (`flows.key_queues`), no more than that queue's limit leaves free
-  by the same count, since its helpers wait in the same queue.
+  run of a key's work queue (`flows.key_queues`), at most that queue's limit − its runs counted
+  the same way, since the run's helpers wait in that queue.
 - `choose_workers`: the automatic scale-out policy of the `harvest` flow (its docstring says
   it); an explicit `workers` wins, and a rescheduled run keeps the count it chose the first
   time (its `harvest.workers` label), so it re-attaches to the same helpers.

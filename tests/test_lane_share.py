@@ -154,3 +154,24 @@ def test_a_second_key_runs_while_the_first_keys_next_run_waits(share_host):
     assert runs["second_a"].start_time >= runs["first_a"].end_time  # A's second waited for A's first
     assert held
     print({n: (r.start_time.isoformat(), r.end_time.isoformat()) for n, r in runs.items()})
+
+
+def test_scale_out_counts_only_the_slots_its_key_may_take(share_host):
+    """A parent run's helpers wait in its key's queue: the free slots it splits a job over are
+    at most what that queue leaves (here none, a queue of limit 0), whatever the pool has."""
+    from prefect.client.orchestration import get_client
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    from flows.key_queues import aensure_key_queue
+    from flows.placement import lane_free_slots
+
+    async def queue():
+        async with get_client() as client:
+            await aensure_key_queue(client, POOL, "key_full", 0)
+
+    run_coro_as_sync(queue())
+    with get_client(sync_client=True) as client:
+        pool_only = lane_free_slots(client, POOL)
+        keyed = lane_free_slots(client, POOL, "key_full")
+    assert pool_only.free >= 1 and pool_only.key_queue_free is None
+    assert (keyed.free, keyed.key_queue_free) == (0, 0)
