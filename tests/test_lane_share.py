@@ -118,7 +118,7 @@ def _submit(key_id: str) -> str:
     job_id = str(uuid.uuid4())
     request = HarvestRequest(model="llama-tiny", prompts=[f"{key_id} prompt"], shard_size=1)
     url = JobFiles.for_job(job_id).write_request(request)
-    return start_harvest_run(job_id, url, "llama-tiny", POOL, key_id, env=slow_shards(2))
+    return start_harvest_run(job_id, url, "llama-tiny", POOL, key_id, env=slow_shards(1))
 
 
 def test_a_second_key_runs_while_the_first_keys_next_run_waits(share_host):
@@ -133,7 +133,7 @@ def test_a_second_key_runs_while_the_first_keys_next_run_waits(share_host):
                 await aensure_key_queue(client, POOL, key, 1)
 
     run_coro_as_sync(queues())
-    # One engine for all (its host loads it once), each run one shard of 2 s more.
+    # One engine for all (its host loads it once), each run one shard of 1 s more.
     first_a, second_a, b = _submit("key_a"), _submit("key_a"), _submit("key_b")
     ids = {"first_a": first_a, "second_a": second_a, "b": b}
     held = False  # seen: A's second Scheduled (or Late) while A's first runs
