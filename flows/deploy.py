@@ -2,7 +2,9 @@
 
 Each lane of `infra/lanes.toml` (`harvest.lanes`) becomes a process work pool of its name with
 its concurrency limit, and a deployment `harvest-<lane>` of the harvest flow on it; the
-maintenance deployments (corpus refresh, retention sweep) come from infra/prefect.yaml.
+maintenance deployments (corpus refresh, retention sweep) come from infra/prefect.yaml. The
+pool's per-key work queues (`flows.key_queues`, made on a key's first run) get the lane's
+`key_run_limit` again, so an edit of it reaches keys seen before.
 
 The harvest deployments' run command is the caller's: `harvest server` hands it the launcher
 of its worker hosts' run starters, which forks each run from a preloaded process; without one,
@@ -28,6 +30,7 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.asyncutils import run_coro_as_sync
 
+from flows.key_queues import aapply_key_queue_limits
 from harvest.lanes import Lane, load_lanes
 from harvest.settings import get_settings
 
@@ -48,7 +51,10 @@ def lane_spec(lanes: dict[str, Lane], run_command: str | None) -> dict[str, list
     """Pools and harvest deployments of the lanes, in infra/prefect.yaml's shape; each flow run
     of a lane runs `run_command` (None: Prefect's own)."""
     pools = [
-        {"name": lane.name, "type": "process", "concurrency_limit": lane.pool_limit, "description": lane.description}
+        {
+            "name": lane.name, "type": "process", "concurrency_limit": lane.pool_limit, "description": lane.description,
+            "key_run_limit": lane.key_run_limit,
+        }
         for lane in lanes.values()
     ]
     deployments = [
@@ -79,6 +85,8 @@ async def _apply_pool(client, pool: dict) -> None:
         )
     except ObjectAlreadyExists:
         await client.update_work_pool(pool["name"], WorkPoolUpdate(description=pool.get("description"), concurrency_limit=limit))
+    if "key_run_limit" in pool:
+        await aapply_key_queue_limits(client, pool["name"], pool["key_run_limit"])
 
 
 async def _apply_deployment(client, spec: dict, repo: Path) -> str:

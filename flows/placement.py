@@ -8,7 +8,9 @@ is `harvest.placement`; here only what reads or writes Prefect:
   add up the slots of its lane's online hosts. A worker without one (a bare `prefect worker`)
   counts as one slot; a worker whose heartbeats stopped (OFFLINE) counts as none.
 - `lane_free_slots`: free = min(pool limit, Σ slots of ONLINE workers) − runs of the pool that
-  hold or wait for a slot (Pending, Running, Cancelling, and Scheduled runs already due).
+  hold or wait for a slot (Pending, Running, Cancelling, and Scheduled runs already due); for a
+  run of a key's work queue (`flows.key_queues`), at most that queue's limit − its runs counted
+  the same way, since the run's helpers wait in that queue.
 - `choose_workers`: the automatic scale-out policy of the `harvest` flow (its docstring says
   it); an explicit `workers` wins, and a rescheduled run keeps the count it chose the first
   time (its `harvest.workers` label), so it re-attaches to the same helpers.
@@ -29,6 +31,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterNextScheduledStartTime,
     FlowRunFilterState,
     FlowRunFilterStateType,
+    FlowRunFilterWorkQueueName,
     WorkerFilter,
     WorkerFilterStatus,
     WorkPoolFilter,
@@ -37,6 +40,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from flows.key_queues import KEY_QUEUE_PREFIX
 from harvest.placement import auto_workers, free_slots
 from harvest.settings import Settings
 
@@ -95,10 +99,13 @@ class LaneCapacity:
     busy: int
     """Runs holding a slot or waiting for one, the caller's own included."""
     free: int
+    key_queue_free: int | None = None
+    """What the caller's key queue leaves (already counted in `free`); None: no key limit."""
 
     def describe(self) -> str:
         limit = "no limit" if self.pool_limit is None else f"limit {self.pool_limit}"
-        return f"{self.free} free of {sum(self.slots_per_host)} slots on {len(self.slots_per_host)} online hosts ({limit}), {self.busy} busy"
+        key = "" if self.key_queue_free is None else f", {self.key_queue_free} left to this key"
+        return f"{self.free} free of {sum(self.slots_per_host)} slots on {len(self.slots_per_host)} online hosts ({limit}), {self.busy} busy{key}"
 
 
 def _count(client, pool: str, state: FlowRunFilterState, **flow_run_filter) -> int:
@@ -108,8 +115,18 @@ def _count(client, pool: str, state: FlowRunFilterState, **flow_run_filter) -> i
     )
 
 
-def lane_free_slots(client, pool: str) -> LaneCapacity:
-    """What the lane (work pool `pool`) could start now without anyone waiting: one look."""
+def _busy(client, pool: str, **flow_run_filter) -> int:
+    """Runs of `pool` (narrowed by `flow_run_filter`) holding a slot or due to take one."""
+    busy = _count(client, pool, FlowRunFilterState(type=FlowRunFilterStateType(any_=_HOLDING)), **flow_run_filter)
+    return busy + _count(
+        client, pool, FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+        next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=datetime.now(timezone.utc)), **flow_run_filter,
+    )
+
+
+def lane_free_slots(client, pool: str, queue: str | None = None) -> LaneCapacity:
+    """What the lane (work pool `pool`) could start now without anyone waiting: one look.
+    queue: the caller's work queue; a key queue's limit bounds what is free too."""
     limit = client.read_work_pool(pool).concurrency_limit
     online = client.read_workers_for_work_pool(pool, worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
     per_host = []
@@ -117,12 +134,23 @@ def lane_free_slots(client, pool: str) -> LaneCapacity:
         variable = client.read_variable_by_name(host_variable(pool, worker.name))
         slots = variable.value.get("slots") if variable is not None and isinstance(variable.value, dict) else None
         per_host.append(slots if isinstance(slots, int) and slots > 0 else 1)
-    busy = _count(client, pool, FlowRunFilterState(type=FlowRunFilterStateType(any_=_HOLDING)))
-    busy += _count(
-        client, pool, FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
-        next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=datetime.now(timezone.utc)),
-    )
-    return LaneCapacity(limit, per_host, busy, free_slots(limit, per_host, busy))
+    busy = _busy(client, pool)
+    free = free_slots(limit, per_host, busy)
+    key_free = None
+    if queue is not None and queue.startswith(KEY_QUEUE_PREFIX):
+        key_limit = client.read_work_queue_by_name(queue, work_pool_name=pool).concurrency_limit
+        if key_limit is not None:
+            key_free = max(0, key_limit - _busy(client, pool, work_queue_name=FlowRunFilterWorkQueueName(any_=[queue])))
+            free = min(free, key_free)
+    return LaneCapacity(limit, per_host, busy, free, key_free)
+
+
+def _own_queue(client) -> str | None:
+    """The work queue of the flow run calling (None outside one)."""
+    from prefect.runtime import flow_run as current_run
+
+    run_id = current_run.get_id()
+    return client.read_flow_run(run_id).work_queue_name if run_id else None
 
 
 def choose_workers(
@@ -139,7 +167,7 @@ def choose_workers(
     if n_shards // settings.scale_out_min_shards < 2:
         return 1  # too small to share, whatever is free: no need to ask Prefect
     try:
-        capacity = lane_free_slots(client, pool)
+        capacity = lane_free_slots(client, pool, _own_queue(client))
     except Exception as exc:  # an unreadable lane must not fail a job: run it alone
         say("could not read work pool %s (%s: %s); running alone", pool, type(exc).__name__, exc)
         return 1

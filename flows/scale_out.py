@@ -12,6 +12,11 @@ then the rule above applies. Shards already written and verified are skipped, an
 written twice (a helper that started just as it was taken over) is the same bytes written
 atomically, so scale-out never deadlocks on the lane's limit and never loses or doubles a
 shard. How many runs (N) is `flows.placement.choose_workers`.
+
+Helpers wait in their parent's work queue, its key's (`flows.key_queues`): they hold slots of
+the lane like any run, so they count against the key's share; in the pool's default queue a
+key's one big job could take every slot as helpers and hold the next key's job back. The
+placement counts that queue's free slots, so a job is split only over runs its key may start.
 """
 
 from __future__ import annotations
@@ -104,6 +109,7 @@ def start_helpers(run: RunProgress, ranges: list[list[int]]) -> list[tuple[list[
     tags = [t for t in (current_run.tags or []) if not t.startswith("key:")] + [HELPER_TAG, f"job:{job_id}"]
     # Helpers run with the parent's job variables (e.g. its env), so they behave the same.
     job_variables = run.job_variables
+    queue = run.client.read_flow_run(run.id).work_queue_name if run.id is not None else None
     helpers = []
     for rng in ranges:
         child = run_deployment(
@@ -115,6 +121,7 @@ def start_helpers(run: RunProgress, ranges: list[list[int]]) -> list[tuple[list[
             flow_run_name=f"{job_id}-shards-{rng[0]}-{rng[1]}",
             tags=tags,
             job_variables=job_variables or None,
+            work_queue_name=queue,
         )
         helpers.append((rng, child.id))
     return helpers

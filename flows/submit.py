@@ -17,7 +17,8 @@ too: Prefect's helper then runs it on another thread).
 `{"job_id", "request_url"}` only (prompts never go into Prefect's database), named after the
 job, tagged `job-id:<job_id>`, `model:<m>`, `lane:<lane>`, `key:<key_id>`, with idempotency
 key = job id: a second call for the same job (e.g. an API restarted mid-submit) returns the
-same run. The `job-id:` tag (scale-out helpers inherit it; their own `job:` tag marks helpers
+same run. The run waits in its key's work queue of the lane's pool (`flows.key_queues`), made
+first if need be, so a key holds at most the lane's `key_run_limit` slots at once. The `job-id:` tag (scale-out helpers inherit it; their own `job:` tag marks helpers
 only) finds a job's runs when the start failed after Prefect created the run and its id
 never came back: `cancel_job_runs`.
 
@@ -55,7 +56,8 @@ from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.states import AwaitingRetry, Cancelled, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from harvest.lanes import deployment_name
+from flows.key_queues import aensure_key_queue
+from harvest.lanes import deployment_name, load_lanes
 
 __all__ = [
     "START_BOUND_S",
@@ -159,10 +161,15 @@ async def astart_harvest_run(
     parameters: dict = {"job_id": job_id, "request_url": request_url}
     if workers is not None:
         parameters["workers"] = workers
+    lane_config = load_lanes().get(lane)
     try:
         with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: START_RETRIES}), anyio.fail_after(START_BOUND_S):
             async with get_client() as client:
                 deployment = await client.read_deployment_by_name(deployment_name(lane))
+                queue = await aensure_key_queue(
+                    client, deployment.work_pool_name or lane, key_id,
+                    lane_config.key_run_limit if lane_config else None, enforce=lane_config is not None,
+                )
                 run = await client.create_flow_run_from_deployment(
                     deployment.id,
                     parameters=parameters,
@@ -170,6 +177,7 @@ async def astart_harvest_run(
                     tags=[f"{JOB_TAG}{job_id}", f"model:{model}", f"lane:{lane}", f"key:{key_id}"],
                     idempotency_key=job_id,
                     job_variables={"env": env} if env else None,
+                    work_queue_name=queue,
                 )
     except TimeoutError as exc:
         raise RunStartTimeout(f"Prefect did not create the run of job {job_id} within {START_BOUND_S:g} s.") from exc

@@ -4,7 +4,8 @@ A lane is a fleet of worker hosts serving the same class of models: its Prefect 
 the lane's name and its deployment is `harvest-<lane>` (`flows.deploy`), the registry checks
 that every model names a declared lane (`harvest.registry`), and the API caps jobs per key and
 service-wide per lane (`api.store`) and refuses shards too big for the lane's hosts
-(`harvest.cost`). Nothing else spells a lane: adding one is a config edit plus `harvest server`.
+(`harvest.cost`). Within the pool each key's runs wait in a work queue of their own, limited to
+`key_run_limit` runs at once (`flows.submit`), so one key never holds every slot of the lane. Nothing else spells a lane: adding one is a config edit plus `harvest server`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import tomllib
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from harvest.settings import Settings, get_settings
 
-__all__ = ["Lane", "load_lanes", "deployment_name"]
+__all__ = ["Lane", "load_lanes", "deployment_name", "default_key_run_limit"]
 
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 
@@ -39,11 +40,31 @@ class Lane(BaseModel, frozen=True):
     """Most bytes of one shard file: what a worker host's disk (where a shard is staged) or
     one object of the store holds. A submit whose shards would be bigger is refused at
     admission naming the largest shard_size that fits (`harvest.cost`); None is no limit."""
+    key_run_limit: int | None = Field(default=None, ge=1)
+    """Flow runs of one API key at once in the lane's pool (its work queue's limit); a key's
+    further runs wait in its queue while other keys' runs take the free slots. Left out:
+    `default_key_run_limit`."""
     description: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_key_run_limit(cls, data: dict) -> dict:
+        if isinstance(data, dict) and data.get("key_run_limit") is None:
+            data = {**data, "key_run_limit": default_key_run_limit(data.get("pool_limit"))}
+        return data
 
     @property
     def deployment(self) -> str:
         return deployment_name(self.name)
+
+
+def default_key_run_limit(pool_limit: int | None) -> int | None:
+    """One slot fewer than the pool: whatever one key sends, another key's run finds a slot,
+    and a lone key still uses all but one. A pool of one slot cannot be shared (1), and a pool
+    without a limit needs no share (None)."""
+    if pool_limit is None:
+        return None
+    return max(pool_limit - 1, 1)
 
 
 def deployment_name(lane: str) -> str:

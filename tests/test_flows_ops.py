@@ -88,7 +88,11 @@ def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
     from prefect.client.orchestration import get_client
 
     jobs = [
-        harvest_stack.submit({"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(3)], "shard_size": 1}, env=slow_shards(1))
+        # One key each: a key's own runs stop at the lane's key_run_limit (2) before the pool's.
+        harvest_stack.submit(
+            {"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(3)], "shard_size": 1},
+            env=slow_shards(1), key_id=f"pool-limit-{i}",
+        )
         for i in range(4)
     ]
     ids = [j.flow_run_id for j in jobs]
