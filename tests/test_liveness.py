@@ -150,19 +150,28 @@ def test_dead_hosts_runs_end_crashed_or_cancelled_live_ones_untouched(liveness, 
     began = _now()
     workers = [lane_workers.start(pool, env=HEARTBEAT_ENV) for pool in POOLS]
     dead, live, unwatched = workers[:2], workers[2], workers[3]
-    crashing, crashing_files = _submit(DEAD_1, 40, 2)
-    cancelled, cancelled_files = _submit(DEAD_2, 40, 2)
-    orphan, orphan_files = _submit(UNWATCHED, 40, 2)
+    # The doomed runs are killed after their second shard, so they cost nothing by being long;
+    # long enough (400 s of shards) that none can end before the slowest of them has started on
+    # a loaded host: the kill must find all three mid-run.
+    crashing, crashing_files = _submit(DEAD_1, 400, 2)
+    cancelled, cancelled_files = _submit(DEAD_2, 400, 2)
+    orphan, orphan_files = _submit(UNWATCHED, 400, 2)
     # Longer than the crash window on a live host: two heartbeat windows roll over meanwhile.
     normal, _ = _submit(LIVE, 2 * 20, CRASH_AFTER_S / 20 + 0.2)
     runs = [crashing, cancelled, orphan, normal]
     try:
         doomed = [(crashing, crashing_files), (cancelled, cancelled_files), (orphan, orphan_files)]
-        _wait_for(
-            lambda: all(_run(r).state.type == StateType.RUNNING and f.shards_done() >= 2 for r, f in doomed),
-            240,
-            "the three doomed runs Running with 2 shards written",
-        )
+        def where_they_are() -> str:
+            return "; ".join(f"{_run(r).state.name} with {f.shards_done()} shards" for r, f in doomed)
+
+        try:
+            _wait_for(
+                lambda: all(_run(r).state.type == StateType.RUNNING and f.shards_done() >= 2 for r, f in doomed),
+                300,
+                "the three doomed runs Running with 2 shards written",
+            )
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: {where_they_are()}") from None
         for worker in [*dead, unwatched]:
             lane_workers.kill(worker)  # the worker and its flow-run processes at once: a lost host
         killed_at = _now()
