@@ -85,6 +85,12 @@ def _role(process: psutil.Process) -> str:
         line = " ".join(process.cmdline())
     except psutil.Error:
         return "gone"
+    if "fleet.run_starter" in line:  # a run is forked from its host's starter: same command line, the starter its parent
+        try:
+            parent = process.parent()
+            return "run" if parent is not None and "fleet.run_starter" in " ".join(parent.cmdline()) else "run-starter"
+        except psutil.Error:
+            return "run-starter"
     for needle, role in (("api.app", "api"), ("uvicorn", "api"), ("harvest.warm.server", "engine-server"),
                          ("fleet.run_starter", "run-starter"), ("prefect server", "prefect-server"),
                          ("prefect worker", "worker"), ("harvest up", "harvest-up"), ("harvest worker", "worker"),
@@ -155,6 +161,7 @@ class Record:
         self.statuses: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.failures: list[str] = []
         self.turnaround: list[float] = []
+        self.stages: list[tuple[float, float]] = []  # each done victim job: (created → started, started → completed) s
         self.positions_returned = 0
         self.lingering: list[asyncio.Future] = []  # inline requests let finish past the clock
 
@@ -186,6 +193,15 @@ class Record:
 
 # --- the victim -------------------------------------------------------------------------------
 
+def _stages(job: dict) -> tuple[float, float]:
+    """(waiting: created → started, running: started → completed) of a done job, in seconds."""
+    from datetime import datetime
+
+    created, started, completed = (datetime.fromisoformat(job[k].replace("Z", "+00:00"))
+                                   for k in ("created_at", "started_at", "completed_at"))
+    return (started - created).total_seconds(), (completed - started).total_seconds()
+
+
 async def victim(base: str, key: str, record: Record, stop_at: float, done_jobs: list[str]) -> None:
     auth = {"Authorization": f"Bearer {key}"}
     rng = random.Random(1)
@@ -210,6 +226,7 @@ async def victim(base: str, key: str, record: Record, stop_at: float, done_jobs:
                 status = polled.json()["status"]
             if status == "done":
                 record.turnaround.append(time.monotonic() - started)
+                record.stages.append(_stages(polled.json()))
                 done_jobs.append(job_id)
             # reads between jobs: the done job (with its links) and the first page of the list
             for _ in range(3):
@@ -253,10 +270,22 @@ ATTACKS = ("bodies", "shards", "inline", "lists", "long-polls", "no-key")
 
 
 async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: dict[str, bytes], waiters: int,
-                   attacks: tuple[str, ...] = ATTACKS) -> None:
+                   attacks: tuple[str, ...] = ATTACKS, flood: bool = False) -> None:
+    """Every attack at once. Each loop sends its next request as soon as the service allows
+    it: at once after an answer, after the `Retry-After` of a 429 or of a declined long-poll
+    (the key's full allowed rate). With `flood`, it ignores those too and sends at once
+    whatever the answer: beyond its allowed rate, so outside the 2x target; it shows what a
+    refusal costs the replica."""
     auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     transport = lambda: httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS)  # noqa: E731
     jobs: list[str] = []
+
+    async def obey(answer: httpx.Response | None) -> None:
+        """Wait as long as the answer asks (nothing under `flood`)."""
+        if flood or answer is None:
+            return
+        if answer.status_code == 429 or answer.headers.get("X-Acs-Longpoll") == "declined":
+            await asyncio.sleep(float(answer.headers.get("Retry-After", 1)))
 
     async def submitter(name: str) -> None:
         async with httpx.AsyncClient(headers=auth, timeout=300, transport=transport()) as client:
@@ -265,8 +294,7 @@ async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: 
                                            content=bodies[name])
                 if answer is not None and answer.status_code == 202:
                     jobs.append(answer.json()["job_id"])
-                elif answer is not None and answer.status_code == 429:
-                    await asyncio.sleep(min(float(answer.headers.get("Retry-After", 1)), 1.0))
+                await obey(answer)
 
     async def inline() -> None:
         client = httpx.AsyncClient(headers=auth, timeout=900, transport=transport())  # outlives the clock (lingering)
@@ -280,13 +308,14 @@ async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: 
                 usage = answer.json()["usage"]
                 record.positions_returned += usage["prompt_tokens"] + usage["completion_tokens"] - 1
                 answer._counted = True
-            elif answer is not None:
-                await asyncio.sleep(min(float(answer.headers.get("Retry-After", 1)), 1.0))
+            else:
+                await obey(answer)
 
     async def lister() -> None:
         async with httpx.AsyncClient(headers=auth, timeout=120, transport=transport()) as client:
             while time.monotonic() < stop_at:
-                await record.call("attacker", "GET /v1/harvest?limit=100", client, "GET", f"{base}/harvest", params={"limit": 100})
+                await obey(await record.call("attacker", "GET /v1/harvest?limit=100", client, "GET", f"{base}/harvest",
+                                             params={"limit": 100}))
 
     async def long_poller() -> None:
         async with httpx.AsyncClient(headers=auth, timeout=120, transport=transport()) as client:
@@ -294,17 +323,17 @@ async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: 
                 if not jobs:
                     await asyncio.sleep(0.5)
                     continue
-                await record.call("attacker", "GET /v1/harvest/{id}?wait=60", client, "GET", f"{base}/harvest/{jobs[-1]}",
-                                  params={"wait": 60})
+                await obey(await record.call("attacker", "GET /v1/harvest/{id}?wait=60", client, "GET",
+                                             f"{base}/harvest/{jobs[-1]}", params={"wait": 60}))
 
     async def no_key() -> None:
         async with httpx.AsyncClient(timeout=60, transport=transport()) as client:
             while time.monotonic() < stop_at:
                 job = uuid.uuid4()
-                await record.call("no key", "GET /v1/files (bad link)", client, "GET",
-                                  f"{base}/files/{job}/manifest.json", params={"expires": "1", "signature": "0" * 64})
-                await record.call("no key", "GET /v1/harvest/{id} (bad key)", client, "GET", f"{base}/harvest/{job}",
-                                  headers={"Authorization": "Bearer acs_" + uuid.uuid4().hex})
+                await obey(await record.call("no key", "GET /v1/files (bad link)", client, "GET",
+                                             f"{base}/files/{job}/manifest.json", params={"expires": "1", "signature": "0" * 64}))
+                await obey(await record.call("no key", "GET /v1/harvest/{id} (bad key)", client, "GET", f"{base}/harvest/{job}",
+                                             headers={"Authorization": "Bearer acs_" + uuid.uuid4().hex}))
 
     work = {
         "bodies": lambda: [submitter("too_many_tokens"), submitter("too_many_tokens")],
@@ -328,7 +357,7 @@ async def _until(work, seconds: float) -> None:
 
 
 def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float, bodies, waiters: int,
-           attacks: tuple[str, ...] = ATTACKS) -> Record:
+           attacks: tuple[str, ...] = ATTACKS, flood: bool = False) -> Record:
     record = Record()
     done: list[str] = []
 
@@ -336,7 +365,7 @@ def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float,
         stop_at = time.monotonic() + seconds
         tasks = [victim(base, victim_key, record, stop_at, done)]
         if attacker_key is not None:
-            tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters, attacks), seconds + 2))
+            tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters, attacks, flood), seconds + 2))
         await asyncio.gather(*tasks)
         for call in record.lingering:
             answer = await call
@@ -360,17 +389,29 @@ def _warm_up(base: str, key: str) -> None:
 
 
 def _drain(base: str, jobs: dict[str, str], wait_s: float) -> dict[str, dict]:
-    """Every stored job to an end: cancel what is active after `wait_s`."""
+    """Every stored job to an end: cancel what is active after `wait_s`. Reads as a polite
+    client does: a few at a time per key (a replica works on a bounded number of one key's
+    reads at once) and after the Retry-After of a 429."""
+    shares: dict[str, asyncio.Semaphore] = {}
+
+    async def call(client: httpx.AsyncClient, method: str, url: str, key: str, **kwargs) -> dict:
+        async with shares.setdefault(key, asyncio.Semaphore(4)):
+            while True:
+                answer = await client.request(method, url, headers={"Authorization": f"Bearer {key}"}, **kwargs)
+                if answer.status_code != 429:
+                    return answer.json()
+                await asyncio.sleep(float(answer.headers.get("retry-after", "1")))
+
     async def one(client: httpx.AsyncClient, job_id: str, key: str) -> dict:
-        auth = {"Authorization": f"Bearer {key}"}
+        url = f"{base}/harvest/{job_id}"
         deadline = time.monotonic() + wait_s
-        body = (await client.get(f"{base}/harvest/{job_id}", headers=auth)).json()
+        body = await call(client, "GET", url, key)
         while body["status"] not in TERMINAL and time.monotonic() < deadline:
-            body = (await client.get(f"{base}/harvest/{job_id}", headers=auth, params={"wait": 10})).json()
+            body = await call(client, "GET", url, key, params={"wait": 10})
         if body["status"] not in TERMINAL:
-            await client.delete(f"{base}/harvest/{job_id}", headers=auth)
+            await call(client, "DELETE", url, key)
             for _ in range(60):
-                body = (await client.get(f"{base}/harvest/{job_id}", headers=auth)).json()
+                body = await call(client, "GET", url, key)
                 if body["status"] in TERMINAL:
                     break
                 await asyncio.sleep(1)
@@ -403,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain", type=float, default=60, help="seconds for jobs to end before they are cancelled")
     parser.add_argument("--without", default="", help=f"leave out attacks to find which one costs the victim "
                         f"(comma-separated: {', '.join(ATTACKS)}); the target is measured with none left out")
+    parser.add_argument("--flood", action="store_true", help="the attacker ignores Retry-After (beyond its allowed "
+                        "rate, outside the target): what refusals cost the replica")
     args = parser.parse_args(argv)
     left_out = {name.strip() for name in args.without.split(",") if name.strip()}
     if left_out - set(ATTACKS):
@@ -436,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = _phase(base, victim_key, None, args.seconds, bodies, waiters)
         load["baseline"] = os.getloadavg()[0]
         print(f"baseline done: {len(baseline.turnaround)} victim jobs, load average {load['baseline']:.1f}", flush=True)
-        attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters, attacks)
+        attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters, attacks, args.flood)
         load["attack"] = os.getloadavg()[0]
         print(f"attack done: {len(attack.turnaround)} victim jobs, load average {load['attack']:.1f}", flush=True)
 
@@ -461,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
 
         reads = lambda r: r.latency.get(("victim", "read"), [])  # noqa: E731
         print(f"\nnoisy neighbour, {args.seconds:.0f} s per phase, attacker scale {args.scale}, shard scale "
-              f"{args.shard_scale}: {sizes}; attacks: {', '.join(attacks)}; 1-min load average at start / end of baseline / end of attack: "
+              f"{args.shard_scale}: {sizes}; attacks: {', '.join(attacks)}{' (flood: Retry-After ignored)' if args.flood else ''}; 1-min load average at start / end of baseline / end of attack: "
               f"{load['start']:.1f} / {load['baseline']:.1f} / {load['attack']:.1f}\n")
         print("| victim | baseline p50 / p95 | under attack p50 / p95 | p95 ratio |")
         print("|---|---:|---:|---:|")
@@ -470,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
             ratio = p95(after) / p95(before) if before and after else float("nan")
             print(f"| {name} ({len(before)} / {len(after)}) | {statistics.median(before or [float('nan')]):.2f} / {p95(before):.2f} | "
                   f"{statistics.median(after or [float('nan')]):.2f} / {p95(after):.2f} | {ratio:.2f}× |")
+        for name, phase in (("baseline", baseline), ("under attack", attack)):
+            if phase.stages:
+                waiting, running = zip(*phase.stages)
+                print(f"victim jobs {name}: waiting (created → started) p50 {statistics.median(waiting):.2f} s, "
+                      f"max {max(waiting):.2f} s; running (started → completed) p50 {statistics.median(running):.2f} s, "
+                      f"max {max(running):.2f} s")
         print("\nunder attack, every route:\n")
         print("\n".join(_table(attack)))
         print("\n| process (role) | processes | peak RSS of one | documented bound |\n|---|---:|---:|---|")
