@@ -110,6 +110,7 @@ class RssSampler(threading.Thread):
         self.home = str(home)
         self.interval = interval
         self.peak: dict[int, tuple[str, int]] = {}  # pid -> (role, peak bytes)
+        self.cpu: dict[int, float] = {}  # pid -> CPU seconds (user + system) at its last sample
         self.stop = threading.Event()
         self._ours: dict[int, bool] = {}
 
@@ -136,6 +137,8 @@ class RssSampler(threading.Thread):
             for process in self._members():
                 try:
                     rss = process.memory_info().rss
+                    times = process.cpu_times()
+                    self.cpu[process.pid] = times.user + times.system
                 except psutil.Error:
                     continue
                 role, peak = self.peak.get(process.pid, (None, 0))
@@ -151,6 +154,13 @@ class RssSampler(threading.Thread):
             seen, top = roles.get(role, (0, 0))
             roles[role] = (seen + 1, max(top, peak))
         return roles
+
+    def cpu_by_role(self) -> dict[str, float]:
+        """role -> CPU seconds its processes used so far (as last sampled)."""
+        used: dict[str, float] = defaultdict(float)
+        for pid, seconds in self.cpu.items():
+            used[self.peak.get(pid, ("?", 0))[0]] += seconds
+        return dict(used)
 
 
 class Record:
@@ -478,9 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         load = {"start": os.getloadavg()[0]}  # the host is shared: the ratio is side by side, the load says how busy
         baseline = _phase(base, victim_key, None, args.seconds, bodies, waiters)
         load["baseline"] = os.getloadavg()[0]
+        cpu_before = sampler.cpu_by_role()
         print(f"baseline done: {len(baseline.turnaround)} victim jobs, load average {load['baseline']:.1f}", flush=True)
         attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters, attacks, args.flood)
         load["attack"] = os.getloadavg()[0]
+        cpu_attack = sampler.cpu_by_role()
         print(f"attack done: {len(attack.turnaround)} victim jobs, load average {load['attack']:.1f}", flush=True)
 
         from sqlalchemy import create_engine, text
@@ -521,9 +533,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"max {max(running):.2f} s")
         print("\nunder attack, every route:\n")
         print("\n".join(_table(attack)))
-        print("\n| process (role) | processes | peak RSS of one | documented bound |\n|---|---:|---:|---|")
+        print("\n| process (role) | processes | peak RSS of one | documented bound | CPU s in the attack phase |\n|---|---:|---:|---|---:|")
         for role, (seen, peak) in sorted(sampler.by_role().items()):
-            print(f"| {role} | {seen} | {peak / 2**20:.0f} MiB | {BOUNDS.get(role) or 'none on this branch'} |")
+            cpu_s = cpu_attack.get(role, 0.0) - cpu_before.get(role, 0.0)
+            print(f"| {role} | {seen} | {peak / 2**20:.0f} MiB | {BOUNDS.get(role) or 'none on this branch'} | {cpu_s:.1f} |")
         statuses = defaultdict(int)
         for body in ended.values():
             statuses[body["status"]] += 1
