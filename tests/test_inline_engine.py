@@ -200,3 +200,28 @@ def test_cpu_decoding_uses_one_thread_below_the_callers_priority(hf_engine, prom
     assert len(seen) == 5 and all(threads == 1 and nice >= DECODE_NICE for threads, nice in seen)
     assert torch.get_num_threads() == threads_before
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller_nice  # the caller's own thread is untouched
+
+
+def test_overlapping_cpu_decodes_keep_one_thread_until_the_last_ends():
+    """torch's thread count is the process's: a decode that ends while another runs must not
+    hand the other its threads back."""
+    import threading
+
+    from harvest.engines.hf_generate import _cpu_share
+
+    before = torch.get_num_threads()
+    counts = []
+
+    def overlap():  # in a thread of its own: the lower priority stays with that thread
+        first, second = _cpu_share(torch.device("cpu")), _cpu_share(torch.device("cpu"))
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)  # the first decode ends, the second goes on
+        counts.append(torch.get_num_threads())
+        second.__exit__(None, None, None)
+        counts.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=overlap)
+    worker.start()
+    worker.join()
+    assert counts == [1, before]

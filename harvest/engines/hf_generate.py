@@ -122,10 +122,40 @@ def growing_cache(config) -> DynamicCache:
     return cache
 
 
+class _DecodeThreads:
+    """torch's intra-op thread count is the process's, not a thread's: one intra-op thread
+    while any CPU decode of this process runs, the count it had back when the last one ends
+    (each decode restoring its own would hand the others two threads mid-decode)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running = 0
+        self._before = 0
+
+    @contextmanager
+    def one(self):
+        with self._lock:
+            if self._running == 0:
+                self._before = torch.get_num_threads()
+                torch.set_num_threads(1)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    torch.set_num_threads(self._before)
+
+
+_DECODES = _DecodeThreads()
+
+
 @contextmanager
 def _cpu_share(device: torch.device):
-    """On the CPU: one intra-op thread for the call, and a lower priority for this thread
-    (kept: the thread is an engine's, and raising it back needs privileges)."""
+    """On the CPU: one intra-op thread while the call runs (`_DecodeThreads`), and a lower
+    priority for this thread (kept: the thread is an engine's, and raising it back needs
+    privileges)."""
     if device.type != "cpu":
         yield
         return
@@ -135,12 +165,8 @@ def _cpu_share(device: torch.device):
             os.setpriority(os.PRIO_PROCESS, tid, DECODE_NICE)  # Linux: this thread only
     except (OSError, AttributeError):  # not Linux, or not allowed: the thread count still helps
         pass
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _DECODES.one():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass
