@@ -68,15 +68,16 @@ DOCUMENTED_503 = {"harvest_unavailable", "replica_busy"}
 ATTACKER_ADDRESS = "127.0.0.2"  # another client address on loopback: the per-address limits are its own
 WORDS = "the residual stream carries every feature a probe reads and every token adds its own part".split()
 
-# Bounds the README documents for each process (None: none documented).
+# Bounds the README documents for each process ("Memory of each process"), in short.
 BOUNDS = {
-    "api": "submits ≤ a few × HARVEST_ADMISSION_BYTES (128 MiB); inline payloads ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES (512 MiB) or one response",
-    "prefect-server": None,
-    "worker": None,
-    "run-starter": None,
-    "run": "one piece in flight: HARVEST_ENGINE_PIECE_BYTES (256 MiB), plus S3 upload parts",
-    "engine-server": "models + one forward pass of HARVEST_ENGINE_BATCH_TOKENS (16,384) and its captures (~3 × HARVEST_ENGINE_PIECE_BYTES on the CPU)",
-    "harvest-up": None,
+    "api": "imports + inline models + submits ≤ a few × HARVEST_ADMISSION_BYTES + inline ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES",
+    "run": "imports + one piece (HARVEST_ENGINE_PIECE_BYTES) + S3 parts (HARVEST_S3_PART_BYTES)",
+    "engine-server": "models + one pass of HARVEST_ENGINE_BATCH_TOKENS and its captures (~3 × HARVEST_ENGINE_PIECE_BYTES on the CPU)",
+    "run-starter": "fixed: imports, no model",
+    "run-launcher": "fixed: the standard library only",
+    "worker": "fixed: Prefect's worker",
+    "prefect-server": "fixed per request: prompts never reach it",
+    "harvest-up": "fixed: supervision, output to log files",
 }
 
 
@@ -85,7 +86,11 @@ def _role(process: psutil.Process) -> str:
         line = " ".join(process.cmdline())
     except psutil.Error:
         return "gone"
-    if "fleet.run_starter" in line:  # a run is forked from its host's starter: same command line, the starter its parent
+    if "fleet.run_starter" in line:
+        # The starter (`--socket`), the runs it forks (same command line, the starter their
+        # parent), and the launchers the worker starts per run (no `--socket`; standard library only).
+        if "--socket" not in line:
+            return "run-launcher"
         try:
             parent = process.parent()
             return "run" if parent is not None and "fleet.run_starter" in " ".join(parent.cmdline()) else "run-starter"
