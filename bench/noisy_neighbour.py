@@ -177,6 +177,7 @@ class Record:
         self.failures: list[str] = []
         self.turnaround: list[float] = []
         self.stages: list[tuple[float, float]] = []  # each done victim job: (created → started, started → completed) s
+        self.victim_jobs: list[str] = []  # the victim's done jobs, in order
         self.positions_returned = 0
         self.lingering: list[asyncio.Future] = []  # inline requests let finish past the clock
 
@@ -207,6 +208,44 @@ class Record:
 
 
 # --- the victim -------------------------------------------------------------------------------
+
+def _prefect_steps(home: Path, prefect_ui: str, db_url: str, job_ids: list[str]) -> dict[str, list[float]]:
+    """Where a victim job's wait went, from Prefect's own record of its run: API (job created →
+    its flow run created), queue (→ Pending: a worker took it), start (→ Running: the run's
+    process started the flow), run (→ Completed). Seconds per step, one value per job."""
+    from datetime import datetime, timezone
+
+    from sqlalchemy import create_engine, text
+
+    from flows.prefect_auth import basic_header
+
+    def when(stamp: str) -> datetime:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        rows = {r[0]: (r[1], r[2]) for r in conn.execute(text("SELECT id, flow_run_id, created_at FROM jobs")).all()}
+    engine.dispose()
+    auth = basic_header((home / "prefect-auth").read_text().strip())
+    steps: dict[str, list[float]] = defaultdict(list)
+    for job_id in job_ids:
+        run_id, created = rows[job_id]
+        created = created if isinstance(created, datetime) else when(str(created))
+        created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)  # the store keeps UTC
+        answer = httpx.get(f"{prefect_ui}/api/flow_run_states/", params={"flow_run_id": run_id}, headers=auth, timeout=30)
+        if answer.status_code != 200:
+            continue
+        first = {}
+        for state in sorted(answer.json(), key=lambda st: st["timestamp"]):
+            first.setdefault(state["type"], when(state["timestamp"]))
+        if not {"SCHEDULED", "PENDING", "RUNNING", "COMPLETED"} <= set(first):
+            continue
+        steps["API"].append((first["SCHEDULED"] - created).total_seconds())
+        steps["queue"].append((first["PENDING"] - first["SCHEDULED"]).total_seconds())
+        steps["start"].append((first["RUNNING"] - first["PENDING"]).total_seconds())
+        steps["run"].append((first["COMPLETED"] - first["RUNNING"]).total_seconds())
+    return steps
+
 
 def _stages(job: dict) -> tuple[float, float]:
     """(waiting: created → started, running: started → completed) of a done job, in seconds."""
@@ -242,6 +281,7 @@ async def victim(base: str, key: str, record: Record, stop_at: float, done_jobs:
             if status == "done":
                 record.turnaround.append(time.monotonic() - started)
                 record.stages.append(_stages(polled.json()))
+                record.victim_jobs.append(job_id)
                 done_jobs.append(job_id)
             # reads between jobs: the done job (with its links) and the first page of the list
             for _ in range(3):
@@ -531,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} ({len(before)} / {len(after)}) | {statistics.median(before or [float('nan')]):.2f} / {p95(before):.2f} | "
                   f"{statistics.median(after or [float('nan')]):.2f} / {p95(after):.2f} | {ratio:.2f}× |")
         for name, phase in (("baseline", baseline), ("under attack", attack)):
+            steps = _prefect_steps(home, info["PREFECT_UI"], db_url, phase.victim_jobs)
+            if steps:
+                print(f"victim jobs {name}, from Prefect's states, p50 / max s: " + "; ".join(
+                    f"{step} {statistics.median(v):.2f} / {max(v):.2f}" for step, v in steps.items()))
             if phase.stages:
                 waiting, running = zip(*phase.stages)
                 print(f"victim jobs {name}: waiting (created → started) p50 {statistics.median(waiting):.2f} s, "
