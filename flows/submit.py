@@ -18,9 +18,10 @@ too: Prefect's helper then runs it on another thread).
 job, tagged `job-id:<job_id>`, `model:<m>`, `lane:<lane>`, `key:<key_id>`, with idempotency
 key = job id: a second call for the same job (e.g. an API restarted mid-submit) returns the
 same run. The run waits in its key's work queue of the lane's pool (`flows.key_queues`), made
-first if need be, so a key holds at most the lane's `key_run_limit` slots at once. The `job-id:` tag (scale-out helpers inherit it; their own `job:` tag marks helpers
-only) finds a job's runs when the start failed after Prefect created the run and its id
-never came back: `cancel_job_runs`.
+first if need be, so a key holds at most the lane's `key_run_limit` slots at once. The
+`job-id:` tag (scale-out helpers inherit it; their own `job:` tag marks helpers only) finds a
+job's runs when the start failed after Prefect created the run and its id never came back:
+`cancel_job_runs`.
 
 Overload: starting a run is bounded in time (`START_BOUND_S`). Prefect's client retries a 503
 or 429 from its server (an embedded SQLite server under load answers `create_flow_run` with

@@ -5,7 +5,8 @@ the lane's name and its deployment is `harvest-<lane>` (`flows.deploy`), the reg
 that every model names a declared lane (`harvest.registry`), and the API caps jobs per key and
 service-wide per lane (`api.store`) and refuses shards too big for the lane's hosts
 (`harvest.cost`). Within the pool each key's runs wait in a work queue of their own, limited to
-`key_run_limit` runs at once (`flows.submit`), so one key never holds every slot of the lane. Nothing else spells a lane: adding one is a config edit plus `harvest server`.
+`key_run_limit` runs at once (`flows.key_queues`), so one key never holds every slot of the
+lane. Nothing else spells a lane: adding one is a config edit plus `harvest server`.
 """
 
 from __future__ import annotations
