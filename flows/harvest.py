@@ -105,7 +105,9 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
             plan = [list(shard_range)]
         else:
             previous = run.labels.get(WORKERS_LABEL)
-            plan = split_ranges(n_shards, choose_workers(workers, run.pool, n_shards, settings, run.client, previous, logger.info))
+            plan = split_ranges(n_shards, choose_workers(
+                workers, run.pool, n_shards, settings, run.client, previous, logger.info, queue=run.work_queue,
+            ))
         own = range(max(0, plan[0][0]), min(n_shards, plan[0][1]))
         if helper:
             run.n_shards = len(own)

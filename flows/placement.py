@@ -145,19 +145,13 @@ def lane_free_slots(client, pool: str, queue: str | None = None) -> LaneCapacity
     return LaneCapacity(limit, per_host, busy, free, key_free)
 
 
-def _own_queue(client) -> str | None:
-    """The work queue of the flow run calling (None outside one)."""
-    from prefect.runtime import flow_run as current_run
-
-    run_id = current_run.get_id()
-    return client.read_flow_run(run_id).work_queue_name if run_id else None
-
-
 def choose_workers(
-    explicit: int | None, pool: str, n_shards: int, settings: Settings, client, previous: str | None = None, log=None
+    explicit: int | None, pool: str, n_shards: int, settings: Settings, client, previous: str | None = None, log=None,
+    queue: str | None = None,
 ) -> int:
     """How many flow runs share a job of `n_shards` on `pool` (the harvest flow's docstring
-    gives the policy). previous: the count this run chose before it was rescheduled, if any."""
+    gives the policy). previous: the count this run chose before it was rescheduled, if any;
+    queue: the calling run's work queue (its key's limit bounds the helpers too)."""
     say = log or (lambda *a: None)
     if explicit is not None:
         return max(1, explicit)
@@ -167,7 +161,7 @@ def choose_workers(
     if n_shards // settings.scale_out_min_shards < 2:
         return 1  # too small to share, whatever is free: no need to ask Prefect
     try:
-        capacity = lane_free_slots(client, pool, _own_queue(client))
+        capacity = lane_free_slots(client, pool, queue)
     except Exception as exc:  # an unreadable lane must not fail a job: run it alone
         say("could not read work pool %s (%s: %s); running alone", pool, type(exc).__name__, exc)
         return 1

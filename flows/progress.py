@@ -43,6 +43,9 @@ class RunProgress:
         self.pool: str = (me.work_pool_name if me else None) or lane
         self.deployment: UUID | str = (me.deployment_id if me else None) or deployment_name(lane)
         self.job_variables = me.job_variables if me else None
+        # Its key's work queue (`flows.key_queues`): helpers wait there, and placement counts
+        # what that queue leaves free.
+        self.work_queue: str | None = me.work_queue_name if me else None
         self.labels = dict(me.labels or {}) if me else {}
         self.started = time.perf_counter()
         self.tokens_done = 0

@@ -109,7 +109,6 @@ def start_helpers(run: RunProgress, ranges: list[list[int]]) -> list[tuple[list[
     tags = [t for t in (current_run.tags or []) if not t.startswith("key:")] + [HELPER_TAG, f"job:{job_id}"]
     # Helpers run with the parent's job variables (e.g. its env), so they behave the same.
     job_variables = run.job_variables
-    queue = run.client.read_flow_run(run.id).work_queue_name if run.id is not None else None
     helpers = []
     for rng in ranges:
         child = run_deployment(
@@ -121,7 +120,7 @@ def start_helpers(run: RunProgress, ranges: list[list[int]]) -> list[tuple[list[
             flow_run_name=f"{job_id}-shards-{rng[0]}-{rng[1]}",
             tags=tags,
             job_variables=job_variables or None,
-            work_queue_name=queue,
+            work_queue_name=run.work_queue,
         )
         helpers.append((rng, child.id))
     return helpers
