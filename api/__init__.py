@@ -15,6 +15,7 @@
     guard.py     every request: a request id, the body cap (413), the one 500 for unexpected errors
     ratelimit.py per-key request rates: a token bucket per key in the job store (429, Retry-After);
                  requests without a valid key: per client address, before the store
+    fairshare.py each key's share of a replica: reads in flight per key, blocking calls in turn
     openapi.py   the published document: bodies, every refusal, resolving refs, keys declared
     admin.py     `harvest keys create|list|revoke`, `harvest spend-cap on|off|status`
 
