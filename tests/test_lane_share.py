@@ -110,13 +110,13 @@ def share_host(prefect_deployments, lane_workers):
         worker.stop()
 
 
-def _submit(key_id: str) -> str:
+def _submit(key_id: str, n_shards: int = 1) -> str:
     from flows.submit import start_harvest_run
     from harvest.jobfiles import JobFiles
     from harvest.request import HarvestRequest
 
     job_id = str(uuid.uuid4())
-    request = HarvestRequest(model="llama-tiny", prompts=[f"{key_id} prompt"], shard_size=1)
+    request = HarvestRequest(model="llama-tiny", prompts=[f"{key_id} prompt {k}" for k in range(n_shards)], shard_size=1)
     url = JobFiles.for_job(job_id).write_request(request)
     return start_harvest_run(job_id, url, "llama-tiny", POOL, key_id, env=slow_shards(1))
 
@@ -133,8 +133,10 @@ def test_a_second_key_runs_while_the_first_keys_next_run_waits(share_host):
                 await aensure_key_queue(client, POOL, key, 1)
 
     run_coro_as_sync(queues())
-    # One engine for all (its host loads it once), each run one shard of 1 s more.
-    first_a, second_a, b = _submit("key_a"), _submit("key_a"), _submit("key_b")
+    # One engine for all (its host loads it once), each shard 1 s more. A's first job has 6
+    # shards, so B's run is due and polled for long before it ends, however slow the host is
+    # to create runs and fork them (one shard each, B's start raced A's first end in CI).
+    first_a, second_a, b = _submit("key_a", 6), _submit("key_a"), _submit("key_b")
     ids = {"first_a": first_a, "second_a": second_a, "b": b}
     held = False  # seen: A's second Scheduled (or Late) while A's first runs
     deadline = time.monotonic() + 150
