@@ -23,6 +23,12 @@ nothing swapped) and ``PREFECT_API_URL`` (as tests/test_api_stack.py does agains
 ``ApiServer(env).start()`` starts more servers (e.g. to kill and restart one mid-job):
 ``.kill()`` (SIGKILL), ``.start()`` again on the same port, database and storage, ``.stop()``.
 
+``harvest_up(home, models, env)`` runs ``harvest up`` (what `make run` runs) in a fresh
+``home`` on free ports, with the built ``models`` copied in and ``env`` over the test's own
+environment (no Prefect address or password: the stack makes its own); a context manager
+giving the stack's ready lines (``ACS_API_BASE``, ``ACS_API_KEY``, ``PREFECT_UI``) plus
+``home``, ``prefect_api_url`` and ``prefect_auth``, and stopping the stack (SIGTERM) on exit.
+
 ``serve_in_thread(app)`` serves an app made by ``api.app.create_app`` (with the parts a test
 swaps: an engine pool on the session's engine, a budget or limiter of its own) under uvicorn in
 a thread of the test process, without its lifespan (no watcher: the routes these tests call
@@ -56,7 +62,7 @@ import httpx
 import pytest
 
 __all__ = [
-    "ApiServer", "FileRuns", "set_run", "finish_run", "free_port", "serve_in_thread",
+    "ApiServer", "FileRuns", "set_run", "finish_run", "free_port", "serve_in_thread", "harvest_up",
     "PRODUCTION_APP", "FILE_RUNS_APP", "FLOW_ENV_APP",
 ]
 
@@ -364,6 +370,46 @@ def serve_in_thread(app):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+@contextmanager
+def harvest_up(home: Path, models: Path, env: dict[str, str] | None = None):
+    import shutil
+    import signal
+
+    shutil.copytree(models, home / "models")  # the built checkpoints, not rebuilt
+    # No PREFECT_API_AUTH_STRING either: the stack makes its own control-plane password.
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "PREFECT_API_AUTH")) and k != "PREFECT_HOME"}
+    full.update({"HARVEST_HOME": str(home), "PYTHONPATH": str(REPO), **(env or {})})
+    port, prefect_port = free_port(), free_port()
+    log = open(home / "up.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli", "up", "--port", str(port), "--prefect-port", str(prefect_port)],
+        cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+    )
+    info: dict[str, str] = {}
+    deadline = time.monotonic() + 240
+    try:
+        while "PREFECT_UI" not in info:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"harvest up exited {proc.poll()}:\n{(home / 'up.log').read_text()[-3000:]}")
+            if "=" in line:
+                name, _, value = line.strip().partition("=")
+                info[name] = value
+            assert time.monotonic() < deadline, "harvest up was not ready in 240 s"
+        info["home"] = str(home)
+        info["prefect_api_url"] = json.loads((home / "stack.json").read_text())["prefect_api_url"]
+        info["prefect_auth"] = (home / "prefect-auth").read_text().strip()
+        yield info
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
 
 
 def _server(home: Path, name: str, env: dict[str, str] | None = None):

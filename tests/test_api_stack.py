@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_fixtures import PRODUCTION_APP, ApiServer, free_port
+from tests.api_fixtures import PRODUCTION_APP, ApiServer, harvest_up
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,40 +72,8 @@ print(stats["mean"].shape, stats["std"].shape)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, harvest_home, tiny):
-    home = tmp_path_factory.mktemp("stack-home")
-    shutil.copytree(harvest_home / "models", home / "models")  # the built tiny model, not rebuilt
-    # No PREFECT_API_AUTH_STRING either: the stack makes its own control-plane password.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "PREFECT_API_AUTH")) and k != "PREFECT_HOME"}
-    env.update({"HARVEST_HOME": str(home), "HARVEST_ENGINE": "hf", "PREFECT_WORKER_QUERY_SECONDS": "1"})
-    port, prefect_port = free_port(), free_port()
-    log = open(home / "up.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleet.cli", "up", "--port", str(port), "--prefect-port", str(prefect_port)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-    )
-    info: dict[str, str] = {}
-    deadline = time.monotonic() + 240
-    try:
-        while "PREFECT_UI" not in info:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"harvest up exited {proc.poll()}:\n{(home / 'up.log').read_text()[-3000:]}")
-            if "=" in line:
-                name, _, value = line.strip().partition("=")
-                info[name] = value
-            assert time.monotonic() < deadline, "harvest up was not ready in 240 s"
-        info["home"] = str(home)
-        info["prefect_api_url"] = json.loads((home / "stack.json").read_text())["prefect_api_url"]
-        info["prefect_auth"] = (home / "prefect-auth").read_text().strip()
+    with harvest_up(tmp_path_factory.mktemp("stack-home"), harvest_home / "models", {"HARVEST_ENGINE": "hf"}) as info:
         yield info
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
 
 
 def _curl(*args: str) -> dict:
