@@ -260,6 +260,9 @@ def start_worker(
     if run_starter is None:
         return Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)
     argv = [sys.executable, "-m", STARTER_MODULE, "--socket", str(run_starter), "--", *argv]
+    # A starter killed outright leaves its socket file: gone first, so the wait below sees this
+    # starter's own (it would remove that file itself before listening anyway).
+    Path(run_starter).unlink(missing_ok=True)
     worker = Managed(f"worker-{pool}", argv, env, log, signals=2, cwd=cwd)
     _wait_for_starter(Path(run_starter), worker, STARTER_TIMEOUT_S)
     return worker

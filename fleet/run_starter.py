@@ -34,6 +34,7 @@ What it preloads, when it may fork and how a child becomes the run: `fleet.run_f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -128,7 +129,7 @@ def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone, or the pid is now another user's
         return False
 
 
@@ -237,7 +238,8 @@ class RunStarter:
             self._reap(worker.pid)
         self._stop_runs()
         if listener is not None:
-            os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):  # removed under us: the status still counts
+                os.unlink(self.path)
         return self.worker_status
 
     def _listen(self) -> socket.socket:
