@@ -72,7 +72,7 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     assert httpx.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["progress"]["shards_done"] == 0
     api.runs.set(f"run-{job_id}", "running")
     time.sleep(0.5)  # a few watcher ticks list `_parts/` while it is empty
-    env = {**CREDENTIALS, "HARVEST_S3_ENDPOINT_URL": recording_proxy.url, **slow_shards(1.0)}
+    env = {**CREDENTIALS, "HARVEST_S3_ENDPOINT_URL": recording_proxy.url, **slow_shards(2.0)}
     request_url = f"s3://{BUCKET}/{PREFIX}/jobs/{job_id}/request.json"
     run_id = start_harvest_run(job_id, request_url, "llama-tiny", "small", "fresh", workers=workers, env=env)
 
@@ -85,7 +85,7 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     assert status == "done", harvest_stack.status(run_id)
 
     # The reader's counts never go back, and it saw the shards land, not a count frozen at its
-    # first listing: one at a time from one run (a shard takes a second, the watcher ticks every
+    # first listing: one at a time from one run (a shard takes 2 s, the watcher ticks every
     # 0.2 s), one or two at a time from two runs writing at once.
     assert seen == sorted(seen), seen
     between = sorted(set(v for v in seen if 0 < v < N_SHARDS))

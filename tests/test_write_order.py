@@ -28,7 +28,9 @@ def test_nothing_is_written_into_the_job_folder_after_the_manifest_on_local_disk
     folder = Path(JobFiles.for_job(job_id).storage.root)
     (folder / PARTS).mkdir(parents=True)  # watched from the start: its records' order is exact
     with DiskWrites(folder) as writes:
-        job = harvest_stack.submit(REQUEST_BODY, workers=workers, job_id=job_id)
+        # A key of its own: its queue's two slots are the parent's and the helper's, whatever
+        # another test's runs of the shared key "test" still hold.
+        job = harvest_stack.submit(REQUEST_BODY, workers=workers, job_id=job_id, key_id=f"order{job_id[:8]}")
         status = harvest_stack.wait(job.flow_run_id, timeout=240)
         time.sleep(1.0)  # a write just after the run ended would show too
     assert status.status == "done", status
