@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import re
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,9 +47,7 @@ from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, Route
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
-
-if TYPE_CHECKING:
-    from harvest.warm.inline import InlineEngines
+from harvest.warm.inline import InlineEngines
 
 __all__ = ["create_app", "harvest_error", "RedactLinkQueries"]
 
@@ -147,7 +144,7 @@ def create_app(
     - `runs`: the run store (Prefect flow runs on the lanes' deployments);
     - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
     - `registry`: the served models (HARVEST_MODELS_FILE);
-    - `inline_engines`: the inline completions' warm engines (`api.completions.inline_engines`);
+    - `inline_engines`: the inline completions' warm engines (`harvest.warm.inline.InlineEngines`);
     - `inline_budget`: the bytes of inline responses held at once (`api.completions.ResponseBudget`);
     - `admission`: the harvest submits' admission budget (`api.admission`);
     - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`);
@@ -163,8 +160,8 @@ def create_app(
     app.state.runs = runs if runs is not None else PrefectRuns()
     app.state.storage = storage if storage is not None else open_storage()
     app.state.registry = registry if registry is not None else load_registry(settings)
-    if inline_engines is not None:  # else made on first use (`api.completions.inline_engines`)
-        app.state.inline_engines = inline_engines
+    # Engines load on a request (or HARVEST_INLINE_PRELOAD's at start-up), not here.
+    app.state.inline_engines = inline_engines if inline_engines is not None else InlineEngines()
     if inline_budget is None:
         inline_budget = ResponseBudget(settings.inline_response_budget_bytes)
     if admission is None:

@@ -9,8 +9,8 @@ several whole copies of a payload (the bytes are what a JSONResponse of the same
 be; the response has no Content-Length). Every refusal is a `harvest.errors` exception,
 rendered by the app's one handler.
 
-The warm engines live in an `InlineEngines` on `app.state.inline_engines`, created by this
-router's lifespan (FastAPI merges it into the app's) or on first use; they follow a worker
+The warm engines live in an `InlineEngines` on `app.state.inline_engines`, given by the app's
+factory (`api.app.create_app`) with no model loaded; they follow a worker
 host's rules (`HARVEST_ENGINE_MODELS_PER_GROUP` models at once, the least recently used idle
 one unloaded for another). `HARVEST_INLINE_PRELOAD` (comma-separated served names) loads those
 engines in the background at start-up, so the first request does not wait for a model load.
@@ -44,14 +44,14 @@ import threading
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey, reserve_activations, settle_activations
+from api.auth import reserve_activations, settle_activations
 from api.deps import INLINE_MAX_BODY_BYTES, Models, read_body
 from api.openapi import errors, request_body
-from api.ratelimit import submit_key
+from api.ratelimit import SubmitKey
 from harvest.errors import InvalidRequest, ReplicaBusy
 from harvest.inline import (
     NULL_IS_DEFAULT,
@@ -84,11 +84,8 @@ def registry_of(app: FastAPI) -> Registry:
 
 
 def inline_engines(app: FastAPI) -> InlineEngines:
-    """The app's warm engines, created on first use when no lifespan made them."""
-    engines = getattr(app.state, "inline_engines", None)
-    if engines is None:
-        engines = app.state.inline_engines = InlineEngines()
-    return engines
+    """The app's warm engines (given by its factory)."""
+    return app.state.inline_engines
 
 
 @asynccontextmanager
@@ -183,11 +180,8 @@ class Hold:
 
 
 def response_budget(app: FastAPI) -> ResponseBudget:
-    """The app's budget of inline response bytes, made from the settings on first use."""
-    budget = getattr(app.state, "inline_budget", None)
-    if budget is None:
-        budget = app.state.inline_budget = ResponseBudget(get_settings().inline_response_budget_bytes)
-    return budget
+    """The app's budget of inline response bytes (given by its factory)."""
+    return app.state.inline_budget
 
 
 class _HeldStream(StreamingResponse):
@@ -209,7 +203,7 @@ class _HeldStream(StreamingResponse):
 
 
 @router.post("/v1/completions", responses=errors(400, 401, 429, 503), openapi_extra=request_body(CompletionRequest, patch=_as_accepted))
-async def create_completion(request: Request, registry: Models, key: ApiKey = Depends(submit_key)) -> StreamingResponse:
+async def create_completion(request: Request, registry: Models, key: SubmitKey) -> StreamingResponse:
     """A completion; with `output_residual_stream`, the residual stream at every position that ran."""
     raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
     try:

@@ -9,6 +9,7 @@ file the retention sweep removed gets 404.
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
@@ -42,7 +43,8 @@ _FILE = {
 
 @router.get("/files/{job_id}/{name}", response_class=FileResponse, responses={**_FILE, **errors(403, 404)})
 def download(
-    job_id: str, name: str, storage: Files, expires: str | None = Query(None), signature: str | None = Query(None),
+    job_id: str, name: str, storage: Files,
+    expires: Annotated[str | None, Query()] = None, signature: Annotated[str | None, Query()] = None,
 ):
     """A job's result file, for a signed unexpired link."""
     if not (expires and EXPIRES.fullmatch(expires) and signature and SIGNATURE.fullmatch(signature)):

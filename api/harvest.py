@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -25,7 +26,7 @@ from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
 from api.openapi import KEYED, errors, request_body
-from api.ratelimit import ReadShare, read_key, submit_key
+from api.ratelimit import ReadKey, ReadShare, SubmitKey
 from api.runs import RunStore
 from api.schemas import Harvest, HarvestList, render
 from api.watcher import Watcher
@@ -142,7 +143,7 @@ _FOLLOW = {
 )
 async def submit_harvest(
     request: Request, budget: Admission, registry: Models, storage: Files, runs: Runs, watcher: JobWatcher,
-    links: LinkBase, key: ApiKey = Depends(submit_key),
+    links: LinkBase, key: SubmitKey,
 ):
     """Submit a harvest: 202 with the harvest object, status pending."""
     async with budget.hold(key.id, declared_bytes(request, MAX_BODY_BYTES)):
@@ -173,8 +174,8 @@ async def read_harvest(
     watcher: JobWatcher,
     links: LinkBase,
     share: ReadShare,
-    wait: float = Query(0, ge=0, le=60, description="Seconds to hold the request until the status changes."),
-    key: ApiKey = Depends(read_key),
+    key: ReadKey,
+    wait: Annotated[float, Query(ge=0, le=60, description="Seconds to hold the request until the status changes.")] = 0,
 ):
     """Read a harvest; with `wait`, answer when its status changes or after `wait` seconds."""
     row = await share.run(get_job, job_id, key.id)
@@ -224,8 +225,7 @@ def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore) -> dict:
     responses=errors(401, 404, 409, 429), openapi_extra=KEYED,
 )
 async def cancel_harvest(
-    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, share: ReadShare,
-    key: ApiKey = Depends(read_key),
+    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, share: ReadShare, key: ReadKey,
 ):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
     row = await share.run(_cancel, job_id, key, watcher, runs)
@@ -239,9 +239,9 @@ async def cancel_harvest(
 async def list_harvests(
     storage: Files,
     share: ReadShare,
-    limit: int = Query(20, ge=1, le=100, description="Jobs per page."),
-    after: str | None = Query(None, description="The last job_id of the previous page."),
-    key: ApiKey = Depends(read_key),
+    key: ReadKey,
+    limit: Annotated[int, Query(ge=1, le=100, description="Jobs per page.")] = 20,
+    after: Annotated[str | None, Query(description="The last job_id of the previous page.")] = None,
 ):
     """The caller's harvests, newest first, `limit` per page (page on with `after`); without
     download links (read a job for its links)."""

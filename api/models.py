@@ -7,13 +7,12 @@ settings): `n_layers`, `hidden_size`, `max_model_len`, `max_activation_prompt_to
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey
 from api.deps import Models
 from api.openapi import KEYED, errors
-from api.ratelimit import read_key
+from api.ratelimit import ReadKey
 
 __all__ = ["router", "models_body"]
 
@@ -35,7 +34,7 @@ router = APIRouter()
 
 
 @router.get("/v1/models", responses=errors(401, 429), openapi_extra=KEYED)
-async def list_models(registry: Models, key: ApiKey = Depends(read_key)) -> dict:
+async def list_models(registry: Models, key: ReadKey) -> dict:
     """Every served model and what it can do."""
     # The first read resolves each entry (and builds the embedded model): blocking work.
     return await run_in_threadpool(models_body, registry)

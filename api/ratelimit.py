@@ -67,6 +67,8 @@ __all__ = [
     "ReadShare",
     "submit_key",
     "read_key",
+    "SubmitKey",
+    "ReadKey",
 ]
 
 
@@ -284,3 +286,9 @@ async def read_key(request: Request, share: ReadShare) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), within its read rate and its share
     of the replica (429 otherwise)."""
     return await _key_within_rate(request, share, "read")
+
+
+SubmitKey = Annotated[ApiKey, Depends(submit_key)]
+"""A submitting route's caller: its key, within its submit rate."""
+ReadKey = Annotated[ApiKey, Depends(read_key)]
+"""A reading route's caller: its key, within its read rate and its share of the replica."""

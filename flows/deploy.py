@@ -34,7 +34,7 @@ from flows.key_queues import aapply_key_queue_limits
 from harvest.lanes import Lane, load_lanes
 from harvest.settings import get_settings
 
-__all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "load_spec", "lane_spec", "apply", "apply_sync", "pull_steps"]
+__all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "load_spec", "lane_spec", "apply", "apply_sync"]
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = REPO / "infra" / "prefect.yaml"
@@ -71,12 +71,6 @@ def lane_spec(lanes: dict[str, Lane], run_command: str | None) -> dict[str, list
     return {"pools": pools, "deployments": deployments}
 
 
-def pull_steps(repo: Path = REPO) -> list[dict]:
-    """None: a worker host imports the flows from the installed package (module entrypoints,
-    see infra/prefect.yaml), never from a checkout or a shared disk."""
-    return []
-
-
 async def _apply_pool(client, pool: dict) -> None:
     limit = pool.get("concurrency_limit")
     try:
@@ -89,7 +83,7 @@ async def _apply_pool(client, pool: dict) -> None:
         await aapply_key_queue_limits(client, pool["name"], pool["key_run_limit"])
 
 
-async def _apply_deployment(client, spec: dict, repo: Path) -> str:
+async def _apply_deployment(client, spec: dict) -> str:
     flow = load_flow_from_entrypoint(spec["entrypoint"])  # a module path: see infra/prefect.yaml
     flow_id = await client.create_flow_from_name(flow.name)
     schedules = [
@@ -103,7 +97,7 @@ async def _apply_deployment(client, spec: dict, repo: Path) -> str:
         work_pool_name=spec["work_pool"]["name"],
         entrypoint=spec["entrypoint"],
         path=None,
-        pull_steps=pull_steps(repo),
+        pull_steps=[],  # a worker host imports the flows from the installed package, never a checkout
         parameter_openapi_schema=flow.parameters.model_dump(),
         parameters=spec.get("parameters") or {},
         tags=spec.get("tags") or [],
@@ -119,7 +113,7 @@ async def _apply_deployment(client, spec: dict, repo: Path) -> str:
 
 
 async def apply(
-    path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
+    path: Path = PREFECT_YAML, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
 ) -> list[str]:
     """Create or update every lane's pool and deployment, then the file's deployments; returns
     the deployment names. `lanes`: default those of HARVEST_LANES_FILE; `run_command`: what
@@ -137,11 +131,11 @@ async def apply(
         for pool in spec["pools"]:
             await _apply_pool(client, pool)
         for deployment in spec["deployments"] + maintenance:
-            names.append(await _apply_deployment(client, deployment, repo))
+            names.append(await _apply_deployment(client, deployment))
     return names
 
 
 def apply_sync(
-    path: Path = PREFECT_YAML, repo: Path = REPO, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
+    path: Path = PREFECT_YAML, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
 ) -> list[str]:
-    return run_coro_as_sync(apply(path, repo, lanes, run_command=run_command))
+    return run_coro_as_sync(apply(path, lanes, run_command=run_command))

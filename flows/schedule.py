@@ -50,7 +50,6 @@ def _name_from(url: str) -> str:
 async def create_schedule(corpus: str, model: str, cron: str, *, column="text", layers=None, shard_size=32, name=None, timezone="UTC") -> str:
     from prefect.flows import load_flow_from_entrypoint
 
-    from flows.deploy import pull_steps
     from harvest.corpus import read_prompts
     from harvest.registry import load_registry
 
@@ -66,7 +65,7 @@ async def create_schedule(corpus: str, model: str, cron: str, *, column="text", 
             work_pool_name=info.lane,
             entrypoint=ENTRYPOINT,
             path=None,
-            pull_steps=pull_steps(),
+            pull_steps=[],  # the worker host imports the flow from the installed package
             parameter_openapi_schema=flow.parameters.model_dump(),
             parameters={"corpus_url": corpus, "model": model, "column": column, "layers": layers, "shard_size": shard_size, "name": name},
             tags=["corpus-refresh", f"model:{model}", f"lane:{info.lane}"],

@@ -1,6 +1,6 @@
 """What a harvest request costs, known before it is paid for: tokens, output bytes, bytes per shard.
 
-Admission (`api.harvest`) learns a request's cost in the order of the price of knowing it,
+The API's admission of a submit learns a request's cost in the order of the price of knowing it,
 and refuses (400, naming the limit and the number) as soon as one is over:
 
 1. `check_before_tokenizing`: from cheap facts only. No token of the model's vocabulary

@@ -287,9 +287,8 @@ class ModelUnavailable(HarvestError):
 
 class ReplicaBusy(HarvestError):
     """This API replica is spending its whole budget for this kind of work (submits being
-    read and tokenized at once, `api.admission`; inline response bytes in flight,
-    `api.completions`); `retry_after` (seconds) becomes the
-    Retry-After header. Another replica, or this one a moment later, takes the request."""
+    read and tokenized at once; inline response bytes in flight); `retry_after` (seconds)
+    becomes the Retry-After header. Another replica, or this one a moment later, takes the request."""
 
     status = 503
     type = "server_error"

@@ -1,11 +1,11 @@
 """The GPU lanes, as data: `infra/lanes.toml` (or the file `HARVEST_LANES_FILE` names).
 
 A lane is a fleet of worker hosts serving the same class of models: its Prefect work pool has
-the lane's name and its deployment is `harvest-<lane>` (`flows.deploy`), the registry checks
+the lane's name and its deployment is `harvest-<lane>` (made by `harvest server`), the registry checks
 that every model names a declared lane (`harvest.registry`), and the API caps jobs per key and
-service-wide per lane (`api.store`) and refuses shards too big for the lane's hosts
+service-wide per lane (in its job store) and refuses shards too big for the lane's hosts
 (`harvest.cost`). Within the pool each key's runs wait in a work queue of their own, limited to
-`key_run_limit` runs at once (`flows.key_queues`), so one key never holds every slot of the
+`key_run_limit` runs at once (the key queues of the orchestration layer), so one key never holds every slot of the
 lane. Nothing else spells a lane: adding one is a config edit plus `harvest server`.
 """
 

@@ -21,7 +21,7 @@ model (`harvest.warm`), so the job starts warm; `place_run` is a run's whole pla
 
 How far a job spreads (`auto_workers`): one run more per free slot of the lane, but never so
 many that a run gets fewer than `min_shards` shards (each run loads the model once). This module
-is core (no Prefect); reading a lane's free slots from Prefect is `flows.placement`.
+is core (no Prefect); the flows read a lane's free slots from Prefect and hand them here.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class Settings(BaseSettings):
 
     rate_submit_per_s: float = Field(default=2.0, gt=0)
     """Per key: sustained submits (POST /v1/harvest, POST /v1/completions) per second, summed
-    over every API replica (a token bucket in the job store, `api.ratelimit`)."""
+    over every API replica (a token bucket in the job store)."""
 
     rate_submit_burst: int = Field(default=60, ge=1)
     """Per key: submits allowed at once before the sustained rate applies."""
@@ -205,17 +205,17 @@ class Settings(BaseSettings):
     key_reads_in_flight: int = Field(default=8, ge=1)
     """Per key, per replica: reads the replica works on at once (a long-poll that is waiting is
     not counted; submits have their own per-key shares); one more is answered 429
-    `rate_limit_exceeded` with Retry-After 1 at once, without a query (`api.fairshare`)."""
+    `rate_limit_exceeded` with Retry-After 1 at once, without a query."""
 
     replica_work_at_once: int = Field(default=0, ge=0)
     """Per replica: the keyed routes' blocking calls (job-store queries, rendering) run in worker
-    threads at once; more wait their key's turn, keys served round-robin (`api.fairshare`).
+    threads at once; more wait their key's turn, keys served round-robin.
     0: two per CPU core, at least 4."""
 
     # --- admission (per API replica): what a submit may cost before its cost is known ---
     admission_concurrency: int = Field(default=2, ge=1)
     """Submits (POST /v1/harvest) this replica parses and tokenizes at once (each in a worker
-    thread, off the event loop); more wait their turn (`api.admission`)."""
+    thread, off the event loop); more wait their turn."""
 
     admission_bytes: int = Field(default=128 << 20, ge=1 << 20)
     """Request bodies, in bytes, that submits being admitted hold at once on this replica: a
