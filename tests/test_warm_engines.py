@@ -134,7 +134,6 @@ def test_three_jobs_in_a_row_load_the_model_once_and_another_model_evicts_it(hos
     assert (status["loads"], status["evictions"], status["pid"]) == (1, 0, first_pid), status
     import psutil
 
-    assert psutil.Process(first_pid).nice() >= 10  # no GPU here: its passes yield the CPU to the control path
     # It outlives the run that started it, so it does not carry that run's identity.
     assert not [k for k in psutil.Process(first_pid).environ() if k.startswith("PREFECT__")]
     assert [w for _, w, _ in loads] == ["false", "true", "true"], loads

@@ -178,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    import torch
-
-    if not torch.cuda.is_available():  # bulk passes yield a contended CPU to the control path (threads inherit it)
-        os.nice(10)
+    # The default CPU priority, even on a CPU-only host. This server runs in a session of its
+    # own, and under autogroup scheduling (Linux's default on most distributions) a session
+    # takes an equal share of a contended CPU whatever its processes' nice values: a nice here
+    # alone changes nothing. Lowering the session's own (/proc/self/autogroup) does take effect,
+    # and made things worse: every job's forward passes wait here, a small job's behind a
+    # large one's, so a lighter key's jobs waited longer (`bench/noisy_neighbour.py`).
     try:
         server.run()
     except (SystemExit, KeyboardInterrupt):
