@@ -338,3 +338,26 @@ def test_launchers_killed_at_random_points_never_take_the_starter_down(starter):
         time.sleep(0.1)
     _assert_job(starter, _job(starter, ["0", "9"]), 9)
     assert "Traceback" not in starter.text()
+
+
+def test_a_forked_run_rebuilds_prefects_settings_only_when_it_changes_one(tmp_path, monkeypatch):
+    """Rebuilding Prefect's settings and logging in the child costs most of a warm run's start,
+    so it is skipped when the run's Prefect settings are the starter's: the run's identity
+    (`PREFECT__…`) and the process worker's ephemeral-server flag (a client with an API URL
+    never reads it) do not count; any other setting, or a working directory of its own with a
+    settings file, does."""
+    from fleet.run_fork import _prefect_settings_changed
+
+    worker = {"PREFECT_API_URL": "http://127.0.0.1:4200/api", "PREFECT_LOGGING_LEVEL": "INFO", "PATH": "/bin"}
+    run = {**worker, "PREFECT__FLOW_RUN_ID": "abc", "PREFECT__CONTROL_TOKEN": "t", "PREFECT_SERVER_EPHEMERAL_ENABLED": "True"}
+    here = str(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert not _prefect_settings_changed(run, worker, here)
+    assert _prefect_settings_changed({**run, "PREFECT_LOGGING_LEVEL": "DEBUG"}, worker, here)
+    assert _prefect_settings_changed({k: v for k, v in run.items() if k != "PREFECT_LOGGING_LEVEL"}, worker, here)
+    without_url = {k: v for k, v in run.items() if k != "PREFECT_API_URL"}
+    assert _prefect_settings_changed(without_url, {k: v for k, v in worker.items() if k != "PREFECT_API_URL"}, here)
+    assert not _prefect_settings_changed(run, worker, "/somewhere/else")  # moved, but no settings file here
+    (tmp_path / "prefect.toml").write_text("[logging]\nlevel = 'DEBUG'\n")
+    assert _prefect_settings_changed(run, worker, "/somewhere/else")
+    assert not _prefect_settings_changed(run, worker, here)  # the starter's own directory: already read
