@@ -83,10 +83,11 @@ def _start_stack(home: Path, db_url: str, prefect_db_url: str | None, **settings
     from fleet.processes import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
+    # Where it lives and listens, nothing else: the engine, Prefect's log levels (a run's INFO
+    # lines are API writes too) and the rest as `make run` has them.
     env.update(
         HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"), HARVEST_DATABASE_URL=db_url,
-        HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()), HARVEST_ENGINE="hf",
-        PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_LOGGING_LEVEL="CRITICAL", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()),
         **settings,
     )
     if prefect_db_url:
