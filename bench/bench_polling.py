@@ -22,7 +22,7 @@ refused (a refused call is counted and the host polls on, as a real worker does)
 CPU and the machine's load average (on a shared box absolute seconds mean little without it).
 
 Run: `.venv/bin/python bench/bench_polling.py [--hosts 1,10,50] [--intervals 1,2,5,10] [--seconds 20]`
-     `.venv/bin/python bench/bench_polling.py --submit [--hosts 1,10,50] [--jobs 7]`
+     `.venv/bin/python bench/bench_polling.py --submit [--hosts 1,10,50] [--jobs 7] [--postgres]`
 """
 
 from __future__ import annotations
@@ -210,15 +210,17 @@ def _one_job(base: str, key: str, n: int) -> tuple[float, int, str]:
     return time.perf_counter() - started, refused, job["status"]
 
 
-def submit_under_load(host_counts: list[int], jobs: int) -> None:
+def submit_under_load(host_counts: list[int], jobs: int, postgres: bool = False) -> None:
     import json
 
-    from bench.load_api import _start_stack, _stop_stack
+    from bench.load_api import _drop_database, _prefect_database, _start_stack, _stop_stack
     from fleet.processes import WORKER_QUERY_S
 
     home = Path(tempfile.mkdtemp(prefix="bench-polling-submit-"))
-    # Everything as shipped; the job store is the embedded default's own SQLite file.
-    proc, info = _start_stack(home, f"sqlite:///{home / 'harvest.db'}", None)
+    # Everything as shipped; the job store is the embedded default's own SQLite file, and so is
+    # Prefect's unless `postgres` (the control plane's database in production).
+    prefect_db, prefect_db_url = _prefect_database() if postgres else (None, None)
+    proc, info = _start_stack(home, f"sqlite:///{home / 'harvest.db'}", prefect_db_url)
     rows = []
     try:
         base, key = info["ACS_API_BASE"], info["ACS_API_KEY"]
@@ -250,7 +252,10 @@ def submit_under_load(host_counts: list[int], jobs: int) -> None:
                   flush=True)
     finally:
         _stop_stack(proc)
-    print(f"\n`harvest up` as shipped (Prefect on SQLite, worker poll {WORKER_QUERY_S:g} s), {jobs} sequential "
+        if prefect_db:
+            _drop_database(prefect_db)
+    database = "PostgreSQL" if postgres else "SQLite"
+    print(f"\n`harvest up` as shipped (Prefect on {database}, worker poll {WORKER_QUERY_S:g} s), {jobs} sequential "
           "2-prompt llama-tiny jobs per row, submit (POST /v1/harvest) to done (long-poll); the stack's own worker "
           "is one of the hosts")
     header = ["hosts polling", "simulated polls/s", "polls refused", "server CPU %", "simulated poll p95 ms",
@@ -273,7 +278,7 @@ def main() -> None:
                         help="the server on a fresh PostgreSQL database at 127.0.0.1:5432 (production) instead of SQLite")
     args = parser.parse_args()
     if args.submit:
-        submit_under_load([int(h) for h in args.hosts.split(",")], args.jobs)
+        submit_under_load([int(h) for h in args.hosts.split(",")], args.jobs, args.postgres)
         return
 
     home = Path(tempfile.mkdtemp(prefix="bench-polling-"))
