@@ -15,11 +15,8 @@ server` re-applies the lanes' limits to the queues that exist (`aapply_key_queue
 so an edit of `key_run_limit` reaches keys seen before.
 
 Among keys waiting for the same freed slot, Prefect serves the queue of the higher priority
-(the lower number). Left as Prefect numbers them (each new queue the first free number), that
-is the keys seen earliest, for ever: with three keys and a backlog each on a lane of 3 slots
-and `key_run_limit` 2, the first two keys would take every freed slot and the third never run.
-So each run moves its key's queue behind the others as it starts (`rotate_key_queue`): a
-freed slot goes to the waiting key that started a run least recently, a new key first.
+(the lower number; each new queue of a pool takes the next one), i.e. keys seen earlier
+first; each key is still held to its own limit.
 """
 
 from __future__ import annotations
@@ -28,18 +25,13 @@ import time
 
 from prefect.exceptions import ObjectAlreadyExists
 
-__all__ = ["KEY_QUEUE_PREFIX", "key_queue_name", "aensure_key_queue", "aapply_key_queue_limits", "rotate_key_queue"]
+__all__ = ["KEY_QUEUE_PREFIX", "key_queue_name", "aensure_key_queue", "aapply_key_queue_limits"]
 
 KEY_QUEUE_PREFIX = "key_"
 """Start of every key queue's name (and of every API key id)."""
 RECHECK_S = 60.0
 """How long a replica trusts a queue it ensured; then its next start checks it again (a queue
 deleted or re-created by hand gets its limit back), without a request per start meanwhile."""
-
-PRIORITY_EPOCH = 1_767_225_600
-"""2026-01-01 UTC: a rotated queue's priority is the second its key last started a run since
-then, which stays a positive 32-bit integer (Prefect's column) for 68 years and is above the
-small numbers Prefect gives new queues."""
 
 _ensured: dict[tuple, float] = {}
 
@@ -97,13 +89,3 @@ async def aapply_key_queue_limits(client, pool: str, limit: int | None) -> int:
         if queue.concurrency_limit != limit:
             await client.update_work_queue(queue.id, concurrency_limit=limit)
     return len(queues)
-
-
-def rotate_key_queue(client, queue_id, queue_name: str | None) -> None:
-    """Put a key's queue behind every other queue of its pool (sync client; the run's own
-    `work_queue_id` and name): its priority becomes the current second. Queues of the same
-    second tie, and Prefect then serves the run scheduled first. Not a key queue (the pool's
-    `default`, a test's own): left alone."""
-    if queue_id is None or not (queue_name or "").startswith(KEY_QUEUE_PREFIX):
-        return
-    client.update_work_queue(queue_id, priority=max(1, int(time.time()) - PRIORITY_EPOCH))

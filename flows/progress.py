@@ -17,7 +17,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.runtime import flow_run as current_run
 
-from flows.key_queues import rotate_key_queue
 from flows.placement import WORKERS_LABEL
 from harvest.jobfiles import JobFiles
 from harvest.lanes import deployment_name
@@ -47,22 +46,12 @@ class RunProgress:
         # Its key's work queue (`flows.key_queues`): helpers wait there, and placement counts
         # what that queue leaves free.
         self.work_queue: str | None = me.work_queue_name if me else None
-        if me is not None:
-            self._rotate_key_queue(me)
         self.labels = dict(me.labels or {}) if me else {}
         self.started = time.perf_counter()
         self.tokens_done = 0
         self.shards_done = 0
         self.skipped = 0
         self.artifact: UUID | None = None
-
-    def _rotate_key_queue(self, me) -> None:
-        """This run took a slot of its key's share: the key goes behind the others (best
-        effort: a failed update leaves the order as it was, the run goes on)."""
-        try:
-            rotate_key_queue(self.client, me.work_queue_id, me.work_queue_name)
-        except Exception as exc:
-            get_run_logger().warning("could not move work queue %s behind the others: %s", me.work_queue_name, exc)
 
     def close(self) -> None:
         self.client.__exit__(None, None, None)

@@ -158,67 +158,6 @@ def test_a_second_key_runs_while_the_first_keys_next_run_waits(share_host):
     print({n: (r.start_time.isoformat(), r.end_time.isoformat()) for n, r in runs.items()})
 
 
-def _wait_final(ids: dict[str, str], timeout: float = 180, running: tuple[str, ...] = ()) -> dict:
-    """Prefect's record of each run once all are final; with `running`, once those runs are
-    Running (or past it) instead."""
-    from prefect.client.orchestration import get_client
-
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as client:
-        while True:
-            runs = {name: client.read_flow_run(i) for name, i in ids.items()}
-            if running and all(runs[n].start_time is not None for n in running):
-                return runs
-            if not running and all(r.state.is_final() for r in runs.values()):
-                return runs
-            assert time.monotonic() < deadline, {n: r.state.name for n, r in runs.items()}
-            time.sleep(0.3)
-
-
-def test_a_freed_slot_goes_to_the_key_that_started_a_run_least_recently(share_host):
-    """Three keys on a pool of 2 slots (key queues of 1): A and B run, then A, B and C each
-    have one more waiting. When A's first ends, C (which never ran) takes the slot before A's
-    second, though A's queue was made first and Prefect serves queues by priority: each start
-    moved its key's queue behind the others. The pool is paused while the three are submitted
-    and A's first ends, so all three wait for that one slot however slow the host is to create
-    runs; unpausing it is one switch, no queue goes first."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolUpdate
-    from prefect.utilities.asyncutils import run_coro_as_sync
-
-    from flows.key_queues import aensure_key_queue
-
-    tag = uuid.uuid4().hex[:6]
-    a, b, c = (f"key_{name}{tag}" for name in "abc")
-
-    async def queues():
-        async with get_client() as client:
-            for key in (a, b, c):  # made in this order: A's the highest priority, C's the lowest
-                await aensure_key_queue(client, POOL, key, 1)
-
-    run_coro_as_sync(queues())
-    # B's first outlasts everything below, so the one slot freed is A's.
-    first = {"first_a": _submit(a, 2), "first_b": _submit(b, 20)}
-    _wait_final(first, running=("first_a", "first_b"))
-    with get_client(sync_client=True) as client:
-        client.update_work_pool(POOL, WorkPoolUpdate(is_paused=True))
-        try:
-            ids = {**first, "second_a": _submit(a), "second_b": _submit(b), "c": _submit(c)}
-            _wait_final({"first_a": first["first_a"]})
-            # A's start moved its queue behind C's, which has not started. (B's moves when its
-            # run has a slot of the host: possibly not yet, on a slow host.)
-            priorities = {key: client.read_work_queue_by_name(key, work_pool_name=POOL).priority for key in (a, c)}
-        finally:
-            client.update_work_pool(POOL, WorkPoolUpdate(is_paused=False))
-    runs = _wait_final(ids)
-    assert all(r.state.is_completed() for r in runs.values()), {n: r.state.name for n, r in runs.items()}
-    starts = {n: r.start_time for n, r in runs.items()}
-    assert priorities[c] < priorities[a], priorities
-    assert runs["first_a"].end_time < starts["c"] < starts["second_a"], starts  # A's slot went to C
-    assert starts["c"] < runs["first_b"].end_time <= starts["second_b"], starts
-    print({n: (r.start_time.isoformat(), r.end_time.isoformat()) for n, r in runs.items()})
-
-
 def test_scale_out_counts_only_the_slots_its_key_may_take(share_host):
     """A parent run's helpers wait in its key's queue: the free slots it splits a job over are
     at most what that queue leaves (here none, a queue of limit 0), whatever the pool has."""
