@@ -54,7 +54,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
-from prefect.states import AwaitingRetry, Cancelled, Cancelling
+from prefect.states import AwaitingRetry, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.key_queues import aensure_key_queue
@@ -190,8 +190,12 @@ async def _cancel_one(client, run: FlowRun) -> FlowRun:
     if kind in FINAL or kind == StateType.CANCELLING:
         return run
     if kind in NOT_STARTED:
-        # No process exists yet: cancel outright, so a worker never starts it.
-        await client.set_flow_run_state(run.id, Cancelled(message="Cancelled before it started."), force=True)
+        # Proposed, not forced: a worker may claim the run (PENDING) between our read and this
+        # write, and a forced CANCELLED over its PENDING would let the process it starts run
+        # anyway (Prefect allows CANCELLED -> RUNNING). Prefect's own rule decides in the same
+        # transaction: a run still SCHEDULED with no process becomes CANCELLED outright; one a
+        # worker has claimed becomes CANCELLING, and its worker stops it.
+        await client.set_flow_run_state(run.id, Cancelling(message="Cancelled before it started."))
     else:
         # PENDING or RUNNING: the worker sees CANCELLING, SIGTERMs the process (the flow's
         # main thread stops within ~2 s, model loading included) and marks it Cancelled. A

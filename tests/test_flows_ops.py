@@ -74,12 +74,21 @@ def test_cancel_while_the_model_loads(harvest_stack):
 
 
 def test_cancel_before_start_never_runs(harvest_stack):
-    from flows.submit import cancel_harvest_run
+    from prefect.client.orchestration import get_client
 
-    job = harvest_stack.submit({"model": "llama-tiny", "prompts": ["hello"], "shard_size": 1})
-    assert cancel_harvest_run(job.flow_run_id) == "cancelled"  # still Scheduled: cancelled outright
-    assert _state_name(job.flow_run_id) == "Cancelled"
-    time.sleep(3)
+    from flows.key_queues import key_queue_name
+    from flows.submit import cancel_harvest_run
+    from harvest.registry import load_registry
+
+    # The key's queue made paused before the submit, so no worker can claim the run first.
+    lane, key = load_registry().get("llama-tiny").lane, "cancel-before-start"
+    with get_client(sync_client=True) as client:
+        queue = client.create_work_queue(name=key_queue_name(key), work_pool_name=lane, is_paused=True)
+        job = harvest_stack.submit({"model": "llama-tiny", "prompts": ["hello"], "shard_size": 1}, key_id=key)
+        assert cancel_harvest_run(job.flow_run_id) == "cancelled"  # still Scheduled: cancelled outright
+        assert _state_name(job.flow_run_id) == "Cancelled"
+        client.update_work_queue(queue.id, is_paused=False)
+    time.sleep(3)  # the queue open again: a worker would claim the run now if it could
     status = harvest_stack.status(job.flow_run_id)
     assert status.status == "cancelled" and status.run_count == 0 and status.started_at is None
 
