@@ -6,17 +6,27 @@ so a test can hand it a run store of its own at exactly this seam and exercise e
 above it for real.
 
 `read` takes every active run at once: the API's single watcher calls it once per tick for all
-jobs, instead of each long-poll waiter polling Prefect.
+jobs, instead of each long-poll waiter polling Prefect. `follow` tells the watcher when a run
+has changed, so it reads then instead of waiting for its next tick.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import Callable, Protocol
 
 __all__ = ["RunState", "RunStore", "PrefectRuns"]
+
+log = logging.getLogger("harvest.api.runs")
+
+FOLLOWED_STATES = ("Running", "Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
+"""Prefect flow-run states whose event wakes the watcher: every change a job's status shows."""
+FOLLOW_RETRY_S = 5.0
+"""Pause before subscribing again after the event stream broke (the ticks go on meanwhile)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,10 @@ class RunStore(Protocol):
     def reschedule(self, run_id: str) -> None:
         """Put a crashed run back in its lane's queue; it resumes on whichever host takes it."""
 
+    async def follow(self, changed: Callable[[], None]) -> None:
+        """Call `changed()` whenever some run may have changed state, until cancelled; a
+        backend that pushes nothing returns at once (the watcher's ticks still read it)."""
+
 
 class PrefectRuns:
     """Job runs as Prefect flow runs on the lane's deployment (the orchestration layer's API)."""
@@ -73,6 +87,25 @@ class PrefectRuns:
         from flows.submit import reschedule_harvest_run
 
         reschedule_harvest_run(run_id)
+
+    async def follow(self, changed: Callable[[], None]) -> None:
+        """Prefect's own event stream (its `/events/out` websocket, authenticated as every
+        client is): each flow-run state event in `FOLLOWED_STATES` (on connecting, the last
+        minute's too: one more read, nothing missed across a reconnect)."""
+        from prefect.events.clients import get_events_subscriber
+        from prefect.events.filters import EventFilter, EventNameFilter
+
+        states = EventFilter(event=EventNameFilter(name=[f"prefect.flow-run.{state}" for state in FOLLOWED_STATES]))
+        while True:
+            try:
+                async with get_events_subscriber(filter=states) as events:
+                    async for _ in events:
+                        changed()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Prefect away or restarting: the watcher's ticks still read every run
+                log.warning("Prefect's event stream broke (%s); subscribing again in %g s", exc, FOLLOW_RETRY_S)
+            await asyncio.sleep(FOLLOW_RETRY_S)
 
     def read(self, run_ids: list[str]) -> dict[str, RunState]:
         if not run_ids:

@@ -2,9 +2,10 @@
 
 Every API replica runs a `Watcher`; only the one holding the `watcher` lease (`api.lease`)
 works, so the service makes one Prefect query per tick however many replicas and clients
-there are. Once per `watch_interval_s` the holder reads the states of every active job's run
-in one call to the run store, records changes in the job store (which charges ended jobs,
-exactly once) and counts written shards for progress. It also finishes what others left:
+there are. Once per `watch_interval_s`, and at once when the run store says a run changed
+state (`RunStore.follow`: Prefect's event stream), the holder reads the states of every active
+job's run in one call to the run store, records changes in the job store (which charges ended
+jobs, exactly once) and counts written shards for progress. It also finishes what others left:
 
 - a run whose host died is marked Crashed by Prefect's heartbeat automation
   (`flows.liveness`); the watcher reschedules it onto another host of its lane, where it
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -51,6 +53,9 @@ from harvest.storage import Storage
 __all__ = ["Watcher"]
 
 log = logging.getLogger("harvest.api.watcher")
+
+MIN_GAP_S = 0.05
+"""The least pause between two ticks, however many kicks came."""
 
 
 class Watcher:
@@ -77,6 +82,7 @@ class Watcher:
         self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._follow: asyncio.Task | None = None
         self._kick: asyncio.Event | None = None
         self._changes = JobChanges(self.notify_threadsafe)
 
@@ -86,14 +92,16 @@ class Watcher:
         self._kick = asyncio.Event()
         self._changes.start()
         self._task = asyncio.create_task(self._run(), name="harvest-watcher")
+        self._follow = asyncio.create_task(self.runs.follow(self._run_changed), name="harvest-run-events")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._follow, self._task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self._changes.stop()
         if self.lease.held:
             try:
@@ -103,6 +111,7 @@ class Watcher:
 
     async def _run(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 if await asyncio.to_thread(self.lease.acquire):
                     await asyncio.to_thread(self.tick)
@@ -110,11 +119,21 @@ class Watcher:
                 raise
             except Exception:  # Prefect or the database briefly away: try again next tick
                 log.exception("watcher tick failed")
+            # A kick runs the next tick early, but never sooner than the last one took (at
+            # least MIN_GAP_S): a stream of run events keeps the watcher at most half busy.
+            busy = time.monotonic() - started
+            await asyncio.sleep(max(MIN_GAP_S, min(busy, self.interval)))
             try:
-                await asyncio.wait_for(self._kick.wait(), timeout=self.interval)
+                await asyncio.wait_for(self._kick.wait(), timeout=max(0.0, self.interval - busy))
             except asyncio.TimeoutError:
                 pass
             self._kick.clear()
+
+    def _run_changed(self) -> None:
+        """A run changed state (the run store's push, on the event loop): tick now, if this
+        replica is the one that watches."""
+        if self.lease.held:
+            self._kick.set()
 
     def kick(self) -> None:
         """Run the next tick now (after a submit, so a fast run is seen quickly)."""

@@ -167,7 +167,7 @@ class SimulatedHosts:
 
 
 def _prefect_server(stack_pid: int):
-    """The stack's `prefect server start` process and its children (the CPU it spends)."""
+    """The stack's Prefect server process (`fleet.prefect_server`) and its children (the CPU it spends)."""
     import psutil
 
     for proc in psutil.Process(stack_pid).children(recursive=True):
@@ -175,7 +175,7 @@ def _prefect_server(stack_pid: int):
             cmdline = " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        if "prefect" in cmdline and " server start" in cmdline:
+        if "fleet.prefect_server" in cmdline:
             return [proc, *proc.children(recursive=True)]
     raise RuntimeError("no prefect server under the stack")
 

@@ -203,7 +203,8 @@ def start_server(
     home: Path, port: int, env: dict[str, str] | None = None, timeout: float = 60, *, host: str = "127.0.0.1",
     advertise: str | None = None,
 ) -> tuple[Managed, str]:
-    """`prefect server start` on host:port, PREFECT_HOME = `home`.
+    """Prefect's server on host:port (`fleet.prefect_server`: `prefect server start`'s app with a
+    short `Retry-After` on its 503s), PREFECT_HOME = `home`.
 
     Its database is Prefect's own setting: PREFECT_API_DATABASE_CONNECTION_URL (PostgreSQL in
     production) when set, else SQLite under `home`. Returns the process and the API URL (at the
@@ -220,7 +221,7 @@ def start_server(
     env.pop("PREFECT_API_URL", None)  # the server must not try to talk to another server
     server = Managed(
         "prefect-server",
-        [*_prefect(), "server", "start", "--host", host, "--port", str(port)],
+        [sys.executable, "-m", "fleet.prefect_server", "--host", host, "--port", str(port)],
         env,
         home / "server.log",
         cwd=str(home),

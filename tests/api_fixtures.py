@@ -161,6 +161,9 @@ class FileRuns:
             raise TimeoutError("the run backend did not answer in time")
         return run_id
 
+    async def follow(self, changed) -> None:
+        """Pushes nothing: the watcher sees these runs change at its ticks."""
+
     def cancel_job(self, job_id: str) -> None:
         if (self.dir / "cancel-fails").exists():
             raise ConnectionError("the run backend refused the connection")
