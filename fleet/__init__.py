@@ -2,6 +2,7 @@
 
     cli.py          the `harvest` command: which module runs each subcommand
     roles.py        `harvest server|api|worker`: one role each
+    prefect_server.py  the control plane's Prefect server process (Prefect's app, short Retry-After on 503s)
     stack.py        `harvest up` (what `make run` runs): the roles on one box
     processes.py    process supervision: start children, watch and restart them (`Supervisor`),
                     stop them with everything they started; `serve` runs a role
