@@ -4,7 +4,7 @@ A `prefect worker` asks its pool for scheduled runs every `PREFECT_WORKER_QUERY_
 (Prefect's default 10 s; the roles ship `fleet.processes.WORKER_QUERY_S`) and sends a heartbeat
 every `PREFECT_WORKER_HEARTBEAT_SECONDS` (30 s). A run waits for the next poll of a free host:
 on average half the interval, at worst all of it, on top of its own start and work. This
-benchmark measures the other side: a Prefect server as shipped (`prefect server start`, SQLite
+benchmark measures the other side: a Prefect server as shipped (`fleet.prefect_server`, SQLite
 under its home), and N simulated worker hosts (1, 10, 50) making exactly those two calls on
 an idle pool, for each poll interval Q. Over `--seconds` per point it reports the polls per
 second the server answered, the server process's CPU (psutil, % of one core), the polls' p50
