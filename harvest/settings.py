@@ -245,11 +245,6 @@ class Settings(BaseSettings):
     before the engine runs until the response is sent. A request that would pass it is answered
     503 `replica_busy` with `Retry-After`; one bigger than the whole budget runs only alone."""
 
-    inline_engine_nice: int = Field(default=10, ge=0, le=19)
-    """Nice of each inline engine's thread (`harvest.warm.inline`): a long decode yields the
-    replica's CPU to its request handling (every key's reads and submits), which shares the
-    process's scheduling group with it. 0 leaves it at the replica's own priority."""
-
     longpoll_key_share: float = Field(default=0.25, gt=0, le=1)
     """Per key: the share of a replica's `longpoll_max_waiters` one key may hold (at least one
     slot); its further `?wait=` reads are answered at once, `X-Acs-Longpoll: declined`."""

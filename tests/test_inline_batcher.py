@@ -120,23 +120,3 @@ def test_inline_engines_follow_the_worker_hosts_rules_one_model_evicts_another(t
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()
-
-
-def test_the_engine_thread_runs_at_the_configured_nice_and_the_event_loop_does_not(hf_engine, tiny):
-    import os
-
-    seen = {}
-
-    def factory(model):  # runs in the engine's own thread: the kernel's view of its priority
-        seen["engine"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return hf_engine
-
-    async def main():
-        pool = InlineEngines(factory=factory, close_engines=False)
-        await pool.get(tiny)
-        seen["loop"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        await pool.close()
-
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    asyncio.run(main())
-    assert seen == {"engine": 10, "loop": base}  # HARVEST_INLINE_ENGINE_NICE as shipped

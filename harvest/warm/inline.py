@@ -6,9 +6,7 @@ worker host's engine server: a model is loaded the first time it is asked for an
 `HARVEST_ENGINE_MODELS_PER_GROUP` models at once, the least recently used idle one unloaded
 when another is asked for, never one a request holds. Each engine gets an `EngineBatcher`
 with ONE worker thread: every call into the engine (load, generate, close) runs there, so the
-event loop never blocks on a forward pass and two batches never share hooks on one model. That
-thread runs at a lower priority (`HARVEST_INLINE_ENGINE_NICE`), so a long decode does not slow
-the replica's handling of other requests.
+event loop never blocks on a forward pass and two batches never share hooks on one model.
 
 Batching: a request joins a queue; the dispatcher waits `window_s` after the first arrival so
 that requests sent together are collected, then hands the queue to ONE `engine.generate`
@@ -22,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -182,15 +178,6 @@ class EngineBatcher:
         self._queue.clear()
 
 
-def _lower_priority(nice: int) -> None:
-    """The calling thread's nice (Linux: a thread's own; the scheduler weighs it against the
-    other threads of the process's group, the event loop's among them)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (AttributeError, OSError):  # no per-thread priority here: the thread runs as the rest
-        log.warning("could not lower the inline engine thread's priority", exc_info=True)
-
-
 def _settle(future: asyncio.Future, *, result=None, exception: BaseException | None = None) -> None:
     if future.done():  # the client went away
         return
@@ -224,8 +211,7 @@ class InlineEngines:
     def _load(self, name: str) -> EngineBatcher:
         """In the thread of the request that loads it: the engine, made in its own worker thread."""
         model = self._models[name]
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{model.name}",
-                                      initializer=_lower_priority, initargs=(get_settings().inline_engine_nice,))
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{model.name}")
         try:
             engine = executor.submit(self._factory, model).result()
         except BaseException:
