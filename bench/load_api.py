@@ -211,7 +211,11 @@ async def _wait_done(base: str, key: str, job_id: str, timeout: float) -> dict:
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=90) as client:
         deadline = time.monotonic() + timeout
         while True:
-            body = (await client.get(f"{base}/harvest/{job_id}", params={"wait": 20})).json()
+            answer = await client.get(f"{base}/harvest/{job_id}", params={"wait": 20})
+            if answer.status_code == 429:  # the key's reads in flight on this replica: as a client does
+                await asyncio.sleep(float(answer.headers.get("Retry-After", 1)))
+                continue
+            body = answer.json()
             if body["status"] in TERMINAL or time.monotonic() > deadline:
                 return body
 
