@@ -28,12 +28,13 @@ class RetryAfterOn503:
 
     The wait is `base_s` while 503s are rare (a collision clears in milliseconds) and doubles
     for every `per_step` more 503s the server answered in the last `window_s`, up to `max_s`:
-    a server truly overloaded is not asked again three times a second by every client, and a
-    client's limited tries (PREFECT_CLIENT_MAX_RETRIES) still span an overload of seconds, as
-    Prefect's own 2 s, 4 s… back-off does.
+    a server truly overloaded is not asked again five times a second by every client, and a
+    client's limited tries (PREFECT_CLIENT_MAX_RETRIES, 5) span seconds even when its own
+    request is the only one refused (0.2 + 0.2 + 0.4 + 0.4 + 0.8 s), and up to the cap when
+    many are: a run's state change is not given up in the first second of a collision storm.
     """
 
-    def __init__(self, app, *, base_s: float = 0.2, max_s: float = 8.0, window_s: float = 10.0, per_step: int = 4):
+    def __init__(self, app, *, base_s: float = 0.2, max_s: float = 8.0, window_s: float = 10.0, per_step: int = 2):
         self.app = app
         self.base_s, self.max_s, self.window_s, self.per_step = base_s, max_s, window_s, per_step
         self._recent: deque[float] = deque()  # when the last 503s were answered
