@@ -120,7 +120,8 @@ class Watcher:
             except Exception:  # Prefect or the database briefly away: try again next tick
                 log.exception("watcher tick failed")
             # A kick runs the next tick early, but never sooner than the last one took (at
-            # least MIN_GAP_S): a stream of run events keeps the watcher at most half busy.
+            # least MIN_GAP_S, at most the interval): a stream of run events keeps the watcher
+            # at most half busy while its ticks are shorter than the interval.
             busy = time.monotonic() - started
             await asyncio.sleep(max(MIN_GAP_S, min(busy, self.interval)))
             try:
