@@ -116,7 +116,7 @@ def test_the_control_plane_refuses_calls_without_its_password(stack):
 
 def test_a_killed_api_comes_back_alone_on_its_port(stack):
     workers = {p.pid for p in _children(stack, "fleet.run_starter", "--socket")}
-    server = {p.pid for p in _children(stack, "prefect", "server")}
+    server = {p.pid for p in _children(stack, "fleet.prefect_server")}
     (api,) = _children(stack, "api.app:create_app")
     assert len(workers) == 2 and len(server) == 1
     api.kill()  # as the OOM killer would
@@ -133,7 +133,7 @@ def test_a_killed_api_comes_back_alone_on_its_port(stack):
     (again,) = _children(stack, "api.app:create_app")
     assert again.pid != api.pid
     assert {p.pid for p in _children(stack, "fleet.run_starter", "--socket")} == workers
-    assert {p.pid for p in _children(stack, "prefect", "server")} == server
+    assert {p.pid for p in _children(stack, "fleet.prefect_server")} == server
     assert stack.proc.poll() is None
     assert any("api exited with -9; restarted" in line for line in stack.errors), "".join(stack.errors)[-3000:]
 
