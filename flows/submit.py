@@ -66,6 +66,7 @@ __all__ = [
     "RunStartTimeout",
     "RunStatus",
     "deployment_name",
+    "job_runs_filter",
     "job_status",
     "run_started_at",
     "astart_harvest_run",
@@ -222,11 +223,16 @@ async def acancel_harvest_run(flow_run_id: str | UUID) -> str:
     return job_status(run)
 
 
+def job_runs_filter(job_id: str) -> FlowRunFilter:
+    """Every flow run of a job: its run and its scale-out helpers, by the job's tag."""
+    return FlowRunFilter(tags=FlowRunFilterTags(all_=[f"{JOB_TAG}{job_id}"]))
+
+
 async def acancel_job_runs(job_id: str) -> int:
     """Stop every run tagged `job-id:<job_id>` (the job's run and its scale-out helpers);
     returns how many were found. Runs already ended are left alone."""
     async with get_client() as client:
-        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"{JOB_TAG}{job_id}"])))
+        runs = await client.read_flow_runs(flow_run_filter=job_runs_filter(job_id))
         for run in runs:
             await _cancel_one(client, run)
     return len(runs)

@@ -38,9 +38,8 @@ def overloaded_api(harvest_home, harvest_stack, stalled_prefect, tiny):
 
 def test_a_submit_to_an_overloaded_prefect_answers_503_with_retry_after_within_the_bound(overloaded_api, stalled_prefect):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
-    from flows.submit import JOB_TAG, START_BOUND_S
+    from flows.submit import START_BOUND_S, job_runs_filter
 
     auth = {"Authorization": f"Bearer {overloaded_api.make_key(name='overload')}"}
     started = time.monotonic()
@@ -58,5 +57,5 @@ def test_a_submit_to_an_overloaded_prefect_answers_503_with_retry_after_within_t
     (job,) = httpx.get(f"{overloaded_api.base_url}/harvest", headers=auth).json()["data"]
     assert job["status"] == "failed" and job["tokens"] == 0  # recorded, charged nothing
     with get_client(sync_client=True) as client:  # straight to Prefect, not through the proxy
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"{JOB_TAG}{job['job_id']}"])))
+        runs = client.read_flow_runs(flow_run_filter=job_runs_filter(job["job_id"]))
     assert all(run.state is None or run.state.is_final() or run.state.name == "Cancelling" for run in runs), runs

@@ -27,6 +27,8 @@ def slow_ticking_api(harvest_home, harvest_stack, tiny):
 def test_a_runs_end_reaches_the_job_at_once_not_at_the_next_tick(slow_ticking_api):
     from prefect.client.orchestration import get_client
 
+    from flows.submit import job_runs_filter
+
     api, auth = slow_ticking_api.base_url, {"Authorization": f"Bearer {slow_ticking_api.make_key(name='events')}"}
     for n in range(2):  # the second starts long after the submit's own kick has been spent
         job = httpx.post(f"{api}/harvest", headers=auth, timeout=60,
@@ -35,14 +37,7 @@ def test_a_runs_end_reaches_the_job_at_once_not_at_the_next_tick(slow_ticking_ap
             job = httpx.get(f"{api}/harvest/{job['job_id']}", params={"wait": 60}, headers=auth, timeout=90).json()
         assert job["status"] == "done", job
         with get_client(sync_client=True) as client:
-            (run,) = client.read_flow_runs(flow_run_filter=_job_filter(job["job_id"]))
+            (run,) = client.read_flow_runs(flow_run_filter=job_runs_filter(job["job_id"]))
         lag = (datetime.fromisoformat(job["completed_at"].replace("Z", "+00:00")) - run.end_time).total_seconds()
         assert lag < 5, f"job {n}: done {lag:.1f} s after its run ended (the tick is every {INTERVAL_S} s)"
 
-
-def _job_filter(job_id: str):
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
-
-    from flows.submit import JOB_TAG
-
-    return FlowRunFilter(tags=FlowRunFilterTags(all_=[f"{JOB_TAG}{job_id}"]))
