@@ -37,6 +37,8 @@ from prefect.states import Failed, State
 from flows.placement import WORKERS_LABEL, choose_workers
 from flows.progress import RunProgress, summary_artifact
 from flows.scale_out import collect_helpers, split_ranges, start_helpers
+from harvest.cost import bytes_per_token
+from harvest.cpu_share import lower_priority, run_nice
 from harvest.errors import job_error
 from harvest.jobfiles import JobFiles
 from harvest.pipeline import Cancelled, tokenize_job
@@ -100,6 +102,8 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
         # 2. A slot of this host (before anything touches CUDA), and the plan.
         placement = place_run(job.model, settings, on_wait=lambda: files.write_progress(stage="waiting for a slot"))
         tokens_per_shard = [sum(len(tokenized[i].ids) for i in r) for r in ranges]
+        # A large job's run leaves a contended CPU to small jobs' runs and to its worker.
+        lower_priority(run_nice(sum(tokens_per_shard) * bytes_per_token(job)))
         run = RunProgress(job_id, files, job.model.lane, tokens_per_shard, placement)
         if helper:
             plan = [list(shard_range)]

@@ -5,6 +5,8 @@ own machinery) and tests/test_fleet.py (resumed on another host, end to end)."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 
 
@@ -124,3 +126,48 @@ def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
     first_end = min(r.end_time for r in runs)
     last = max(runs, key=lambda r: r.start_time)
     assert last.start_time >= first_end  # the fourth started only once one of the three ended
+
+
+def _thread_nices(pid: int) -> set[int]:
+    """The nice of every thread of `pid`, from /proc (field 19 of each thread's stat)."""
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+            nices.add(int(stat.read().rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
+def test_a_large_jobs_run_yields_the_cpu_to_a_small_jobs_run(harvest_stack, tiny):
+    """Runs forked on one host share its session: a large job's run lowers its own priority by
+    its output's size, a small one's keeps the default (`harvest.cpu_share`)."""
+    import psutil
+
+    from harvest.tokenize import load_tokenizer
+
+    large = {"model": "llama-tiny", "prompts": [f"prompt {i} " + "many words in a row " * 60 for i in range(6)],
+             "shard_size": 1, "layers": "all"}
+    small = {"model": "llama-tiny", "prompts": ["one small prompt", "and another"], "shard_size": 1, "layers": [2]}
+    # The large job's output from its tokens, counted here: a bf16 value per layer and feature
+    # and an int32 id per token; one nice step per doubling past 1 MiB.
+    tokens = sum(len(ids) for ids in load_tokenizer(tiny.path)(large["prompts"])["input_ids"])
+    large_bytes = tokens * (8 * 256 * 2 + 4)
+    expected = math.ceil(math.log2(large_bytes / 2**20))
+    assert 1 <= expected <= 19, large_bytes
+    jobs = [harvest_stack.submit(body, env=slow_shards(1), key_id=f"cpu-share-{i}") for i, body in enumerate((large, small))]
+    starter = psutil.Process(harvest_stack.workers.small.pid)
+
+    def forked_runs() -> list[int]:
+        # A forked run is a child of the host's run starter with the starter's own command line.
+        return [child.pid for child in starter.children() if child.cmdline() == starter.cmdline()]
+
+    def both_running():
+        statuses = [harvest_stack.status(job.flow_run_id).status for job in jobs]
+        runs = forked_runs()
+        return statuses == ["running", "running"] and len(runs) == 2 and runs
+
+    runs = _wait_for(both_running, 120, "both jobs running on the small host")
+    time.sleep(1.5)  # past tokenizing, into their shards (each a second at least)
+    nices = sorted(_thread_nices(pid) for pid in runs)
+    assert nices == [{0}, {expected}], nices
+    for job in jobs:
+        assert harvest_stack.wait(job.flow_run_id, timeout=180).status == "done"

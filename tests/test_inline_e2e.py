@@ -4,7 +4,11 @@ snippet and their "always assert the shape" checks, compared with an HF referenc
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
+import psutil
 import pytest
 import requests
 import torch
@@ -65,3 +69,63 @@ def test_refusals_through_the_real_app(inline_server):
     assert answer.json()["error"]["code"] == "activation_prompt_too_long" and "512" in answer.json()["error"]["message"]
     answer = requests.post(f"{base}/completions", headers=headers, json={**body, "model": "nope"}, timeout=60)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "model_not_found"
+
+
+def _engine_process(server) -> psutil.Process:
+    """The replica's inline engine: a child of its process running `harvest.warm.inline_process`."""
+    api = psutil.Process(server.process.pid)
+    engines = [child for child in api.children(recursive=True) if "harvest.warm.inline_process" in child.cmdline()]
+    assert len(engines) == 1, [child.cmdline() for child in api.children(recursive=True)]
+    return engines[0]
+
+
+def _wait_until_dead(pid: int, timeout: float = 10) -> None:
+    """Until `pid` has ended (every thread: a thread-group leader shows as a zombie while its
+    other threads still exit, and only then may its parent collect it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                zombie = stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+            if zombie and len(os.listdir(f"/proc/{pid}/task")) <= 1:
+                return
+        except FileNotFoundError:  # collected already
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"process {pid} still running {timeout} s after SIGKILL")
+
+
+def test_generation_runs_in_a_lower_priority_process_of_its_own(inline_server, hf_engine):
+    """Decoding is not the replica's work: it runs in a child process, in a session of its own
+    whose scheduling group is lowered (on a host without CUDA), so the replica's requests and
+    the rest of the host go first; a child that dies is started again for the next request."""
+    headers = {"Authorization": f"Bearer {inline_server.make_key()}"}
+    body = {"model": "llama-tiny", "prompt": [7, 8, 9], "max_tokens": 64, "temperature": 0, "output_residual_stream": [0, 7]}
+    first = requests.post(f"{inline_server.base_url}/completions", headers=headers, json=body, timeout=300)
+    assert first.status_code == 200, first.text
+    engine = _engine_process(inline_server)
+    api = psutil.Process(inline_server.process.pid)
+    assert os.getsid(engine.pid) == engine.pid != os.getsid(api.pid)  # a session (a scheduling group) of its own
+    with open(f"/proc/{engine.pid}/autogroup") as group:
+        assert group.read().split()[-1] == "10"  # e.g. "/autogroup-151 nice 10"
+    assert engine.nice() == 10 and api.nice() == 0
+
+    # The generation's CPU is the child's, not the replica's.
+    api_before, engine_before = sum(api.cpu_times()[:2]), sum(engine.cpu_times()[:2])
+    again = requests.post(f"{inline_server.base_url}/completions", headers=headers,
+                          json={**body, "max_tokens": 512}, timeout=300)
+    assert again.status_code == 200, again.text
+    api_used, engine_used = sum(api.cpu_times()[:2]) - api_before, sum(engine.cpu_times()[:2]) - engine_before
+    assert engine_used > 2 * api_used, (engine_used, api_used)
+
+    # Killed between requests: the next request starts another and gets the same answer.
+    engine.kill()
+    _wait_until_dead(engine.pid)
+    third = requests.post(f"{inline_server.base_url}/completions", headers=headers, json=body, timeout=300)
+    assert third.status_code == 200, third.text
+    assert _engine_process(inline_server).pid != engine.pid
+    assert third.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    x = decode_residual_stream(third.json())
+    assert np.array_equal(x, decode_residual_stream(first.json()))
+    reference, _ = hf_reference(hf_engine.hf_model, [7, 8, 9], [0, 7])  # the prompt's positions
+    assert_within_one_bf16_rounding(torch.from_numpy(x[:, :3].astype(np.float32)).to(torch.bfloat16), reference)

@@ -192,14 +192,15 @@ class InlineEngines:
 
     def __init__(self, factory: Callable[[ModelInfo], Engine] | None = None, *, capacity: int | None = None,
                  close_engines: bool = True, **batcher_options):
-        """`factory` loads a model's engine (default `load_engine`: vLLM where installed, else
-        HF). `capacity`: models kept loaded (default `HARVEST_ENGINE_MODELS_PER_GROUP`).
+        """`factory` loads a model's engine (default: `ProcessEngine`, the chosen engine in a
+        child process, so that decoding never takes the replica's share of the CPU or its
+        GIL; `harvest.warm.inline_process`). `capacity`: models kept loaded (default `HARVEST_ENGINE_MODELS_PER_GROUP`).
         `close_engines=False` leaves engines the factory shares with others (a test session's
         engine) open when they are unloaded."""
         if factory is None:
-            from harvest.engines.base import load_engine
+            from harvest.warm.inline_process import ProcessEngine
 
-            factory = load_engine
+            factory = ProcessEngine
         self._factory = factory
         self._close_engines = close_engines
         self._options = batcher_options

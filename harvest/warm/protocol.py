@@ -136,9 +136,11 @@ def receive_value(conn, header: tuple) -> tuple[int, torch.Tensor]:
     """The prompt position and tensor of a `("value", …)` header just received, read from the
     raw message that follows it."""
     _, position, shape, dtype_name = header
-    dtype = getattr(torch, dtype_name)
-    data = bytearray(conn.recv_bytes())
-    value = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+    value = torch.empty(shape, dtype=getattr(torch, dtype_name))
+    # Straight into the tensor's memory: one copy of the bytes, never two.
+    received = conn.recv_bytes_into(value.view(torch.uint8).reshape(-1).numpy() if value.numel() else bytearray(1))
+    if received != value.numel() * value.element_size():
+        raise EOFError(f"a value of shape {shape} came with {received} bytes")
     return position, value
 
 

@@ -1,0 +1,68 @@
+"""Bulk work yields a shared CPU to small work: the priorities of the processes that do it.
+
+On a host whose CPU is contended, Linux shares it between sessions (scheduling autogroups, the
+default on most distributions) equally whatever their processes' nice values, and between the
+processes of one session by their nice. Two kinds of bulk work lower themselves:
+
+- an API replica's inline engine runs in a session of its own, whose group it lowers
+  (`lower_priority(..., session=True)`, `harvest.warm.inline_process`): one key's long
+  generations then never take the share the replica's requests and the control plane need;
+- a flow run lowers itself by the size of its job (`run_nice`): runs forked by a worker
+  host's run starter share its session, so a large job's run leaves the CPU to a small job's
+  run and to the worker beside it, and a small job keeps its turnaround whatever else the
+  host runs. (A session's group is never lowered from a run: it is the worker's.)
+
+A lower priority only matters while something else wants the CPU; on a quiet host the work
+runs as fast as before.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+__all__ = ["BULK_FROM_BYTES", "MAX_NICE", "run_nice", "lower_priority"]
+
+BULK_FROM_BYTES = 1 << 20
+"""A job whose output is at most this many bytes runs at the default priority."""
+MAX_NICE = 19
+
+
+def run_nice(output_bytes: int) -> int:
+    """A run's nice: one step for each doubling of its job's output past `BULK_FROM_BYTES`
+    (32 MiB: 5, 1 GiB: 10, 8 GiB: 13), at most `MAX_NICE`."""
+    if output_bytes <= BULK_FROM_BYTES:
+        return 0
+    return min(MAX_NICE, math.ceil(math.log2(output_bytes / BULK_FROM_BYTES)))
+
+
+def lower_priority(nice: int, *, session: bool = False) -> bool:
+    """Lower this process, every thread of it, to `nice` (never raise it: that needs privileges), and with
+    `session` its session's scheduling group too (/proc/self/autogroup); False where nothing
+    could be lowered (another kernel, or not allowed)."""
+    done = False
+    if session:
+        try:
+            with open("/proc/self/autogroup", "w") as group:
+                group.write(str(nice))
+            done = True
+        except OSError:  # a kernel without autogroups
+            pass
+    # On Linux a nice belongs to a thread (threads started later inherit their starter's):
+    # every thread the process already has is lowered, each at most once.
+    for thread in _threads():
+        try:
+            if os.getpriority(os.PRIO_PROCESS, thread) < nice:
+                os.setpriority(os.PRIO_PROCESS, thread, nice)
+            done = True
+        except (OSError, AttributeError):  # a thread that just ended; not a Unix
+            pass
+    return done
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux), else 0: the calling process."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]

@@ -1,0 +1,52 @@
+"""Bulk work's lower CPU priority (`harvest.cpu_share`), read back from the kernel's /proc."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from harvest.cpu_share import run_nice
+from tests.test_flows_ops import _thread_nices
+
+MiB = 1 << 20
+
+
+def test_a_runs_nice_is_one_step_per_doubling_of_its_output_past_a_mebibyte():
+    assert [run_nice(n) for n in (0, MiB, MiB + 1, 2 * MiB, 32 * MiB, 33 * MiB, 1 << 30, 8 << 30)] == [0, 0, 1, 1, 5, 6, 10, 13]
+    assert run_nice(1 << 50) == 19  # the most Linux has
+
+
+LOWERED = """
+import sys, threading, time
+from harvest.cpu_share import lower_priority
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a thread from before
+print(lower_priority(int(sys.argv[1]), session=sys.argv[2] == "session"), flush=True)
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # and one from after
+time.sleep(60)
+"""
+
+
+def _lowered(nice: int, how: str) -> tuple[subprocess.Popen, str]:
+    child = subprocess.Popen([sys.executable, "-c", LOWERED, str(nice), how], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert child.stdout.readline().strip() == "True"
+    time.sleep(0.2)
+    with open(f"/proc/{child.pid}/autogroup") as group:
+        return child, group.read().split()[-1]
+
+
+def test_lowered_process_every_thread_and_with_session_its_group():
+    child, group = _lowered(7, "session")
+    try:
+        assert _thread_nices(child.pid) == {7} and group == "7"  # "/autogroup-N nice 7"
+    finally:
+        child.kill()
+        child.wait()
+    # A run shares its worker's session: only the process is lowered, never the group.
+    child, group = _lowered(5, "process")
+    try:
+        assert _thread_nices(child.pid) == {5} and group == "0"
+    finally:
+        child.kill()
+        child.wait()
