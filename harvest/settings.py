@@ -131,6 +131,12 @@ class Settings(BaseSettings):
     """How long an engine that comes free waits for the other jobs holding it to ask for their
     next shards, so they are co-batched instead of alternating (with co-batching on)."""
 
+    engine_turn_tokens: int = Field(default=16384, ge=0)
+    """Fair turns on a shared engine: a shard runs in turns of at most this many tokens (at
+    least one prompt each), and the shards of other jobs waiting meanwhile go between its
+    turns, so a small job's shard waits for one turn of a large one, never its whole shard
+    (`harvest.warm.cobatch`). 0: every shard whole, in one turn."""
+
     engine_start_timeout_s: float = Field(default=180.0, gt=0)
     """How long a run waits for its host's engine server to answer after starting it."""
 

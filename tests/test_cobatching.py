@@ -160,3 +160,57 @@ def test_an_engine_error_reaches_its_asker_and_the_engine_goes_on(hf_engine, sha
     with pytest.raises(Exception, match="out of range|index"):
         cobatched.capture([[10**9]], CaptureSpec(layers=LAYERS), None)  # a token id past the vocabulary
     assert cobatched.capture(shards[1], CaptureSpec(layers=LAYERS), None).stats.count == len(shards[1][0]) - 1
+
+
+def test_turns_cut_a_shard_by_tokens_at_least_one_prompt_each():
+    from harvest.warm.cobatch import turns
+
+    assert turns([5, 5, 5, 5], 10) == [2, 2]
+    assert turns([5, 6, 5], 10) == [1, 1, 1]
+    assert turns([5, 4, 5], 10) == [2, 1]
+    assert turns([30, 1, 1], 10) == [1, 2]  # a prompt longer than a turn runs alone
+    assert turns([5, 5, 5], 0) == [3]  # 0: the whole shard in one turn
+    assert sum(turns(list(range(1, 50)), 64)) == 49
+
+
+def test_a_small_shard_goes_between_the_turns_of_a_large_one(hf_engine, tiny):
+    """A large job's shard in turns: a small job's shard that arrives during its first turn runs
+    next, not after the whole shard; the large shard's values land at their places and its
+    statistics are those of all its values (numpy float64), as if it had run whole."""
+    tokenizer = load_tokenizer(tiny.path)
+    large = [tokenizer(f"the large job's prompt number {i} goes on for a while")["input_ids"] for i in range(12)]
+    small = [tokenizer("the small job")["input_ids"]]
+    spec = CaptureSpec(layers=LAYERS)
+    turn = 3 * max(len(ids) for ids in large)  # three prompts a turn at most: four turns or more
+    gate = Gate(hf_engine)
+    cobatched = CobatchedEngine(gate, turn_tokens=turn)
+    log = ForwardLog(hf_engine.hf_model)
+    results, placed = {}, {}
+    try:
+        def run_large():
+            results["large"] = cobatched.capture(large, spec, None, sink=lambda position, value: placed.setdefault(position, value))
+
+        large_thread = threading.Thread(target=run_large)
+        large_thread.start()
+        time.sleep(0.3)  # the large shard's first turn holds the engine (at the gate)
+        small_thread = _ask(cobatched, small, spec, results, "small", _never_gone)
+        time.sleep(0.2)
+        gate.opened.set()
+        large_thread.join(60)
+        small_thread.join(60)
+    finally:
+        log.close()
+    # Forward passes: the large shard's first turn, the small shard, then the large one's other turns.
+    assert log.rows[:2] == [3, 1] and len(log.rows) >= 5, log.rows
+    assert sum(log.rows) == len(large) + 1
+    assert sorted(placed) == list(range(len(large))) and results["large"].values == []
+    for position in (0, 5, 11):
+        reference = hf_reference_layers(hf_engine.hf_model, large[position], LAYERS)
+        assert (np.abs(placed[position].float().numpy() - reference) <= 2 * bf16_tolerance(reference)).all()
+    mean, var = _stats_of([placed[p] for p in range(len(large))])
+    stats = results["large"].stats
+    assert stats.count == sum(len(ids) - 1 for ids in large)
+    np.testing.assert_allclose(stats.mean.double().numpy(), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose((stats.m2.double() / stats.count).numpy(), var, rtol=1e-4, atol=1e-6)
+    assert results["small"].stats.count == len(small[0]) - 1
+

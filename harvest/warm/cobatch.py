@@ -8,6 +8,12 @@ same capture (layers, directions, batch size), up to `max_shards`, in one
 batch; HF sorts them into one set of batches), and each job gets its own values and statistics
 back. The oldest waiting shard always goes next, so no job is passed over.
 
+Turns: a shard of more than `turn_tokens` tokens (`HARVEST_ENGINE_TURN_TOKENS`) runs as
+consecutive pieces of at most that many, each queued only once the one before it is done, so
+the shards other jobs sent meanwhile go between them: a small job waits for one turn of a large
+one, not its whole shard. The pieces' values reach the sink at their places in the shard, and
+their statistics merge (Chan's formula, as shards and workers do) into the shard's.
+
 A job that goes away while its shard waits (its run cancelled) is dropped before its shard
 runs; one that goes while its shard runs only loses the answer. Each shard may bring a sink
 (`harvest.engines.base.ValueSink`; in the server, its connection): its values go there batch
@@ -21,15 +27,18 @@ side, so the next GPU run decides).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.engines.base import Engine, ValueSink, hand_over
 
-__all__ = ["CobatchedEngine", "Abandoned"]
+__all__ = ["CobatchedEngine", "Abandoned", "turns", "joined"]
 
 
 class Abandoned(Exception):
@@ -55,10 +64,11 @@ class _Shard:
 class CobatchedEngine:
     """An engine and the shards waiting for it (the warm engine server's cache holds these)."""
 
-    def __init__(self, engine: Engine, max_shards: int = 1, wait_s: float = 0.1):
+    def __init__(self, engine: Engine, max_shards: int = 1, wait_s: float = 0.1, turn_tokens: int = 0):
         self.engine = engine
         self.max_shards = max(1, max_shards)
         self.wait_s = wait_s
+        self.turn_tokens = turn_tokens  # 0: whole shards
         self.peers = 1
         self._waiting: list[_Shard] = []
         self._busy = False
@@ -68,9 +78,19 @@ class CobatchedEngine:
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None,
                 gone: Callable[[], bool] = lambda: False, peers: int = 1, sink: ValueSink | None = None) -> ShardCapture:
-        """This shard's answer, run with whatever else is waiting; `gone` says whether the asker
-        left (checked while the shard waits); `peers`: the jobs now holding this engine; `sink`
-        takes the shard's values as they come (the answer then holds none)."""
+        """This shard's answer, run in turns with whatever else is waiting; `gone` says whether
+        the asker left (checked while a turn waits); `peers`: the jobs now holding this engine;
+        `sink` takes the shard's values as they come (the answer then holds none)."""
+        parts: list[ShardCapture] = []
+        start = 0
+        for size in turns([len(p) for p in prompts], self.turn_tokens):
+            shifted = None if sink is None else functools.partial(_shifted, sink, start)
+            parts.append(self._turn(prompts[start : start + size], spec, batch_size, gone, peers, shifted))
+            start += size
+        return joined(parts)
+
+    def _turn(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None,
+              gone: Callable[[], bool], peers: int, sink: ValueSink | None) -> ShardCapture:
         shard = _Shard(prompts, spec, batch_size, sink)
         with self._changed:
             self.peers = peers
@@ -135,3 +155,35 @@ class CobatchedEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def turns(lengths: list[int], turn_tokens: int) -> list[int]:
+    """How many consecutive prompts each turn takes: at most `turn_tokens` tokens, at least one
+    prompt (0: every prompt in one turn)."""
+    if not turn_tokens:
+        return [len(lengths)] if lengths else [0]
+    sizes, count, tokens = [], 0, 0
+    for length in lengths:
+        if count and tokens + length > turn_tokens:
+            sizes.append(count)
+            count, tokens = 0, 0
+        count += 1
+        tokens += length
+    sizes.append(count)
+    return sizes
+
+
+def _shifted(sink: ValueSink, start: int, position: int, value) -> None:
+    sink(start + position, value)
+
+
+@torch.inference_mode()  # the engines' statistics are inference tensors, updated in place here
+def joined(parts: list[ShardCapture]) -> ShardCapture:
+    """One shard's answer from its turns' answers, in order."""
+    whole = parts[0]
+    for part in parts[1:]:
+        whole.values.extend(part.values)
+        whole.stats.merge(part.stats)
+        whole.forward_s += part.forward_s
+        whole.extra.update(part.extra)
+    return whole

@@ -66,7 +66,8 @@ class EngineServer:
 
     def _load(self, key: tuple[str, str]) -> CobatchedEngine:
         model, engine = key
-        return CobatchedEngine(load_engine(self.registry.get(model), EngineChoice(engine, "")), *self.cobatch)
+        return CobatchedEngine(load_engine(self.registry.get(model), EngineChoice(engine, "")), *self.cobatch,
+                               turn_tokens=get_settings().engine_turn_tokens)
 
     # -- one client -----------------------------------------------------------------------
 
