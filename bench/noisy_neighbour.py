@@ -70,7 +70,8 @@ WORDS = "the residual stream carries every feature a probe reads and every token
 
 # Bounds the README documents for each process ("Memory of each process"), in short.
 BOUNDS = {
-    "api": "imports + inline models + submits ≤ a few × HARVEST_ADMISSION_BYTES + inline ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES",
+    "api": "imports + submits ≤ a few × HARVEST_ADMISSION_BYTES + inline ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES",
+    "inline-engine": "its model + one batch's generations (their residuals within the replica's HARVEST_INLINE_RESPONSE_BUDGET_BYTES)",
     "run": "imports + one piece (HARVEST_ENGINE_PIECE_BYTES) + S3 parts (HARVEST_S3_PART_BYTES)",
     "engine-server": "models + one pass of HARVEST_ENGINE_BATCH_TOKENS and its captures (~3 × HARVEST_ENGINE_PIECE_BYTES on the CPU)",
     "run-starter": "fixed: imports, no model",
@@ -96,8 +97,9 @@ def _role(process: psutil.Process) -> str:
             return "run" if parent is not None and "fleet.run_starter" in " ".join(parent.cmdline()) else "run-starter"
         except psutil.Error:
             return "run-starter"
-    for needle, role in (("api.app", "api"), ("uvicorn", "api"), ("harvest.warm.server", "engine-server"),
-                         ("fleet.run_starter", "run-starter"), ("prefect server", "prefect-server"),
+    for needle, role in (("harvest.warm.inline_process", "inline-engine"), ("api.app", "api"), ("uvicorn", "api"),
+                         ("harvest.warm.server", "engine-server"), ("fleet.run_starter", "run-starter"),
+                         ("fleet.prefect_server", "prefect-server"), ("prefect server", "prefect-server"),
                          ("prefect worker", "worker"), ("harvest up", "harvest-up"), ("harvest worker", "worker"),
                          ("harvest server", "prefect-server"), ("harvest api", "api")):
         if needle in line:
@@ -212,7 +214,8 @@ class Record:
 def _prefect_steps(home: Path, prefect_ui: str, db_url: str, job_ids: list[str]) -> dict[str, list[float]]:
     """Where a victim job's wait went, from Prefect's own record of its run: API (job created →
     its flow run created), queue (→ Pending: a worker took it), start (→ Running: the run's
-    process started the flow), run (→ Completed). Seconds per step, one value per job."""
+    process started the flow), run (→ Completed), and from the job store: watcher (→ the job
+    recorded done). Seconds per step, one value per job."""
     from datetime import datetime, timezone
 
     from sqlalchemy import create_engine, text
@@ -222,16 +225,18 @@ def _prefect_steps(home: Path, prefect_ui: str, db_url: str, job_ids: list[str])
     def when(stamp: str) -> datetime:
         return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
+    def utc(moment: datetime) -> datetime:
+        return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)  # the store keeps UTC
+
     engine = create_engine(db_url)
     with engine.connect() as conn:
-        rows = {r[0]: (r[1], r[2]) for r in conn.execute(text("SELECT id, flow_run_id, created_at FROM jobs")).all()}
+        rows = {r[0]: (r[1], r[2], r[3]) for r in conn.execute(text("SELECT id, flow_run_id, created_at, completed_at FROM jobs")).all()}
     engine.dispose()
     auth = basic_header((home / "prefect-auth").read_text().strip())
     steps: dict[str, list[float]] = defaultdict(list)
     for job_id in job_ids:
-        run_id, created = rows[job_id]
-        created = created if isinstance(created, datetime) else when(str(created))
-        created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)  # the store keeps UTC
+        run_id, created, completed = rows[job_id]
+        created, completed = (utc(stamp if isinstance(stamp, datetime) else when(str(stamp))) for stamp in (created, completed))
         answer = httpx.get(f"{prefect_ui}/api/flow_run_states/", params={"flow_run_id": run_id}, headers=auth, timeout=30)
         if answer.status_code != 200:
             continue
@@ -244,6 +249,7 @@ def _prefect_steps(home: Path, prefect_ui: str, db_url: str, job_ids: list[str])
         steps["queue"].append((first["PENDING"] - first["SCHEDULED"]).total_seconds())
         steps["start"].append((first["RUNNING"] - first["PENDING"]).total_seconds())
         steps["run"].append((first["COMPLETED"] - first["RUNNING"]).total_seconds())
+        steps["watcher"].append((completed - first["COMPLETED"]).total_seconds())
     return steps
 
 

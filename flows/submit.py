@@ -87,8 +87,11 @@ FINAL = (StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CAN
 NOT_STARTED = (StateType.SCHEDULED, StateType.PAUSED)
 START_BOUND_S = 10.0
 """Longest a run start may take (reading the deployment and creating the run, retries included)."""
-START_RETRIES = 2
-"""Retries of one Prefect request during a start (Prefect's default, 5, backs off for ~60 s)."""
+START_RETRIES = 5
+"""Retries of one Prefect request during a start. The control plane's server asks for short
+waits on a 503 (`fleet.prefect_server`: 0.2 s, doubling every 2 more), so 5 span about 2 s of a
+SQLite write collision; against a server that asks for longer, `START_BOUND_S` still ends the
+start (2 retries, before, gave up on collisions of under half a second)."""
 
 
 class RunStartTimeout(TimeoutError):
