@@ -109,11 +109,14 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
         # Workers and the API boot (seconds each) while the deployments are applied; a worker
         # that comes first creates its pool, and the deploy then sets its limit.
         # On a box without GPUs each lane's worker gets as many slots as its pool allows, so
-        # `make run` runs jobs side by side as before; with GPUs, the GPUs decide (`placement`).
+        # `make run` runs jobs side by side as before, plus one: a run's process holds its slot
+        # until it has exited, seconds after its run ended on a busy box, and the next job must
+        # not wait for that (Prefect's pool limit still counts the runs). With GPUs, the GPUs
+        # decide (`placement`): a GPU is free only once its process has exited.
         cpu_only = not visible_gpus()
         workers = [
             pool.submit(start_worker_host, home, lane.name, api_url, name=f"{lane.name}-{os.getpid()}",
-                        slots=(lane.pool_limit or 1) if cpu_only else None)
+                        slots=(lane.pool_limit or 1) + 1 if cpu_only else None)
             for lane in load_lanes().values()
         ]
         key = key_f.result()
