@@ -4,9 +4,10 @@ Parameters are the job id and the storage URL of its request.json (the API write
 prompts and tensors never go through Prefect. The run
 
 1. reads and resolves the request and tokenizes it (a bad request fails here, before any load);
-2. claims a slot of its host (`harvest.placement.place_run`: its GPUs, or a CPU place) and
-   decides how many runs share the job (`flows.placement.choose_workers`), starting the
-   helper runs if more than one (`flows.scale_out`);
+2. claims a slot of its host (`harvest.placement.place_run`: its GPUs, or a CPU place), lowers
+   its CPU priority by its job's size (`harvest.cpu_share.run_nice`), and decides how many
+   runs share the job (`flows.placement.choose_workers`), starting the helper runs if more
+   than one (`flows.scale_out`);
 3. gets its engine (`harvest.warm.client.open_engine`): on a worker host, the warm engine of
    its slot's GPU group, loaded by an earlier job or now, kept for the next;
 4. writes its shards, each a forward task in the main thread (where a worker's cancel SIGTERM

@@ -6,7 +6,9 @@ worker host's engine server: a model is loaded the first time it is asked for an
 `HARVEST_ENGINE_MODELS_PER_GROUP` models at once, the least recently used idle one unloaded
 when another is asked for, never one a request holds. Each engine gets an `EngineBatcher`
 with ONE worker thread: every call into the engine (load, generate, close) runs there, so the
-event loop never blocks on a forward pass and two batches never share hooks on one model.
+event loop never blocks on a forward pass and two batches never share hooks on one model. The
+engine itself decodes in a child process of the replica, at a lower CPU priority
+(`harvest.warm.inline_process`); that thread only waits for its answers.
 
 Batching: a request joins a queue; the dispatcher waits `window_s` after the first arrival so
 that requests sent together are collected, then hands the queue to ONE `engine.generate`
@@ -194,8 +196,8 @@ class InlineEngines:
                  close_engines: bool = True, **batcher_options):
         """`factory` loads a model's engine (default: `ProcessEngine`, the chosen engine in a
         child process, so that decoding never takes the replica's share of the CPU or its
-        GIL; `harvest.warm.inline_process`). `capacity`: models kept loaded (default `HARVEST_ENGINE_MODELS_PER_GROUP`).
-        `close_engines=False` leaves engines the factory shares with others (a test session's
+        GIL; `harvest.warm.inline_process`). `capacity`: models kept loaded (default
+        `HARVEST_ENGINE_MODELS_PER_GROUP`). `close_engines=False` leaves engines the factory shares with others (a test session's
         engine) open when they are unloaded."""
         if factory is None:
             from harvest.warm.inline_process import ProcessEngine
