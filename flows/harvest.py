@@ -103,8 +103,9 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
         # 2. A slot of this host (before anything touches CUDA), and the plan.
         placement = place_run(job.model, settings, on_wait=lambda: files.write_progress(stage="waiting for a slot"))
         tokens_per_shard = [sum(len(tokenized[i].ids) for i in r) for r in ranges]
-        # A large job's run leaves a contended CPU to small jobs' runs and to its worker.
-        lower_priority(run_nice(sum(tokens_per_shard) * bytes_per_token(job)))
+        if placement:  # a worker host's run, in a process of its own (never a caller's, e.g. a test's)
+            # A large job's run leaves a contended CPU to small jobs' runs and to its worker.
+            lower_priority(run_nice(sum(tokens_per_shard) * bytes_per_token(job)))
         run = RunProgress(job_id, files, job.model.lane, tokens_per_shard, placement)
         if helper:
             plan = [list(shard_range)]
