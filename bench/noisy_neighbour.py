@@ -14,6 +14,10 @@ request rates and caps, two phases of `--seconds` each on the same stack:
    activations, list pages of 100, long-polls of 60 s, and bad file links and bad keys
    without a valid key.
 
+The attacker's client runs in a process and session of its own whose scheduling group is
+lowered to nice 19 (`--attacker-nice`): it stands for another machine, so it takes only what
+the service leaves of this one's CPU, and its own work never stalls the victim's client.
+
 It prints the victim's submit-to-done and read p50/p95 in each phase and their ratio (target
 ≤ 2×), every process's peak RSS (psutil over the stack's processes, engine servers
 included) by role against its documented bound, answers by status per route (a 5xx other
@@ -182,6 +186,23 @@ class Record:
         self.victim_jobs: list[str] = []  # the victim's done jobs, in order
         self.positions_returned = 0
         self.lingering: list[asyncio.Future] = []  # inline requests let finish past the clock
+        self.client_cpu_s = 0.0  # the attacker's client process's own CPU seconds (its phase)
+
+    def plain(self) -> dict:
+        """What another process's record hands back (picklable)."""
+        return {"latency": dict(self.latency), "statuses": {k: dict(v) for k, v in self.statuses.items()},
+                "failures": self.failures, "positions_returned": self.positions_returned,
+                "client_cpu_s": self.client_cpu_s}
+
+    def merge(self, other: dict) -> None:
+        for route, values in other["latency"].items():
+            self.latency[route].extend(values)
+        for route, counts in other["statuses"].items():
+            for label, n in counts.items():
+                self.statuses[route][label] += n
+        self.failures.extend(other["failures"])
+        self.positions_returned += other["positions_returned"]
+        self.client_cpu_s += other["client_cpu_s"]
 
     async def call(self, who: str, route: str, client: httpx.AsyncClient, method: str, url: str, **kwargs) -> httpx.Response | None:
         started = time.perf_counter()
@@ -417,17 +438,25 @@ async def _until(work, seconds: float) -> None:
         pass
 
 
-def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float, bodies, waiters: int,
-           attacks: tuple[str, ...] = ATTACKS, flood: bool = False) -> Record:
+def _attacker_process(base: str, key: str, seconds: float, bodies, waiters: int, attacks: tuple[str, ...],
+                      flood: bool, nice: int, out) -> None:
+    """The attacker's client, in a process and session of its own (multiprocessing target).
+
+    A real attacker's client runs on its own machine: here it shares the service's two cores,
+    so its session's group is lowered to `nice` (19 by default): it takes what the service
+    leaves, and its own work (building 12 MiB bodies, parsing 8 MiB inline answers) neither
+    slows the service nor stalls the victim's client loop, whose clock would count it."""
+    os.setsid()
+    if nice:
+        from harvest.cpu_share import lower_priority
+
+        lower_priority(nice, session=True)
     record = Record()
-    done: list[str] = []
+    cpu_at_start = sum(psutil.Process().cpu_times()[:2])
 
     async def run():
         stop_at = time.monotonic() + seconds
-        tasks = [victim(base, victim_key, record, stop_at, done)]
-        if attacker_key is not None:
-            tasks.append(_until(attacker(base, attacker_key, record, stop_at, bodies, waiters, attacks, flood), seconds + 2))
-        await asyncio.gather(*tasks)
+        await _until(attacker(base, key, record, stop_at, bodies, waiters, attacks, flood), seconds + 2)
         for call in record.lingering:
             answer = await call
             if answer is not None and answer.status_code == 200 and not getattr(answer, "_counted", False):
@@ -435,7 +464,37 @@ def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float,
                 record.positions_returned += usage["prompt_tokens"] + usage["completion_tokens"] - 1
                 answer._counted = True
 
+    out.send("ready")  # both clocks start together: the victim's waits for this
     asyncio.run(run())
+    record.client_cpu_s = sum(psutil.Process().cpu_times()[:2]) - cpu_at_start
+    out.send(record.plain())
+    out.close()
+
+
+def _phase(base: str, victim_key: str, attacker_key: str | None, seconds: float, bodies, waiters: int,
+           attacks: tuple[str, ...] = ATTACKS, flood: bool = False, attacker_nice: int = 19) -> Record:
+    record = Record()
+    done: list[str] = []
+    attacker_client = answers = None
+    if attacker_key is not None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # this process has threads (the sampler)
+        answers, sent = context.Pipe(duplex=False)
+        attacker_client = context.Process(target=_attacker_process, args=(base, attacker_key, seconds, bodies, waiters,
+                                                                         attacks, flood, attacker_nice, sent))
+        attacker_client.start()
+        sent.close()
+        if answers.recv() != "ready":
+            raise RuntimeError("the attacker's client did not start")
+
+    async def run():
+        await victim(base, victim_key, record, time.monotonic() + seconds, done)
+
+    asyncio.run(run())
+    if attacker_client is not None:
+        record.merge(answers.recv())  # after its lingering inline answers are in
+        attacker_client.join()
     return record
 
 
@@ -505,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain", type=float, default=60, help="seconds for jobs to end before they are cancelled")
     parser.add_argument("--without", default="", help=f"leave out attacks to find which one costs the victim "
                         f"(comma-separated: {', '.join(ATTACKS)}); the target is measured with none left out")
+    parser.add_argument("--attacker-nice", type=int, default=19, help="the attacker's client process's session "
+                        "priority (it stands for another machine; 0: it competes with the service for this one's CPU)")
     parser.add_argument("--flood", action="store_true", help="the attacker ignores Retry-After (beyond its allowed "
                         "rate, outside the target): what refusals cost the replica")
     args = parser.parse_args(argv)
@@ -541,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         load["baseline"] = os.getloadavg()[0]
         cpu_before = sampler.cpu_by_role()
         print(f"baseline done: {len(baseline.turnaround)} victim jobs, load average {load['baseline']:.1f}", flush=True)
-        attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters, attacks, args.flood)
+        attack = _phase(base, victim_key, attacker_key, args.seconds, bodies, waiters, attacks, args.flood,
+                        args.attacker_nice)
         load["attack"] = os.getloadavg()[0]
         cpu_attack = sampler.cpu_by_role()
         print(f"attack done: {len(attack.turnaround)} victim jobs, load average {load['attack']:.1f}", flush=True)
@@ -588,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"max {max(running):.2f} s")
         print("\nunder attack, every route:\n")
         print("\n".join(_table(attack)))
+        print(f"\nthe attacker's client: its own process and session at nice {args.attacker_nice}, "
+              f"{attack.client_cpu_s:.1f} CPU s in the attack phase (not counted below)")
         print("\n| process (role) | processes | peak RSS of one | documented bound | CPU s in the attack phase |\n|---|---:|---:|---|---:|")
         for role, (seen, peak) in sorted(sampler.by_role().items()):
             cpu_s = cpu_attack.get(role, 0.0) - cpu_before.get(role, 0.0)
