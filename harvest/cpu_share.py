@@ -49,14 +49,19 @@ def lower_priority(nice: int, *, session: bool = False) -> bool:
         except OSError:  # a kernel without autogroups
             pass
     # On Linux a nice belongs to a thread (threads started later inherit their starter's):
-    # every thread the process already has is lowered, each at most once.
-    for thread in _threads():
-        try:
-            if os.getpriority(os.PRIO_PROCESS, thread) < nice:
-                os.setpriority(os.PRIO_PROCESS, thread, nice)
-            done = True
-        except (OSError, AttributeError):  # a thread that just ended; not a Unix
-            pass
+    # every thread the process already has is lowered, each at most once. A thread may start
+    # one while the list is walked, from a thread not yet lowered: the list is read again until
+    # it holds no thread not yet seen, after which every new thread has a lowered starter.
+    seen: set[int] = set()
+    while fresh := [thread for thread in _threads() if thread not in seen]:
+        seen.update(fresh)
+        for thread in fresh:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, thread) < nice:
+                    os.setpriority(os.PRIO_PROCESS, thread, nice)
+                done = True
+            except (OSError, AttributeError):  # a thread that just ended; not a Unix
+                pass
     return done
 
 

@@ -50,3 +50,37 @@ def test_lowered_process_every_thread_and_with_session_its_group():
     finally:
         child.kill()
         child.wait()
+
+
+SPAWNING = """
+import threading, time
+from harvest.cpu_share import lower_priority
+
+def spawn():  # starts threads without pause while the process is lowered
+    for _ in range(300):
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+
+spawners = [threading.Thread(target=spawn, daemon=True) for _ in range(6)]
+for spawner in spawners:
+    spawner.start()
+time.sleep(0.005)  # the spawners under way
+print(lower_priority(9), flush=True)
+for spawner in spawners:
+    spawner.join()
+print("spawned", flush=True)
+time.sleep(60)
+"""
+
+
+def test_threads_started_while_the_process_is_lowered_are_lowered_too():
+    # A thread started by one not yet lowered, after the list of threads was read, kept the
+    # default nice (about one try in three with a single reading of the list).
+    child = subprocess.Popen([sys.executable, "-c", SPAWNING], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "True"
+        assert child.stdout.readline().strip() == "spawned"
+        assert _thread_nices(child.pid) == {9}
+    finally:
+        child.kill()
+        child.wait()
