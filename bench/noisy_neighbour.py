@@ -359,7 +359,12 @@ async def attacker(base: str, key: str, record: Record, stop_at: float, bodies: 
     whatever the answer: beyond its allowed rate, so outside the 2x target; it shows what a
     refusal costs the replica."""
     auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    transport = lambda: httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS)  # noqa: E731
+    # A connection for each request: a client at nice 19 on a busy box may read an answer
+    # seconds after the server sent it, so its idle clock for a kept connection lags the
+    # server's (uvicorn closes one idle 5 s) and it would write requests on connections already
+    # closed (98 'Server disconnected' in one run with kept connections, 1 with a 1 s expiry).
+    transport = lambda: httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS,  # noqa: E731
+                                                 limits=httpx.Limits(max_keepalive_connections=0))
     jobs: list[str] = []
 
     async def obey(answer: httpx.Response | None) -> None:
