@@ -39,14 +39,14 @@ def _lowered(nice: int, how: str) -> tuple[subprocess.Popen, str]:
 def test_lowered_process_every_thread_and_with_session_its_group():
     child, group = _lowered(7, "session")
     try:
-        assert _thread_nices(child.pid) == {7} and group == "7"  # "/autogroup-N nice 7"
+        assert _thread_nices(child.pid) == [7] and group == "7"  # "/autogroup-N nice 7"
     finally:
         child.kill()
         child.wait()
     # A run shares its worker's session: only the process is lowered, never the group.
     child, group = _lowered(5, "process")
     try:
-        assert _thread_nices(child.pid) == {5} and group == "0"
+        assert _thread_nices(child.pid) == [5] and group == "0"
     finally:
         child.kill()
         child.wait()
@@ -80,7 +80,7 @@ def test_threads_started_while_the_process_is_lowered_are_lowered_too():
     try:
         assert child.stdout.readline().strip() == "True"
         assert child.stdout.readline().strip() == "spawned"
-        assert _thread_nices(child.pid) == {9}
+        assert _thread_nices(child.pid) == [9]
     finally:
         child.kill()
         child.wait()

@@ -128,13 +128,14 @@ def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
     assert last.start_time >= first_end  # the fourth started only once one of the three ended
 
 
-def _thread_nices(pid: int) -> set[int]:
-    """The nice of every thread of `pid`, from /proc (field 19 of each thread's stat)."""
+def _thread_nices(pid: int) -> list[int]:
+    """The nices of `pid`'s threads, each once and in order, from /proc (field 19 of each
+    thread's stat). (A list, not a set: lists sort by their values, sets only by inclusion.)"""
     nices = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/stat") as stat:
             nices.add(int(stat.read().rsplit(")", 1)[1].split()[16]))
-    return nices
+    return sorted(nices)
 
 
 def test_a_large_jobs_run_yields_the_cpu_to_a_small_jobs_run(harvest_stack, tiny):
@@ -188,8 +189,18 @@ def test_a_large_jobs_run_yields_the_cpu_to_a_small_jobs_run(harvest_stack, tiny
     runs = _wait_for(both_running, 120, "both jobs running on the small host")
     # Once past tokenizing (each job has six or eight shards of a second at least):
     # the large job's run, every thread of it, one step lower per doubling; the small one's not.
-    nices = _wait_for(lambda: (n := sorted(_thread_nices(pid) for pid in runs)) == [{base}, {expected}] and n, 60,
-                      f"the runs' threads at nice {base} and {expected}")
-    assert nices == [{base}, {expected}]
+    seen = []
+
+    def lowered():
+        try:
+            seen.append(sorted(_thread_nices(pid) for pid in runs))
+        except FileNotFoundError:  # a run ended first: say what was seen while both ran
+            raise AssertionError(f"a run ended before its threads were at nice {base} and {expected}; seen: {seen[-3:]}")
+        return seen[-1] == [[base], [expected]]
+
+    try:
+        _wait_for(lowered, 60, f"the runs' threads at nice {base} and {expected}")
+    except TimeoutError as late:
+        raise AssertionError(f"{late}; seen: {seen[-3:]}") from None
     for job in jobs:
         assert harvest_stack.wait(job.flow_run_id, timeout=180).status == "done"
