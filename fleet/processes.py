@@ -28,6 +28,7 @@ import httpx
 import psutil
 
 from harvest.addresses import local_address
+from harvest.cpu_share import with_passive_waits
 
 __all__ = [
     "Managed", "Supervisor", "serve", "say", "WORKER_QUERY_S", "STARTER_MODULE", "RUN_COMMAND", "free_port", "start_server", "start_worker", "wait_http",
@@ -250,7 +251,10 @@ def start_worker(
     # The harvest deployments' run command (RUN_COMMAND) says `python`: this interpreter's.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     # The shipped poll interval unless the operator (or a caller) sets one (WORKER_QUERY_S).
-    env = {"PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_S), **os.environ, **(env or {}), "PREFECT_API_URL": api_url, "PATH": path}
+    # Its runs' tensor work (statistics; forward passes where no engine server serves them)
+    # with OpenMP's idle threads sleeping (`harvest.cpu_share.with_passive_waits`).
+    env = with_passive_waits({"PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_S), **os.environ, **(env or {}),
+                              "PREFECT_API_URL": api_url, "PATH": path})
     argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
     if name:
         argv += ["--name", name]

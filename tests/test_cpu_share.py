@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from harvest.cpu_share import run_nice
+from harvest.cpu_share import run_nice, with_passive_waits
 from tests.test_flows_ops import _thread_nices
 
 MiB = 1 << 20
@@ -84,3 +84,8 @@ def test_threads_started_while_the_process_is_lowered_are_lowered_too():
     finally:
         child.kill()
         child.wait()
+
+
+def test_idle_openmp_threads_sleep_unless_the_operator_chose_otherwise():
+    assert with_passive_waits({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert with_passive_waits({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}

@@ -109,6 +109,7 @@ def test_generation_runs_in_a_lower_priority_process_of_its_own(inline_server, h
     with open(f"/proc/{engine.pid}/autogroup") as group:
         assert group.read().split()[-1] == "10"  # e.g. "/autogroup-151 nice 10"
     assert engine.nice() == max(10, api.nice())  # lowered, never raised
+    assert engine.environ().get("OMP_WAIT_POLICY") == "PASSIVE"  # idle OpenMP threads sleep
 
     # The generation's CPU is the child's, not the replica's.
     api_before, engine_before = sum(api.cpu_times()[:2]), sum(engine.cpu_times()[:2])

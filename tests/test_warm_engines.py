@@ -134,8 +134,11 @@ def test_three_jobs_in_a_row_load_the_model_once_and_another_model_evicts_it(hos
     assert (status["loads"], status["evictions"], status["pid"]) == (1, 0, first_pid), status
     import psutil
 
-    # It outlives the run that started it, so it does not carry that run's identity.
-    assert not [k for k in psutil.Process(first_pid).environ() if k.startswith("PREFECT__")]
+    # It outlives the run that started it, so it does not carry that run's identity; its
+    # OpenMP threads sleep when idle (`harvest.cpu_share.with_passive_waits`).
+    environ = psutil.Process(first_pid).environ()
+    assert not [k for k in environ if k.startswith("PREFECT__")]
+    assert environ.get("OMP_WAIT_POLICY") == "PASSIVE"
     assert [w for _, w, _ in loads] == ["false", "true", "true"], loads
     assert all(load_s < 0.5 for load_s, _, _ in loads[1:]), loads
     assert loads[0][0] > loads[1][0] and all(where == "engine server cpu" for _, _, where in loads)
@@ -230,6 +233,7 @@ def test_runs_fork_from_the_run_starter_and_a_killed_launcher_takes_its_run_alon
     launchers, runs = _run_processes(host)
     assert len(launchers) == 1 and len(runs) == 1, (launchers, runs)
     assert runs[0].cmdline() == psutil.Process(host.worker.pid).cmdline()
+    assert runs[0].environ().get("OMP_WAIT_POLICY") == "PASSIVE"  # its statistics' threads sleep when idle
 
     launchers[0].kill()  # what the worker does to a run past its cancel grace
     psutil.wait_procs(runs, timeout=5)

@@ -10,6 +10,7 @@ import time
 from multiprocessing.connection import Client, Connection
 
 from harvest.capture import CaptureSpec, ShardCapture
+from harvest.cpu_share import with_passive_waits
 from harvest.engines.base import Engine, EngineLoad, ValueSink, choose_engine, load_engine
 from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
@@ -37,7 +38,7 @@ def _start_server(files: GroupFiles, settings: Settings) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
     subprocess.Popen(
         [sys.executable, "-m", "harvest.warm.server", "--group", files.group],
-        env={**env, "HARVEST_HOME": str(settings.home)},
+        env=with_passive_waits({**env, "HARVEST_HOME": str(settings.home)}),
         cwd=str(settings.home),
         stdin=subprocess.DEVNULL,
         stdout=log,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -32,7 +33,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from harvest.capture import CaptureSpec, ShardCapture
-from harvest.cpu_share import lower_priority
+from harvest.cpu_share import lower_priority, with_passive_waits
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
 from harvest.errors import ReplicaBusy
 from harvest.registry import ModelInfo
@@ -72,6 +73,7 @@ class ProcessEngine(Engine):
             child = subprocess.Popen(
                 [sys.executable, "-m", __name__, "--fd", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+                env=with_passive_waits(os.environ),
             )
         finally:
             theirs.close()
