@@ -18,12 +18,10 @@ runs as fast as before.
 Processes that do tensor work on the CPU (a host's engine server, an API replica's inline
 engine, a worker host's runs) also start with OpenMP's idle threads sleeping
 (`with_passive_waits`). torch's OpenMP (libgomp) otherwise spins a thread that has finished its
-part of an operation for up to ~300,000 iterations waiting for the next one: on a host with
-more threads wanting the CPU than cores, a spinning thread burns the share that its peer (whose
-part the operation is waiting for) or another process needed. Measured on the 2-core box (ten
-forward passes of a SmolLM2-sized model, 4 × 128 tokens, beside one busy process in another
-session): 23.0-23.4 s and 33 CPU s spinning, 18.7-21.9 s and 18.5-21.8 CPU s sleeping; on a
-quiet box 12.8 s / 24.7 CPU s against 12.2 s / 21.3 CPU s (RELIABILITY.md).
+part of an operation, waiting for the next one: while another session wants the CPU, the
+engine's share goes to a thread spinning for a peer that is not running. `bench/omp_wait.py`
+(SmolLM2-135M, every layer, beside one busy process on the 2-core box): 66.8 s spinning
+against 9.6 s sleeping for the same captures; on a quiet box 5.5 s against 5.3-6.4 s.
 """
 
 from __future__ import annotations
