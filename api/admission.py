@@ -9,9 +9,17 @@ say. Three limits (settings `HARVEST_ADMISSION_*`):
   its body until it is answered (`hold`); one body over the whole budget is admitted only alone;
 - `admission_key_share` submits of one key at once (`hold`), so a key's burst of large bodies
   queues behind itself while other keys' submits go by;
-- `admission_concurrency` submits parsed and counted at once (`work`), in worker threads, so
-  the event loop keeps serving everything else meanwhile. A body still arriving holds bytes,
-  not one of these places, and must arrive within `admission_read_s` (408 otherwise).
+- `admission_concurrency` submits parsed and counted at once (`work`), each on one of as many
+  threads of the budget's own (`call`), so the event loop keeps serving everything else
+  meanwhile. A body still arriving holds bytes, not one of these places, and must arrive
+  within `admission_read_s` (408 otherwise).
+
+Those threads run at nice `WORK_NICE` (`harvest.cpu_share.lower_thread`) and tokenize on
+themselves (`TOKENIZE_ON_CALLER`): a submit's cost is not known until its tokens are counted,
+so on a contended CPU the replica's event loop and its reads go first, and at most
+`admission_concurrency` of the replica's cores ever count tokens. (The Rust tokenizers would
+otherwise count a batch on a pool of one thread per core, started at the priority of whichever
+thread first tokenized, so neither the concurrency nor the nice bounded them.)
 
 A submit that finds no place waits (up to `admission_wait_s`, at most `admission_queue`
 waiting), then is answered 503 `replica_busy` with Retry-After. Waiting costs little: uvicorn
@@ -25,20 +33,31 @@ a few times its body, so the replica's memory for submits stays within a few tim
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Annotated, AsyncIterator, Callable
+from typing import Annotated, AsyncIterator, Callable, TypeVar
 
+import anyio
 from fastapi import Depends, Request
 
 from api import deps
+from harvest.cpu_share import lower_thread
 from harvest.errors import ReplicaBusy, RequestTimeout
 from harvest.settings import Settings
 
-__all__ = ["AdmissionBudget", "Admission", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S"]
+__all__ = ["AdmissionBudget", "Admission", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S",
+           "TOKENIZE_ON_CALLER", "WORK_NICE"]
 
 RETRY_AFTER_S = 5
 """What a refused submit is told to wait: about one large submit's time here."""
+WORK_NICE = 10
+"""The nice of the threads that parse and tokenize submits (module docstring)."""
+TOKENIZE_ON_CALLER = {"TOKENIZERS_PARALLELISM": "false"}
+"""An API replica's environment: the Rust tokenizers count on the calling thread, no pool."""
+
+T = TypeVar("T")
 
 
 class AdmissionBudget:
@@ -55,6 +74,7 @@ class AdmissionBudget:
         self.waiting = 0
         self._per_key: Counter[str] = Counter()
         self._changed = asyncio.Condition()
+        self._threads = ThreadPoolExecutor(concurrency, "admission", initializer=lower_thread, initargs=(WORK_NICE,))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "AdmissionBudget":
@@ -109,7 +129,7 @@ class AdmissionBudget:
     @asynccontextmanager
     async def work(self) -> AsyncIterator[None]:
         """One of the `concurrency` places where a held submit is parsed and its prompts
-        counted (in worker threads): a body still arriving slowly holds bytes, never one of these."""
+        counted (`call`): a body still arriving slowly holds bytes, never one of these."""
         async with self._changed:
             await self._wait(lambda: self.working < self.concurrency)
             self.working += 1
@@ -119,6 +139,16 @@ class AdmissionBudget:
             async with self._changed:
                 self.working -= 1
                 self._changed.notify_all()
+
+    async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` on one of the budget's threads (from inside `work`). Awaited to
+        its end even when the request is cancelled (its client hung up): the place it holds
+        is given back only once its thread is free, so the threads never have more to do than
+        the places allow."""
+        context = contextvars.copy_context()
+        done = asyncio.get_running_loop().run_in_executor(self._threads, lambda: context.run(fn, *args, **kwargs))
+        with anyio.CancelScope(shield=True):
+            return await done
 
 
 async def admission(request: Request) -> AdmissionBudget:

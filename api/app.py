@@ -20,6 +20,7 @@ Run it: `uvicorn --factory api.app:create_app --host 127.0.0.1 --port $HARVEST_P
 from __future__ import annotations
 
 import logging
+import os
 import re
 from contextlib import asynccontextmanager
 
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.admission import AdmissionBudget
+from api.admission import TOKENIZE_ON_CALLER, AdmissionBudget
 from api.completions import ResponseBudget
 from api.completions import router as completions_router
 from api.db import get_engine
@@ -166,6 +167,8 @@ def create_app(
         inline_budget = ResponseBudget(settings.inline_response_budget_bytes)
     if admission is None:
         admission = AdmissionBudget.from_settings(settings)
+    for name, value in TOKENIZE_ON_CALLER.items():  # the admission threads count tokens themselves
+        os.environ.setdefault(name, value)  # (`api.admission`); an operator's own setting is kept
     if anonymous_limiter is None:
         anonymous_limiter = AddressLimiter(settings.rate_anonymous_per_s, settings.rate_anonymous_burst)
     app.state.inline_budget = inline_budget

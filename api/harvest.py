@@ -149,12 +149,13 @@ async def submit_harvest(
     async with budget.hold(key.id, declared_bytes(request, MAX_BODY_BYTES)):
         body = await read_body_within(request, get_settings().admission_read_s)
         async with budget.work():
-            # In worker threads: parsing 50 MB of JSON and counting its tokens holds a thread
-            # for a while, never the event loop. Strict: a JSON string is not a number nor a
-            # bool here, as the published schema says.
-            harvest_request = await run_in_threadpool(parse, HarvestRequest, body, strict=True)
+            # On the budget's threads: parsing 50 MB of JSON and counting its tokens holds a
+            # thread for a while, never the event loop, and yields the CPU to the replica's
+            # other requests. Strict: a JSON string is not a number nor a bool here, as the
+            # published schema says.
+            harvest_request = await budget.call(parse, HarvestRequest, body, strict=True)
             del body  # the parsed prompts are all that is kept
-            job = await run_in_threadpool(_prepare, harvest_request, registry, storage)
+            job = await budget.call(_prepare, harvest_request, registry, storage)
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(

@@ -12,6 +12,11 @@ processes of one session by their nice. Two kinds of bulk work lower themselves:
   run and to the worker beside it, and a small job keeps its turnaround whatever else the
   host runs. (A session's group is never lowered from a run: it is the worker's.)
 
+Within one process, work that may be large runs on threads of its own that lower themselves
+(`lower_thread`): an API replica's admission threads, which parse and tokenize submits whose
+cost is not known yet (`api.admission`), leave its event loop and its reads the replica's
+share; an inline engine's decode leaves its own process's requests theirs.
+
 A lower priority only matters while something else wants the CPU; on a quiet host the work
 runs as fast as before.
 
@@ -28,9 +33,10 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Mapping
 
-__all__ = ["BULK_FROM_BYTES", "MAX_NICE", "PASSIVE_WAITS", "run_nice", "lower_priority", "with_passive_waits"]
+__all__ = ["BULK_FROM_BYTES", "MAX_NICE", "PASSIVE_WAITS", "run_nice", "lower_priority", "lower_thread", "with_passive_waits"]
 
 BULK_FROM_BYTES = 1 << 20
 """A job whose output is at most this many bytes runs at the default priority."""
@@ -82,6 +88,19 @@ def lower_priority(nice: int, *, session: bool = False) -> bool:
             except (OSError, AttributeError):  # a thread that just ended; not a Unix
                 pass
     return done
+
+
+def lower_thread(nice: int) -> bool:
+    """Lower the calling thread only to `nice` (Linux: a nice belongs to a thread; threads it
+    starts later inherit it). Kept for the thread's life: raising it back needs privileges, so
+    only a thread that does nothing else is lowered. False where it could not be."""
+    try:
+        thread = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, thread) < nice:
+            os.setpriority(os.PRIO_PROCESS, thread, nice)
+        return True
+    except (OSError, AttributeError):  # not Linux, or not allowed
+        return False
 
 
 def _threads() -> list[int]:

@@ -14,8 +14,9 @@ Fixtures (each server starts only when a test asks for it, and is killed at sess
 ``harvest_api`` → ``ApiServer`` for the harvest tests: a test registry that adds
     ``llama-tiny-large`` (the tiny model on the large lane) and ``llama-tiny-noharvest``
     (served, not harvested), and ``llama-tiny-xl`` on a lane ``xl`` whose shards hold at most 1 MiB,
-    a 0.2 s watcher, a waiter limit of 2 and a large-lane capacity of 2. Its ``.make_key(**limits)``
-    works like ``make_key``.
+    a 0.2 s watcher, a waiter limit of 2 and a large-lane capacity of 2, and the tokenizers'
+    parallelism as the app sets it (not the test session's). Its ``.make_key(**limits)`` works
+    like ``make_key``.
 For real Prefect runs, give an ``ApiServer`` ``app=PRODUCTION_APP`` (the production factory,
 nothing swapped) and ``PREFECT_API_URL`` (as tests/test_api_stack.py does against a live
 ``harvest up``); ``app=FLOW_ENV_APP`` hands those runs an environment (``tests.flow_env_runs``).
@@ -221,7 +222,7 @@ class PortInUse(RuntimeError):
 class ApiServer:
     """One uvicorn process running the app `app` makes (see the module docstring)."""
 
-    def __init__(self, home: Path, name: str, env: dict[str, str] | None = None, *, app: str = FILE_RUNS_APP):
+    def __init__(self, home: Path, name: str, env: dict[str, str | None] | None = None, *, app: str = FILE_RUNS_APP):
         self.home = home
         self.app = app
         self.dir = home / "api" / name
@@ -266,7 +267,9 @@ class ApiServer:
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float) -> "ApiServer":
-        env = {**os.environ, **self.env, "PYTHONPATH": str(REPO)}
+        # A variable given as None is left out: the replica then runs with the app's own default.
+        env = {name: value for name, value in {**os.environ, **self.env}.items() if value is not None}
+        env["PYTHONPATH"] = str(REPO)
         logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
@@ -415,7 +418,7 @@ def harvest_up(home: Path, models: Path, env: dict[str, str] | None = None):
         log.close()
 
 
-def _server(home: Path, name: str, env: dict[str, str] | None = None):
+def _server(home: Path, name: str, env: dict[str, str | None] | None = None):
     server = ApiServer(home, name, env).start()
     try:
         yield server
@@ -438,7 +441,7 @@ def make_key(api_server: ApiServer):
     return api_server.make_key
 
 
-def harvest_api_env(home: Path) -> dict[str, str]:
+def harvest_api_env(home: Path) -> dict[str, str | None]:
     models = home / "api" / "test-models.toml"
     models.parent.mkdir(parents=True, exist_ok=True)
     models.write_text((REPO / "infra" / "models.toml").read_text() + TEST_MODELS)
@@ -450,6 +453,7 @@ def harvest_api_env(home: Path) -> dict[str, str]:
         "HARVEST_WATCH_INTERVAL_S": "0.2",
         "HARVEST_ORPHAN_AFTER_S": "1",
         "HARVEST_LONGPOLL_MAX_WAITERS": "2",
+        "TOKENIZERS_PARALLELISM": None,  # the test session's own setting (conftest) left out: as shipped
     }
 
 

@@ -9,6 +9,8 @@ tokenizer run in full and from the model's config, never from the code under tes
 - the replica's budget: places, bytes, a key's share, the queue, 503 `replica_busy`;
 - six concurrent 48 MB bodies: the replica's RSS stays within its bound and another key's
   small submit is served meanwhile;
+- a submit's tokens counted on one thread of the replica at the admission nice (the kernel's
+  per-thread CPU time and nice, from /proc);
 - integers written `514.0` accepted, `514.5` refused, on every request schema;
 - malformed input on the routes without a key (bad links, JSON nested 100,000 deep) is 4xx.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -281,6 +284,48 @@ def test_six_concurrent_48_mb_bodies_stay_within_the_replicas_bound_and_another_
     print(f"replica RSS idle {idle / 2**20:.0f} MiB, peak {peak[0] / 2**20:.0f} MiB (+{grown / 2**20:.0f} MiB); "
           f"neighbour served in {neighbour_s:.2f} s with {pending_meanwhile} flood requests pending")
     assert grown < 3 * budget, f"the replica grew by {grown / 2**20:.0f} MiB"
+
+
+def _threads(pid: int) -> dict[int, tuple[int, float]]:
+    """Each thread of `pid`: its nice and its CPU seconds so far, as the kernel counts them."""
+    tick = os.sysconf("SC_CLK_TCK")
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        # stat(5): utime and stime are fields 14 and 15, nice 19; `fields` starts at field 3.
+        threads[int(tid)] = (int(fields[16]), (int(fields[11]) + int(fields[12])) / tick)
+    return threads
+
+
+def test_a_submits_tokens_are_counted_on_one_thread_at_the_admission_nice(replica):
+    """A body the characters cannot refuse (4,000 prompts of 3,000 characters: at least
+    705,883 tokens by its characters, about 2.4 million counted) is counted to the limit, then
+    refused. The kernel's account of the replica's threads shows where that CPU went: on one
+    thread at `WORK_NICE`, so the event loop and the reads go first on a contended CPU; not on
+    the shared worker threads at the default nice, nor spread over a tokenizer pool of one
+    thread per core that no budget counts."""
+    from api.admission import WORK_NICE
+
+    key = replica.make_key(name="nice-count", small=50)
+    rng = np.random.default_rng(7)
+    words = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do"]
+    prompts = [" ".join(rng.choice(words, 600))[:3_000] for _ in range(4_000)]
+    pid = replica.process.pid
+    before = _threads(pid)
+    message = _error(_post(replica, key, {"model": "llama-tiny", "prompts": prompts}), 400, "invalid_request", "prompts")
+    after = _threads(pid)
+    assert "at most 2,000,000" in message and "at least" not in message  # counted, not refused from characters
+    spent = {tid: cpu - before.get(tid, (0, 0.0))[1] for tid, (_, cpu) in after.items()}
+    busiest = max(spent, key=spent.get)
+    total = sum(spent.values())
+    print(f"replica CPU {total:.2f} s over {sum(s > 0.05 for s in spent.values())} threads; "
+          f"the busiest {spent[busiest]:.2f} s at nice {after[busiest][0]}")
+    assert spent[busiest] > 0.5 and spent[busiest] > 0.75 * total, spent
+    assert after[busiest][0] == WORK_NICE
 
 
 # --- integers, and malformed input without a key -----------------------------------------------------

@@ -38,7 +38,6 @@ control path: submits, reads, long-polls) ahead of a long generation on a conten
 
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from harvest.capture import block_hooks, check_capture
+from harvest.cpu_share import lower_thread
 from harvest.engines.base import Generation, SamplingSpec
 from harvest.errors import CaptureFailed, InvalidRequest
 from harvest.tokenize import load_tokenizer
@@ -159,12 +159,7 @@ def _cpu_share(device: torch.device):
     if device.type != "cpu":
         yield
         return
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < DECODE_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, DECODE_NICE)  # Linux: this thread only
-    except (OSError, AttributeError):  # not Linux, or not allowed: the thread count still helps
-        pass
+    lower_thread(DECODE_NICE)  # where it cannot be lowered, the thread count still helps
     with _DECODES.one():
         yield
 
