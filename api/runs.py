@@ -110,11 +110,11 @@ class PrefectRuns:
     def read(self, run_ids: list[str]) -> dict[str, RunState]:
         if not run_ids:
             return {}
-        from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
         from prefect.client.schemas.objects import StateType
 
+        from flows.prefect_clients import get_client
         from flows.submit import job_status, run_started_at
 
         states: dict[str, RunState] = {}
