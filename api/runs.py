@@ -68,6 +68,11 @@ class RunStore(Protocol):
 class PrefectRuns:
     """Job runs as Prefect flow runs on the lane's deployment (the orchestration layer's API)."""
 
+    def __init__(self) -> None:
+        from flows.prefect_clients import share_tls_context
+
+        share_tls_context()  # the replica's Prefect clients (a few a second) build no TLS context each
+
     def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
         from flows.submit import start_harvest_run
 
@@ -110,11 +115,11 @@ class PrefectRuns:
     def read(self, run_ids: list[str]) -> dict[str, RunState]:
         if not run_ids:
             return {}
+        from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
         from prefect.client.schemas.objects import StateType
 
-        from flows.prefect_clients import get_client
         from flows.submit import job_status, run_started_at
 
         states: dict[str, RunState] = {}

@@ -7,7 +7,8 @@ fork is safe, the fork itself, and how its child becomes the run.
   count of the process's threads.
 - `preload`: so it imports what a run imports and builds nothing (building llama-tiny trains a
   tokenizer on a thread pool and initialises torch) and tokenizes nothing (the Rust tokenizers
-  start their pool on the first encode; loading one starts no thread).
+  start their pool on the first encode; loading one starts no thread); and makes the one TLS
+  context its runs' Prefect clients share (`flows.prefect_clients`).
 - `fork_in_group`: the forking process's own signal handlers are blocked across `fork` and
   put back to the defaults in the child before it unblocks them, so none of them ever runs
   in the child; the child's process group is set by both parent and child, so a group kill
@@ -53,16 +54,20 @@ def engine_argv(argv: list[str]) -> list[str]:
 
 
 def preload() -> None:
-    """Import what every run imports, and the tokenizer classes of the checkpoints already on
+    """Import what every run imports, make the TLS context its Prefect clients share
+    (`flows.prefect_clients`), and load the tokenizer classes of the checkpoints already on
     this host (the tokenizers themselves are not kept: their files may change). A checkpoint
     not built yet is left to the first run that needs it."""
     import prefect.engine  # noqa: F401
     import prefect.flow_engine  # noqa: F401
 
     import flows.harvest  # noqa: F401  (torch, the harvest core, the warm-engine client)
+    from flows.prefect_clients import share_tls_context, tls_context
     from harvest.registry import load_registry
     from harvest.tokenize import load_tokenizer
 
+    share_tls_context()  # a run's ~9 Prefect clients share one context, made here once for every run
+    tls_context()
     for name, path in load_registry().checkpoints_on_disk().items():
         try:
             load_tokenizer.__wrapped__(path)

@@ -50,6 +50,7 @@ from datetime import datetime
 from uuid import UUID
 
 import anyio
+from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
@@ -57,7 +58,6 @@ from prefect.states import AwaitingRetry, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.key_queues import aensure_key_queue
-from flows.prefect_clients import get_client
 from harvest.lanes import deployment_name, load_lanes
 
 __all__ = [
