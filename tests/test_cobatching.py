@@ -162,15 +162,57 @@ def test_an_engine_error_reaches_its_asker_and_the_engine_goes_on(hf_engine, sha
     assert cobatched.capture(shards[1], CaptureSpec(layers=LAYERS), None).stats.count == len(shards[1][0]) - 1
 
 
-def test_turns_cut_a_shard_by_tokens_at_least_one_prompt_each():
-    from harvest.warm.cobatch import turns
+def _partition(lengths: list[int], turn_tokens: int) -> list[int]:
+    from harvest.warm.cobatch import next_turn
 
-    assert turns([5, 5, 5, 5], 10) == [2, 2]
-    assert turns([5, 6, 5], 10) == [1, 1, 1]
-    assert turns([5, 4, 5], 10) == [2, 1]
-    assert turns([30, 1, 1], 10) == [1, 2]  # a prompt longer than a turn runs alone
-    assert turns([5, 5, 5], 0) == [3]  # 0: the whole shard in one turn
-    assert sum(turns(list(range(1, 50)), 64)) == 49
+    sizes, start = [], 0
+    while not sizes or start < len(lengths):
+        sizes.append(next_turn(lengths, start, turn_tokens))
+        start += sizes[-1]
+    return sizes
+
+
+def test_turns_cut_a_shard_by_tokens_at_least_one_prompt_each():
+    assert _partition([5, 5, 5, 5], 10) == [2, 2]
+    assert _partition([5, 6, 5], 10) == [1, 1, 1]
+    assert _partition([5, 4, 5], 10) == [2, 1]
+    assert _partition([30, 1, 1], 10) == [1, 2]  # a prompt longer than a turn runs alone
+    assert _partition([5, 5, 5], 0) == [3]  # 0: the whole shard in one turn
+    assert _partition([], 10) == [0]  # an empty shard: one empty turn
+    assert sum(_partition(list(range(1, 50)), 64)) == 49
+
+
+class Slow:
+    """An engine wrapper whose calls take `per_token_s` a token more than the engine's own."""
+
+    def __init__(self, engine, per_token_s: float):
+        self.engine, self.per_token_s = engine, per_token_s
+
+    def capture_cobatch(self, shards, spec, *, batch_size=None, sinks=None):
+        time.sleep(self.per_token_s * sum(len(prompt) for shard in shards for prompt in shard))
+        return self.engine.capture_cobatch(shards, spec, batch_size=batch_size, sinks=sinks)
+
+    def close(self):
+        pass
+
+
+def test_a_turn_lasts_about_turn_s_at_the_engines_measured_speed(hf_engine):
+    """An engine of at most ~1,000 tokens a second (1 ms a token over its real forward passes),
+    turns of at most 600 tokens or 0.25 s, a shard of 12 prompts of 100 tokens: the first turn,
+    before any measure, is 600 tokens (6 prompts); the speed measured on it (about 0.6 s) cuts
+    every later one to what runs in 0.25 s: one or two prompts, never the 6 the tokens allow.
+    The shard's statistics count all its tokens (each prompt's but its first position)."""
+    prompts = [[100 + (i * 7 + j) % 500 for j in range(100)] for i in range(12)]
+    cobatched = CobatchedEngine(Slow(hf_engine, 0.001), turn_tokens=600, turn_s=0.25)
+    log = ForwardLog(hf_engine.hf_model)
+    try:
+        answer = cobatched.capture(prompts, CaptureSpec(layers=LAYERS), None)
+    finally:
+        log.close()
+    assert log.rows[0] == 6 and sum(log.rows) == 12, log.rows
+    assert all(1 <= rows <= 2 for rows in log.rows[1:]), log.rows
+    assert cobatched.tokens_per_s is not None and cobatched.tokens_per_s < 1000
+    assert answer.stats.count == 12 * 99
 
 
 def test_a_small_shard_goes_between_the_turns_of_a_large_one(hf_engine, tiny):

@@ -14,6 +14,14 @@ the shards other jobs sent meanwhile go between them: a small job waits for one 
 one, not its whole shard. The pieces' values reach the sink at their places in the shard, and
 their statistics merge (Chan's formula, as shards and workers do) into the shard's.
 
+A turn is also sized by time (`turn_s`, `HARVEST_ENGINE_TURN_S`): at the speed the engine
+measured on its recent calls (tokens a second, from calls of at least `MEASURED_FROM_TOKENS`,
+so that a call's fixed costs do not pass for slowness), a turn takes at most about `turn_s`,
+whatever the device. On a GPU, 16,384 tokens of an 8B model are a few tens of milliseconds and
+the token bound is the one that acts; on a CPU they are seconds (under the noisy-neighbour
+bench, a small job's one forward pass waited 2-4 s behind a large job's turn of 8,192 tokens),
+and the time bound cuts the turn, down to one prompt.
+
 A job that goes away while its shard waits (its run cancelled) is dropped before its shard
 runs; one that goes while its shard runs only loses the answer. Each shard may bring a sink
 (`harvest.engines.base.ValueSink`; in the server, its connection): its values go there batch
@@ -38,7 +46,11 @@ import torch
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.engines.base import Engine, ValueSink, hand_over
 
-__all__ = ["CobatchedEngine", "Abandoned", "turns", "joined"]
+__all__ = ["CobatchedEngine", "Abandoned", "MEASURED_FROM_TOKENS", "next_turn", "joined"]
+
+
+MEASURED_FROM_TOKENS = 512
+"""A call of fewer tokens does not change the engine's measured speed (its fixed costs would)."""
 
 
 class Abandoned(Exception):
@@ -64,11 +76,15 @@ class _Shard:
 class CobatchedEngine:
     """An engine and the shards waiting for it (the warm engine server's cache holds these)."""
 
-    def __init__(self, engine: Engine, max_shards: int = 1, wait_s: float = 0.1, turn_tokens: int = 0):
+    def __init__(self, engine: Engine, max_shards: int = 1, wait_s: float = 0.1, turn_tokens: int = 0,
+                 turn_s: float = 0.0):
         self.engine = engine
         self.max_shards = max(1, max_shards)
         self.wait_s = wait_s
         self.turn_tokens = turn_tokens  # 0: whole shards
+        self.turn_s = turn_s  # 0: turns by tokens only
+        self.tokens_per_s: float | None = None
+        """The engine's speed on its recent calls (module docstring); None until measured."""
         self.peers = 1
         self._waiting: list[_Shard] = []
         self._busy = False
@@ -82,12 +98,22 @@ class CobatchedEngine:
         the asker left (checked while a turn waits); `peers`: the jobs now holding this engine;
         `sink` takes the shard's values as they come (the answer then holds none)."""
         parts: list[ShardCapture] = []
+        lengths = [len(p) for p in prompts]
         start = 0
-        for size in turns([len(p) for p in prompts], self.turn_tokens):
+        while not parts or start < len(prompts):  # an empty shard is one (empty) turn
+            size = next_turn(lengths, start, self.turn_budget())
             shifted = None if sink is None else functools.partial(_shifted, sink, start)
             parts.append(self._turn(prompts[start : start + size], spec, batch_size, gone, peers, shifted))
             start += size
         return joined(parts)
+
+    def turn_budget(self) -> int:
+        """The tokens of the next turn: `turn_tokens`, fewer where the engine's measured speed
+        would make such a turn last over `turn_s` (0: no bound)."""
+        if not self.turn_s or self.tokens_per_s is None:
+            return self.turn_tokens
+        by_time = max(1, int(self.tokens_per_s * self.turn_s))
+        return min(self.turn_tokens, by_time) if self.turn_tokens else by_time
 
     def _turn(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None,
               gone: Callable[[], bool], peers: int, sink: ValueSink | None) -> ShardCapture:
@@ -135,9 +161,11 @@ class CobatchedEngine:
 
     def _run(self, group: list[_Shard]) -> None:
         first = group[0]
+        tokens, started = sum(len(p) for s in group for p in s.prompts), time.monotonic()
         try:
             answers = self.engine.capture_cobatch([s.prompts for s in group], first.spec, batch_size=first.batch_size,
                                                    sinks=[s.sink for s in group])
+            self._measured(tokens, time.monotonic() - started)
             for shard, answer in zip(group, answers, strict=True):
                 shard.answer = hand_over(answer, shard.sink)
         except BaseException as exc:  # every shard of the call gets the error (the server sends it on)
@@ -149,6 +177,14 @@ class CobatchedEngine:
             self.calls += 1
             self.shards += len(group)
 
+    def _measured(self, tokens: int, seconds: float) -> None:
+        """A call's speed, into the engine's (the mean of the last measure and this one's:
+        the speed follows a host that gets busier or quieter within a few calls)."""
+        if tokens < MEASURED_FROM_TOKENS or seconds <= 0:
+            return
+        speed = tokens / seconds
+        self.tokens_per_s = speed if self.tokens_per_s is None else (self.tokens_per_s + speed) / 2
+
     def counters(self) -> dict:
         """Engine calls made and shards they answered (more shards than calls: shared passes)."""
         return {"calls": self.calls, "shards": self.shards}
@@ -157,20 +193,18 @@ class CobatchedEngine:
         self.engine.close()
 
 
-def turns(lengths: list[int], turn_tokens: int) -> list[int]:
-    """How many consecutive prompts each turn takes: at most `turn_tokens` tokens, at least one
-    prompt (0: every prompt in one turn)."""
+def next_turn(lengths: list[int], start: int, turn_tokens: int) -> int:
+    """How many consecutive prompts from `start` the next turn takes: at most `turn_tokens`
+    tokens, at least one prompt (0: every prompt left)."""
     if not turn_tokens:
-        return [len(lengths)] if lengths else [0]
-    sizes, count, tokens = [], 0, 0
-    for length in lengths:
+        return len(lengths) - start
+    count, tokens = 0, 0
+    for length in lengths[start:]:
         if count and tokens + length > turn_tokens:
-            sizes.append(count)
-            count, tokens = 0, 0
+            break
         count += 1
         tokens += length
-    sizes.append(count)
-    return sizes
+    return count
 
 
 def _shifted(sink: ValueSink, start: int, position: int, value) -> None:

@@ -66,8 +66,9 @@ class EngineServer:
 
     def _load(self, key: tuple[str, str]) -> CobatchedEngine:
         model, engine = key
+        settings = get_settings()
         return CobatchedEngine(load_engine(self.registry.get(model), EngineChoice(engine, "")), *self.cobatch,
-                               turn_tokens=get_settings().engine_turn_tokens)
+                               turn_tokens=settings.engine_turn_tokens, turn_s=settings.engine_turn_s)
 
     # -- one client -----------------------------------------------------------------------
 
