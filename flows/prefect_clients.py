@@ -12,9 +12,9 @@ on the 2-core dev box. Processes make many clients:
 
 Prefect uses a context it is given (`httpx_settings["verify"]`) as it is, so the constructors
 of its two client classes are wrapped, once per process, to give each client that does not
-choose its own a context made once per setting, the way Prefect makes it. Installed by the API
-app (`api.app.create_app`) and by a worker host's run starter before it forks any run
-(`fleet.run_fork.preload`; the runs inherit the context made there).
+choose its own a context made once per setting, the way Prefect makes it. Installed by an API
+replica's run store (`api.runs.PrefectRuns`) and by a worker host's run starter before it forks
+any run (`fleet.run_fork.preload`; the runs inherit the context made there).
 """
 
 from __future__ import annotations

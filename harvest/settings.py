@@ -137,7 +137,7 @@ class Settings(BaseSettings):
     turns, so a small job's shard waits for one turn of a large one, never its whole shard
     (`harvest.warm.cobatch`). 0: every shard whole, in one turn."""
 
-    engine_turn_s: float = Field(default=0.25, ge=0)
+    engine_turn_s: float = Field(default=1.0, ge=0)
     """Fair turns sized by time too: at the speed the engine measured on its recent calls, a
     turn takes at most about this long (at least one prompt), so a small job waits about this
     long for a large one's turn on any device; on a GPU the token bound is usually the one that

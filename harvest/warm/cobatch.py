@@ -17,8 +17,8 @@ their statistics merge (Chan's formula, as shards and workers do) into the shard
 A turn is also sized by time (`turn_s`, `HARVEST_ENGINE_TURN_S`): at the speed the engine
 measured on its recent calls (tokens a second, from calls of at least `MEASURED_FROM_TOKENS`,
 so that a call's fixed costs do not pass for slowness), a turn takes at most about `turn_s`,
-whatever the device. On a GPU, 16,384 tokens of an 8B model are a few tens of milliseconds and
-the token bound is the one that acts; on a CPU they are seconds (under the noisy-neighbour
+whatever the device. On a GPU, 16,384 tokens of an 8B model are a fraction of a second and
+the token bound is the one that acts; on a CPU they are many seconds (under the noisy-neighbour
 bench, a small job's one forward pass waited 2-4 s behind a large job's turn of 8,192 tokens),
 and the time bound cuts the turn, down to one prompt.
 
@@ -36,6 +36,7 @@ side, so the next GPU run decides).
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -199,7 +200,7 @@ def next_turn(lengths: list[int], start: int, turn_tokens: int) -> int:
     if not turn_tokens:
         return len(lengths) - start
     count, tokens = 0, 0
-    for length in lengths[start:]:
+    for length in itertools.islice(lengths, start, None):
         if count and tokens + length > turn_tokens:
             break
         count += 1
