@@ -69,7 +69,7 @@ class PrefectRuns:
     """Job runs as Prefect flow runs on the lane's deployment (the orchestration layer's API)."""
 
     def __init__(self) -> None:
-        from flows.prefect_clients import share_tls_context
+        from flows.submit import share_tls_context
 
         share_tls_context()  # the replica's Prefect clients (a few a second) build no TLS context each
 

@@ -10,6 +10,9 @@ The API calls these by name and never sees deployments, pools or Prefect state t
     start_harvest_run / cancel_harvest_run / read_harvest_run / reschedule_harvest_run / cancel_job_runs
                                                                         the same, synchronous
 
+`share_tls_context()` makes the process's Prefect clients share one TLS context
+(`flows.prefect_clients`): the API's run store calls it once.
+
 Each sync function is the async one run to completion (safe to call from inside an event loop
 too: Prefect's helper then runs it on another thread).
 
@@ -58,6 +61,7 @@ from prefect.states import AwaitingRetry, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.key_queues import aensure_key_queue
+from flows.prefect_clients import share_tls_context
 from harvest.lanes import deployment_name, load_lanes
 
 __all__ = [
@@ -69,6 +73,7 @@ __all__ = [
     "job_runs_filter",
     "job_status",
     "run_started_at",
+    "share_tls_context",
     "astart_harvest_run",
     "acancel_harvest_run",
     "aread_harvest_run",
