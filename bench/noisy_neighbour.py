@@ -31,7 +31,8 @@ activation usage equal to the positions its responses carried. Exits 1 on a fail
 (on a shared machine: at 1.0 a single shard is ~8 GB, and on a branch without bounded
 shards its engine server needs several times that); the report says what ran. Everything
 else is as shipped (the worker's poll included). `--without inline,bodies` leaves attacks out,
-to find which one costs the victim what (the target is for the whole attack).
+to find which one costs the victim what (the target is for the whole attack); `--timelines N`
+prints the N slowest victim runs under attack with their task runs' times (which step waited).
 """
 
 from __future__ import annotations
@@ -272,6 +273,43 @@ def _prefect_steps(home: Path, prefect_ui: str, db_url: str, job_ids: list[str])
         steps["run"].append((first["COMPLETED"] - first["RUNNING"]).total_seconds())
         steps["watcher"].append((completed - first["COMPLETED"]).total_seconds())
     return steps
+
+
+def _slowest_runs(home: Path, prefect_ui: str, db_url: str, job_ids: list[str], count: int) -> list[str]:
+    """The `count` victim runs longest from Running to Completed, each with its task runs'
+    start and end (seconds after Running), from Prefect's own record: which step of a slow
+    run waited (`--timelines`)."""
+    from datetime import datetime
+
+    from sqlalchemy import create_engine, text
+
+    from flows.prefect_auth import basic_header
+
+    def when(stamp: str) -> datetime:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        runs = dict(conn.execute(text("SELECT id, flow_run_id FROM jobs")).all())
+    engine.dispose()
+    auth = basic_header((home / "prefect-auth").read_text().strip())
+    timelines = []
+    for job_id in job_ids:
+        run_id = str(runs[job_id])
+        states = httpx.get(f"{prefect_ui}/api/flow_run_states/", params={"flow_run_id": run_id}, headers=auth, timeout=30).json()
+        first = {}
+        for state in sorted(states, key=lambda st: st["timestamp"]):
+            first.setdefault(state["type"], when(state["timestamp"]))
+        if not {"RUNNING", "COMPLETED"} <= set(first):
+            continue
+        tasks = httpx.post(f"{prefect_ui}/api/task_runs/filter", headers=auth, timeout=30,
+                           json={"task_runs": {"flow_run_id": {"any_": [run_id]}}}).json()
+        steps = sorted((when(t["start_time"]), when(t["end_time"]), t["name"]) for t in tasks
+                       if t.get("start_time") and t.get("end_time"))
+        since = lambda moment: (moment - first["RUNNING"]).total_seconds()  # noqa: E731
+        line = ", ".join(f"{name} {since(start):.2f}-{since(end):.2f}" for start, end, name in steps)
+        timelines.append((since(first["COMPLETED"]), f"job {job_id[:8]}: run {since(first['COMPLETED']):.2f} s; tasks {line}"))
+    return [line for _, line in sorted(timelines, reverse=True)[:count]]
 
 
 def _stages(job: dict) -> tuple[float, float]:
@@ -571,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"(comma-separated: {', '.join(ATTACKS)}); the target is measured with none left out")
     parser.add_argument("--attacker-nice", type=int, default=19, help="the attacker's client process's session "
                         "priority (it stands for another machine; 0: it competes with the service for this one's CPU)")
+    parser.add_argument("--timelines", type=int, default=0, help="print this many of the slowest victim runs "
+                        "under attack with their task runs' times, from Prefect")
     parser.add_argument("--flood", action="store_true", help="the attacker ignores Retry-After (beyond its allowed "
                         "rate, outside the target): what refusals cost the replica")
     args = parser.parse_args(argv)
@@ -648,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
             if steps:
                 print(f"victim jobs {name}, from Prefect's states, p50 / max s: " + "; ".join(
                     f"{step} {statistics.median(v):.2f} / {max(v):.2f}" for step, v in steps.items()))
+            if args.timelines and phase is attack:
+                print("\n".join(_slowest_runs(home, info["PREFECT_UI"], db_url, phase.victim_jobs, args.timelines)))
             if phase.stages:
                 waiting, running = zip(*phase.stages)
                 print(f"victim jobs {name}: waiting (created → started) p50 {statistics.median(waiting):.2f} s, "
