@@ -100,8 +100,10 @@ def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
 
     jobs = [
         # One key each: a key's own runs stop at the lane's key_run_limit (2) before the pool's.
+        # Six one-second shards: the three runs overlap for seconds even when a loaded box
+        # takes a second or two to start each (with three, the first could end first).
         harvest_stack.submit(
-            {"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(3)], "shard_size": 1},
+            {"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(6)], "shard_size": 1},
             env=slow_shards(1), key_id=f"pool-limit-{i}",
         )
         for i in range(4)
