@@ -233,6 +233,41 @@ class Record:
 
 # --- the victim -------------------------------------------------------------------------------
 
+def _when(stamp: str):
+    """A timestamp as Prefect's API writes it (ISO 8601, Z for UTC)."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def _prefect_auth(home: Path) -> dict[str, str]:
+    from flows.prefect_auth import basic_header
+
+    return basic_header((home / "prefect-auth").read_text().strip())
+
+
+def _first_states(prefect_ui: str, auth: dict[str, str], run_id: str) -> dict:
+    """When a flow run first entered each state type, from Prefect's own record ({} when it
+    cannot be read)."""
+    answer = httpx.get(f"{prefect_ui}/api/flow_run_states/", params={"flow_run_id": run_id}, headers=auth, timeout=30)
+    first: dict = {}
+    if answer.status_code == 200:
+        for state in sorted(answer.json(), key=lambda st: st["timestamp"]):
+            first.setdefault(state["type"], _when(state["timestamp"]))
+    return first
+
+
+def _job_rows(db_url: str) -> dict[str, tuple]:
+    """Each job's flow run id, created_at and completed_at, from the job store."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        rows = {r[0]: (r[1], r[2], r[3]) for r in conn.execute(text("SELECT id, flow_run_id, created_at, completed_at FROM jobs")).all()}
+    engine.dispose()
+    return rows
+
+
 def _prefect_steps(home: Path, prefect_ui: str, db_url: str, job_ids: list[str]) -> dict[str, list[float]]:
     """Where a victim job's wait went, from Prefect's own record of its run: API (job created →
     its flow run created), queue (→ Pending: a worker took it), start (→ Running: the run's
@@ -240,31 +275,16 @@ def _prefect_steps(home: Path, prefect_ui: str, db_url: str, job_ids: list[str])
     recorded done). Seconds per step, one value per job."""
     from datetime import datetime, timezone
 
-    from sqlalchemy import create_engine, text
-
-    from flows.prefect_auth import basic_header
-
-    def when(stamp: str) -> datetime:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-
     def utc(moment: datetime) -> datetime:
         return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)  # the store keeps UTC
 
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
-        rows = {r[0]: (r[1], r[2], r[3]) for r in conn.execute(text("SELECT id, flow_run_id, created_at, completed_at FROM jobs")).all()}
-    engine.dispose()
-    auth = basic_header((home / "prefect-auth").read_text().strip())
+    rows = _job_rows(db_url)
+    auth = _prefect_auth(home)
     steps: dict[str, list[float]] = defaultdict(list)
     for job_id in job_ids:
         run_id, created, completed = rows[job_id]
-        created, completed = (utc(stamp if isinstance(stamp, datetime) else when(str(stamp))) for stamp in (created, completed))
-        answer = httpx.get(f"{prefect_ui}/api/flow_run_states/", params={"flow_run_id": run_id}, headers=auth, timeout=30)
-        if answer.status_code != 200:
-            continue
-        first = {}
-        for state in sorted(answer.json(), key=lambda st: st["timestamp"]):
-            first.setdefault(state["type"], when(state["timestamp"]))
+        created, completed = (utc(stamp if isinstance(stamp, datetime) else _when(str(stamp))) for stamp in (created, completed))
+        first = _first_states(prefect_ui, auth, run_id)
         if not {"SCHEDULED", "PENDING", "RUNNING", "COMPLETED"} <= set(first):
             continue
         steps["API"].append((first["SCHEDULED"] - created).total_seconds())
@@ -279,32 +299,17 @@ def _slowest_runs(home: Path, prefect_ui: str, db_url: str, job_ids: list[str], 
     """The `count` victim runs longest from Running to Completed, each with its task runs'
     start and end (seconds after Running), from Prefect's own record: which step of a slow
     run waited (`--timelines`)."""
-    from datetime import datetime
-
-    from sqlalchemy import create_engine, text
-
-    from flows.prefect_auth import basic_header
-
-    def when(stamp: str) -> datetime:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
-        runs = dict(conn.execute(text("SELECT id, flow_run_id FROM jobs")).all())
-    engine.dispose()
-    auth = basic_header((home / "prefect-auth").read_text().strip())
+    rows = _job_rows(db_url)
+    auth = _prefect_auth(home)
     timelines = []
     for job_id in job_ids:
-        run_id = str(runs[job_id])
-        states = httpx.get(f"{prefect_ui}/api/flow_run_states/", params={"flow_run_id": run_id}, headers=auth, timeout=30).json()
-        first = {}
-        for state in sorted(states, key=lambda st: st["timestamp"]):
-            first.setdefault(state["type"], when(state["timestamp"]))
+        run_id = str(rows[job_id][0])
+        first = _first_states(prefect_ui, auth, run_id)
         if not {"RUNNING", "COMPLETED"} <= set(first):
             continue
         tasks = httpx.post(f"{prefect_ui}/api/task_runs/filter", headers=auth, timeout=30,
                            json={"task_runs": {"flow_run_id": {"any_": [run_id]}}}).json()
-        steps = sorted((when(t["start_time"]), when(t["end_time"]), t["name"]) for t in tasks
+        steps = sorted((_when(t["start_time"]), _when(t["end_time"]), t["name"]) for t in tasks
                        if t.get("start_time") and t.get("end_time"))
         since = lambda moment: (moment - first["RUNNING"]).total_seconds()  # noqa: E731
         line = ", ".join(f"{name} {since(start):.2f}-{since(end):.2f}" for start, end, name in steps)
@@ -314,10 +319,7 @@ def _slowest_runs(home: Path, prefect_ui: str, db_url: str, job_ids: list[str], 
 
 def _stages(job: dict) -> tuple[float, float]:
     """(waiting: created → started, running: started → completed) of a done job, in seconds."""
-    from datetime import datetime
-
-    created, started, completed = (datetime.fromisoformat(job[k].replace("Z", "+00:00"))
-                                   for k in ("created_at", "started_at", "completed_at"))
+    created, started, completed = (_when(job[k]) for k in ("created_at", "started_at", "completed_at"))
     return (started - created).total_seconds(), (completed - started).total_seconds()
 
 

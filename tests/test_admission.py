@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ import pytest
 from harvest.errors import InvalidRequest, ReplicaBusy
 from harvest.lanes import Lane
 from tests.api_fixtures import ApiServer
+from tests.proc_threads import thread_stats
 
 SHARD_LIMIT = 1 << 20
 """max_shard_bytes of the `xl` lane of the `harvest_api` replica (tests/api_fixtures.py)."""
@@ -286,21 +286,6 @@ def test_six_concurrent_48_mb_bodies_stay_within_the_replicas_bound_and_another_
     assert grown < 3 * budget, f"the replica grew by {grown / 2**20:.0f} MiB"
 
 
-def _threads(pid: int) -> dict[int, tuple[int, float]]:
-    """Each thread of `pid`: its nice and its CPU seconds so far, as the kernel counts them."""
-    tick = os.sysconf("SC_CLK_TCK")
-    threads = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
-        except FileNotFoundError:  # a thread that just ended
-            continue
-        # stat(5): utime and stime are fields 14 and 15, nice 19; `fields` starts at field 3.
-        threads[int(tid)] = (int(fields[16]), (int(fields[11]) + int(fields[12])) / tick)
-    return threads
-
-
 def test_a_submits_tokens_are_counted_on_one_thread_at_the_admission_nice(replica):
     """A body the characters cannot refuse (4,000 prompts of 3,000 characters: at least
     705,883 tokens by its characters, about 2.4 million counted) is counted to the limit, then
@@ -315,9 +300,9 @@ def test_a_submits_tokens_are_counted_on_one_thread_at_the_admission_nice(replic
     words = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do"]
     prompts = [" ".join(rng.choice(words, 600))[:3_000] for _ in range(4_000)]
     pid = replica.process.pid
-    before = _threads(pid)
+    before = thread_stats(pid)
     message = _error(_post(replica, key, {"model": "llama-tiny", "prompts": prompts}), 400, "invalid_request", "prompts")
-    after = _threads(pid)
+    after = thread_stats(pid)
     assert "at most 2,000,000" in message and "at least" not in message  # counted, not refused from characters
     spent = {tid: cpu - before.get(tid, (0, 0.0))[1] for tid, (_, cpu) in after.items()}
     busiest = max(spent, key=spent.get)

@@ -11,6 +11,7 @@ import time
 
 
 from harvest.jobfiles import MANIFEST, PROGRESS
+from tests.proc_threads import thread_stats
 from tests.slow_engine import slow_load, slow_shards
 
 
@@ -131,13 +132,9 @@ def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
 
 
 def _thread_nices(pid: int) -> list[int]:
-    """The nices of `pid`'s threads, each once and in order, from /proc (field 19 of each
-    thread's stat). (A list, not a set: lists sort by their values, sets only by inclusion.)"""
-    nices = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-            nices.add(int(stat.read().rsplit(")", 1)[1].split()[16]))
-    return sorted(nices)
+    """The nices of `pid`'s threads, each once and in order. (A list, not a set: lists sort by
+    their values, sets only by inclusion.)"""
+    return sorted({nice for nice, _ in thread_stats(pid).values()})
 
 
 def test_a_large_jobs_run_yields_the_cpu_to_a_small_jobs_run(harvest_stack, tiny):

@@ -1,0 +1,22 @@
+"""A process's threads as the kernel accounts for them: each one's nice and CPU seconds."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["thread_stats"]
+
+
+def thread_stats(pid: int) -> dict[int, tuple[int, float]]:
+    """Each thread of `pid`: (nice, CPU seconds so far), from /proc/PID/task/TID/stat."""
+    tick = os.sysconf("SC_CLK_TCK")
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        # stat(5): utime and stime are fields 14 and 15, nice 19; `fields` starts at field 3.
+        threads[int(tid)] = (int(fields[16]), (int(fields[11]) + int(fields[12])) / tick)
+    return threads
