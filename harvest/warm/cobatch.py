@@ -17,8 +17,9 @@ their statistics merge (Chan's formula, as shards and workers do) into the shard
 A turn is also sized by time (`turn_s`, `HARVEST_ENGINE_TURN_S`): at the speed the engine
 measured on its recent calls (tokens a second, from calls of at least `MEASURED_FROM_TOKENS`,
 so that a call's fixed costs do not pass for slowness), a turn takes at most about `turn_s`,
-whatever the device. On a GPU, 16,384 tokens of an 8B model are a fraction of a second and
-the token bound is the one that acts; on a CPU they are many seconds (under the noisy-neighbour
+whatever the device. On a GPU, 16,384 tokens of an 8B model should take well under a second
+(an estimate from the FLOPs at half an H200's bf16 peak, not yet measured) and the token bound
+is the one that acts; on a CPU they are many seconds (under the noisy-neighbour
 bench, a small job's one forward pass waited 2-4 s behind a large job's turn of 8,192 tokens),
 and the time bound cuts the turn, down to one prompt.
 
