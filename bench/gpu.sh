@@ -28,12 +28,13 @@
 #   run 3  carry [.gpu-wheels/vllm.tar.part02]:  mkdir -p /tmp/vc && cp .gpu-wheels/vllm.tar.part02 /tmp/vc/
 #   run 4  carry [.gpu-wheels/vllm.tar.part03, .gpu-wheels/install-vllm-wheels.sh, .gpu-wheels/py]:
 #          bash bench/gpu.sh     # timeout_s ~480; copies what it carried to /tmp/vc, installs, measures
-# (parts 00-02 are 60 MiB, part03 ~50 MiB, py/ ~2.5 MiB, the tree <1 MiB: each run fits in 64 MiB.)
+# (parts 00-02 are 60 MiB, part03 ~50 MiB, py/ ~2.5 MiB, the tree ~2.5 MiB: each run fits in 64 MiB.)
 # The HF part alone: run 4 with carry [.gpu-wheels/py] only (py/ only matters if the image lacks
 # pydantic-settings; the run says so and stops in seconds if it is needed and missing).
 #
-# Time plan (GPU_BENCH_BUDGET_S, default 390 s for everything below): wheel install ~25 s;
-# HF part ~2 min (import; 8B-shaped checkpoint built on the GPU and saved to /dev/shm, ~15 GB;
+# Time plan (GPU_BENCH_BUDGET_S, default 420 s for everything below; measured on an H200 on
+# 2026-12-04, bench/RESULTS.md: start + the three staging runs ~50 s of device time): wheel
+# install 58 s; HF part ~2 min (import; 8B-shaped checkpoint built on the GPU and saved to /dev/shm, ~15 GB;
 # loaded by HFEngine; 4 arms x (warm-up + 3 rounds) of ~24k tokens); vLLM part ~2.5 min
 # (engine start on the same checkpoint; same arms); parity ~1 min. Each part gets a deadline
 # (GPU_BENCH_DEADLINE) that cuts its rounds short, and a hard `timeout` past it.
@@ -43,7 +44,7 @@ PY=${PYTHON:-python3}
 GPU_WHEELS=${GPU_WHEELS:-.gpu-wheels}
 VC=${GPU_BENCH_STAGE:-/tmp/vc}
 PARTS=${GPU_WHEEL_PARTS:-4}
-BUDGET=${GPU_BENCH_BUDGET_S:-390}
+BUDGET=${GPU_BENCH_BUDGET_S:-420}
 START=$(date +%s)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -5,9 +5,10 @@ turns a float32 checkpoint into bf16 on a GPU, vllm/config/model.py `_resolve_au
 against HF `hidden_states` of each prompt run alone in float32 on the CPU: bf16 shards within
 one bf16 rounding plus 1e-4 of the layer's largest value; the float32 stream (a projection
 onto the basis) and 8-direction projections within 1e-4 of it; statistics against numpy
-float64; a missed layer failing with `CaptureFailed`. float32 attention on a GPU is vLLM's
-Triton backend (FlashAttention takes only 16-bit dtypes), so this also checks the capture's
-row map on a second attention backend; the 8B-shaped bench runs the bf16 default one.
+float64; a missed layer failing with `CaptureFailed`. On a GPU it asks for vLLM's
+FlexAttention backend (FlashAttention takes only 16-bit dtypes, and the Triton one vLLM would
+pick rounds float32 like TF32), so this also checks the capture's row map on a second
+attention backend; the 8B-shaped bench runs the bf16 default one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def parity(on_gpu: bool) -> list[tuple[str, bool, str]]:
     from tests.reference import hf_reference_layers
 
     tiny = load_registry().get("llama-tiny")
-    extra = dict(dtype="float32", gpu_memory_utilization=0.10) if on_gpu else {}
+    # FLEX_ATTENTION on a GPU: vLLM's default float32 backend there (TRITON_ATTN) rounds like
+    # TF32 (5e-4 of a layer's largest value at block 0, 3.7e-3 at block 7, measured on an H200),
+    # which would hide a capture error of that size; with FlexAttention: 1.3e-5.
+    extra = dict(dtype="float32", gpu_memory_utilization=0.10, attention_backend="FLEX_ATTENTION") if on_gpu else {}
     engine = VLLMEngine(tiny, max_num_batched_tokens=64, max_num_seqs=8, **extra)
     hf_model = load_hf_model(tiny, torch.device("cpu"))  # the float32 reference, on the CPU
     tokenizer = load_tokenizer(tiny.path)

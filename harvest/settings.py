@@ -124,8 +124,9 @@ class Settings(BaseSettings):
 
     engine_cobatch_shards: int = Field(default=1, ge=1)
     """Co-batching: shards of concurrent jobs run together in one engine call (shared forward
-    passes) when they capture the same layers and directions; 1 runs each shard alone. 1 on
-    every device until a GPU measurement says otherwise (`harvest.warm.cobatch`)."""
+    passes) when they capture the same layers and directions; 1 runs each shard alone, the
+    default on every device: co-batching measured slower on the CPU and on an H200
+    (`harvest.warm.cobatch`)."""
 
     engine_cobatch_wait_s: float = Field(default=0.1, ge=0)
     """How long an engine that comes free waits for the other jobs holding it to ask for their
