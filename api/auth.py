@@ -33,6 +33,7 @@ __all__ = [
     "revoke_key",
     "bearer_hash",
     "authenticate",
+    "key_of",
     "current_key",
     "reserve_activations",
     "settle_activations",
@@ -188,13 +189,16 @@ def bearer_hash(authorization: str | None) -> str:
 
 def authenticate(authorization: str | None, engine=None) -> ApiKey:
     """The key of an `Authorization: Bearer …` header; 401 when missing, unknown or revoked."""
-    key_hash = bearer_hash(authorization)
     with transaction(engine) as conn:
-        row = conn.execute(select(api_keys).where(api_keys.c.key_hash == key_hash)).mappings().first()
-        if row is None or row["revoked_at"] is not None:
-            raise Unauthorized("Incorrect API key provided.")
-        limits = _limits(conn, [row["id"]])[row["id"]]
-    return ApiKey.from_row(row, limits)
+        return key_of(conn, authorization)
+
+
+def key_of(conn, authorization: str | None) -> ApiKey:
+    """`authenticate` inside the caller's transaction."""
+    row = conn.execute(select(api_keys).where(api_keys.c.key_hash == bearer_hash(authorization))).mappings().first()
+    if row is None or row["revoked_at"] is not None:
+        raise Unauthorized("Incorrect API key provided.")
+    return ApiKey.from_row(row, _limits(conn, [row["id"]])[row["id"]])
 
 
 async def current_key(request: Request) -> ApiKey:

@@ -52,8 +52,10 @@ __all__ = [
     "database_url",
     "make_engine",
     "get_engine",
+    "get_rates_engine",
     "upgrade",
     "transaction",
+    "reading",
     "locked",
     "ensure_row",
     "JOB_CHANNEL",
@@ -254,6 +256,31 @@ def get_engine() -> Engine:
         return _engine
 
 
+_rates_engine: Engine | None = None
+
+
+def get_rates_engine() -> Engine:
+    """The engine for the per-key request rates (`api.ratelimit`): the same store, but on
+    PostgreSQL its commits do not wait for the write-ahead log to reach the disk
+    (`synchronous_commit=off`, on these connections only). Every request of every key commits
+    a bucket, so that wait would sit in front of every read; what a crash can lose is a
+    bucket's last fraction of a second, which only gives keys back a few tokens. Jobs, charges
+    and quotas stay on `get_engine()`, whose commits are durable. Its pool holds at most 15
+    connections (its transactions are short; more callers wait), so a replica opens at most
+    45 to the store. On SQLite it is `get_engine()`."""
+    global _rates_engine
+    engine = get_engine()  # created and migrated first
+    if engine.dialect.name != "postgresql":
+        return engine
+    with _engine_lock:
+        if _rates_engine is None:
+            # Added to the URL's own `options` (a schema's search_path may be there).
+            options = " ".join(filter(None, (engine.url.query.get("options"), "-c synchronous_commit=off")))
+            _rates_engine = create_engine(engine.url.update_query_dict({"options": options}),
+                                          pool_pre_ping=True, pool_size=5, max_overflow=10)
+        return _rates_engine
+
+
 def upgrade(engine: Engine) -> None:
     """Bring the schema to the newest Alembic revision (idempotent)."""
     from alembic import command
@@ -303,6 +330,20 @@ def transaction(engine: Engine | None = None):
     for job_id in changed:  # committed: tell this process's listeners
         for listener in list(local_listeners):
             listener(job_id)
+
+
+@contextmanager
+def reading(engine: Engine | None = None):
+    """Reads only, and each statement may see its own snapshot: on PostgreSQL in autocommit,
+    so no BEGIN and COMMIT round trips (a job read is the replica's commonest request, and on
+    a busy host every round trip waits for a CPU twice); on SQLite a transaction as usual."""
+    engine = engine or get_engine()
+    if engine.dialect.name != "postgresql":
+        with transaction(engine) as conn:
+            yield conn
+        return
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        yield conn
 
 
 def ensure_row(conn: Connection, table: Table, **values) -> None:

@@ -13,8 +13,10 @@ every restart). The bucket is one row, refilled and decremented by a single cond
 UPDATE (`tokens = min(burst, tokens + elapsed * rate) - 1 … WHERE that is ≥ 1`): PostgreSQL
 row-locks it and re-evaluates the condition after a concurrent writer commits, SQLite
 serialises writers (BEGIN IMMEDIATE), so concurrent requests on any replicas never take the
-same token twice. It costs one short transaction per request. Time is each replica's wall
-clock (unix seconds); a replica whose clock is behind never refills a bucket backwards.
+same token twice. It costs one short transaction per request, the key's lookup's, whose
+commit does not wait for the disk (`api.db.get_rates_engine`: a crash may give keys back a
+few tokens). Time is each replica's wall clock (unix seconds); a replica whose clock is
+behind never refills a bucket backwards.
 
 Requests with no valid key (missing, unknown, revoked) have no key's bucket to drain, and
 each unknown key costs a job-store lookup. They are limited per client address instead, in
@@ -27,9 +29,9 @@ protects is this replica's time and the store's, and no key's quota is at stake.
 A refusal costs the replica almost nothing, so that a key sending far over its rate cannot
 slow the others by being refused:
 
-- The key is looked up and its bucket taken in one worker-thread call (`authenticate_within_rate`),
-  in the key's turn of the replica's fair share (`api.fairshare`), which also bounds the key's
-  reads in flight.
+- The key is looked up and its bucket taken in one worker-thread call and one transaction
+  (`authenticate_within_rate`), in the key's turn of the replica's fair share
+  (`api.fairshare`), which also bounds the key's reads in flight.
 - When the store answers that a key's bucket is empty until a token is back in w seconds, the
   replica remembers it (`EmptyBuckets`) and answers that key's requests of that kind 429 from
   memory, without the store, until then. This never refuses a request the store would have let
@@ -48,8 +50,8 @@ from typing import Annotated, AsyncIterator
 from fastapi import Depends, Request
 from sqlalchemy import Float, case, literal, select, update
 
-from api.auth import ApiKey, authenticate, bearer_hash
-from api.db import ensure_row, rate_buckets, transaction
+from api.auth import ApiKey, bearer_hash, key_of
+from api.db import ensure_row, get_rates_engine, rate_buckets, transaction
 from api.fairshare import KeyShare
 from harvest.errors import RateLimited, Unauthorized
 from harvest.settings import get_settings
@@ -57,7 +59,6 @@ from harvest.settings import get_settings
 __all__ = [
     "take",
     "limits",
-    "enforce",
     "KeyOverRate",
     "authenticate_within_rate",
     "EmptyBuckets",
@@ -75,23 +76,28 @@ __all__ = [
 def take(key_id: str, kind: str, *, per_s: float, burst: int, now: float | None = None, engine=None) -> float:
     """Take one token from the key's bucket of `kind`: 0.0 when taken, else the seconds until
     one will be there."""
+    with transaction(engine) as conn:
+        return _take(conn, key_id, kind, per_s=per_s, burst=burst, now=now)
+
+
+def _take(conn, key_id: str, kind: str, *, per_s: float, burst: int, now: float | None = None) -> float:
+    """`take` inside the caller's transaction."""
     now = time.time() if now is None else now
     moment = literal(now, Float)
     where = (rate_buckets.c.key_id == key_id, rate_buckets.c.kind == kind)
     elapsed = case((rate_buckets.c.updated_at < moment, moment - rate_buckets.c.updated_at), else_=literal(0.0, Float))
     grown = rate_buckets.c.tokens + elapsed * per_s
     level = case((grown > float(burst), literal(float(burst), Float)), else_=grown)
-    with transaction(engine) as conn:
-        ensure_row(conn, rate_buckets, key_id=key_id, kind=kind, tokens=float(burst), updated_at=now)
-        taken = conn.execute(
-            update(rate_buckets).where(*where, level >= 1.0).values(
-                tokens=level - 1.0,
-                updated_at=case((rate_buckets.c.updated_at < moment, moment), else_=rate_buckets.c.updated_at),
-            )
+    ensure_row(conn, rate_buckets, key_id=key_id, kind=kind, tokens=float(burst), updated_at=now)
+    taken = conn.execute(
+        update(rate_buckets).where(*where, level >= 1.0).values(
+            tokens=level - 1.0,
+            updated_at=case((rate_buckets.c.updated_at < moment, moment), else_=rate_buckets.c.updated_at),
         )
-        if taken.rowcount == 1:
-            return 0.0
-        left = conn.execute(select(level).where(*where)).scalar_one()
+    )
+    if taken.rowcount == 1:
+        return 0.0
+    left = conn.execute(select(level).where(*where)).scalar_one()
     return max((1.0 - float(left)) / per_s, 0.0)
 
 
@@ -117,19 +123,17 @@ class KeyOverRate(RateLimited):
         self.kind, self.per_s, self.burst, self.wait = kind, per_s, burst, wait
 
 
-def enforce(key: ApiKey, kind: str) -> None:
-    """Raise 429 (`KeyOverRate`) when the key is over its `kind` rate."""
-    per_s, burst = limits(key, kind)
-    wait = take(key.id, kind, per_s=per_s, burst=burst)
-    if wait > 0:
-        raise KeyOverRate(kind, per_s, burst, wait)
-
-
 def authenticate_within_rate(authorization: str | None, kind: str) -> ApiKey:
     """The caller's key (401 otherwise) with one token of its `kind` bucket taken (429
-    otherwise): one worker-thread call for both."""
-    key = authenticate(authorization)
-    enforce(key, kind)
+    otherwise): one worker-thread call and one transaction for both, on the rates engine
+    (its commit does not wait for the disk: `api.db.get_rates_engine`). Every request pays
+    this, so its round trips to the store are kept few."""
+    with transaction(get_rates_engine()) as conn:
+        key = key_of(conn, authorization)
+        per_s, burst = limits(key, kind)
+        wait = _take(conn, key.id, kind, per_s=per_s, burst=burst)
+    if wait > 0:
+        raise KeyOverRate(kind, per_s, burst, wait)
     return key
 
 

@@ -34,6 +34,7 @@ from api.db import (
     jobs,
     lane_locks,
     locked,
+    reading,
     service_flags,
     transaction,
     utcnow,
@@ -216,7 +217,7 @@ def _row(conn, job_id: str):
 
 def get_job(job_id: str, key_id: str | None = None, engine=None) -> dict:
     """The job, if it exists and (given a key) belongs to that key; else 404."""
-    with transaction(engine) as conn:
+    with reading(engine) as conn:
         row = _row(conn, job_id)
     if row is None or (key_id is not None and row["key_id"] != key_id):
         # Same answer for another key's job as for no job: never reveal that it exists.
@@ -226,7 +227,7 @@ def get_job(job_id: str, key_id: str | None = None, engine=None) -> dict:
 
 def list_jobs(key_id: str, *, limit: int, after: str | None = None, engine=None) -> tuple[list[dict], bool]:
     """The key's jobs, newest first, `limit` of them after the job `after`; and whether more follow."""
-    with transaction(engine) as conn:
+    with reading(engine) as conn:
         query = select(jobs).where(jobs.c.key_id == key_id)
         if after is not None:
             cursor = _row(conn, after)

@@ -484,3 +484,74 @@ def test_a_keys_request_rate_holds_under_concurrency_across_replicas(engine):
         assert take("key-a", "read", per_s=1.0, burst=10, now=now, engine=other_replica) == pytest.approx(0.5)
     finally:
         other_replica.dispose()
+
+
+def test_a_requests_key_and_bucket_are_one_transaction_whose_commit_skips_the_disk_wait(engine, monkeypatch):
+    """`authenticate_within_rate`, which every request with a key pays: one transaction for the
+    key and its bucket, on PostgreSQL on connections whose commits do not wait for the WAL to
+    reach the disk (`synchronous_commit=off`), while the jobs' engine stays durable. Read back
+    from the server's own settings and, for the bucket, through the jobs' engine."""
+    import api.db
+    from sqlalchemy import event
+
+    from api.db import get_rates_engine, rate_buckets
+    from api.ratelimit import authenticate_within_rate
+
+    monkeypatch.setattr(api.db, "_engine", engine)
+    monkeypatch.setattr(api.db, "_rates_engine", None)
+    rates = get_rates_engine()
+    try:
+        begun = {"rates": 0, "jobs": 0}
+        event.listen(rates, "begin", lambda _conn: begun.__setitem__("rates", begun["rates"] + 1))
+        if rates is not engine:
+            event.listen(engine, "begin", lambda _conn: begun.__setitem__("jobs", begun["jobs"] + 1))
+        key, record = create_key("reader", rate_read_burst=5, engine=engine)
+        begun.update(rates=0, jobs=0)
+
+        assert authenticate_within_rate(f"Bearer {key}", "read").id == record.id
+        assert begun == {"rates": 1, "jobs": 0}
+        with engine.connect() as conn:
+            tokens = conn.execute(select(rate_buckets.c.tokens).where(rate_buckets.c.key_id == record.id)).scalar_one()
+        assert tokens == pytest.approx(4.0, abs=0.01)  # one of the burst of 5 taken
+
+        with pytest.raises(Unauthorized):
+            authenticate_within_rate("Bearer acs_" + "0" * 32, "read")
+        with engine.connect() as conn:
+            assert conn.execute(select(rate_buckets.c.key_id)).scalars().all() == [record.id]  # none for the unknown key
+
+        if engine.dialect.name == "postgresql":
+            assert rates is not engine
+            with rates.connect() as conn:
+                assert conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one() == "off"
+            with engine.connect() as conn:
+                assert conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one() == "on"
+        else:
+            assert rates is engine  # SQLite: one store, one writer
+    finally:
+        if rates is not engine:
+            rates.dispose()
+
+
+def test_job_reads_on_postgresql_send_no_begin_and_leave_the_pool_transactional(engine):
+    """`api.db.reading` (job reads and list pages): on PostgreSQL each statement is its own
+    transaction (no BEGIN/COMMIT round trips), read from the server's clocks: inside a
+    transaction `now()` is when it began, so after a sleep it lags `statement_timestamp()`.
+    The same pooled connection then runs `transaction()` transactionally again."""
+    from api.db import reading, transaction
+
+    key, record = create_key("lister", engine=engine)
+    job = _job()
+    admit(record, job, capacity=10, engine=engine)
+    assert get_job(job["id"], record.id, engine=engine)["id"] == job["id"]
+    assert list_jobs(record.id, limit=5, engine=engine)[0][0]["id"] == job["id"]
+    if engine.dialect.name != "postgresql":
+        return  # SQLite: a transaction as usual
+    with reading(engine) as conn:
+        conn.execute(text("SELECT pg_sleep(0.05)"))
+        assert conn.execute(text("SELECT now() < statement_timestamp() - interval '40 milliseconds'")).scalar_one() is False
+    engine.pool.dispose()  # so the pool holds one connection: `transaction` below gets the one `reading` used
+    with reading(engine) as conn:
+        pass
+    with transaction(engine) as conn:
+        conn.execute(text("SELECT pg_sleep(0.05)"))
+        assert conn.execute(text("SELECT now() < statement_timestamp() - interval '40 milliseconds'")).scalar_one() is True
