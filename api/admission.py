@@ -9,25 +9,23 @@ say. Three limits (settings `HARVEST_ADMISSION_*`):
   its body until it is answered (`hold`); one body over the whole budget is admitted only alone;
 - `admission_key_share` submits of one key at once (`hold`), so a key's burst of large bodies
   queues behind itself while other keys' submits go by;
-- `admission_concurrency` submits parsed and counted at once (`work`), each on one of as many
-  threads of the budget's own (`call`), so the event loop keeps serving everything else
-  meanwhile. A body still arriving holds bytes, not one of these places, and must arrive
-  within `admission_read_s` (408 otherwise).
-
-Those threads run at nice `WORK_NICE` (`harvest.cpu_share.lower_thread`) and tokenize on
-themselves (`TOKENIZE_ON_CALLER`): a submit's cost is not known until its tokens are counted,
-so on a contended CPU the replica's event loop and its reads go first, and at most
-`admission_concurrency` of the replica's cores ever count tokens. (The Rust tokenizers would
-otherwise count a batch on a pool of one thread per core, started at the priority of whichever
-thread first tokenized, so neither the concurrency nor the nice bounded them.)
+- `admission_concurrency` submits parsed and counted at once (`work`), each by one of as many
+  child processes in a session of their own at a lower group priority (`assess`,
+  `api.admission_process`), waited for on one of as many threads of the budget's own (`call`),
+  so the event loop keeps serving everything else meanwhile, and on a contended host the
+  counting takes the CPU the replica's requests leave (a session's share does not depend on
+  its threads' nice). A body still arriving holds bytes, not one of these places, and must
+  arrive within `admission_read_s` (408 otherwise).
 
 A submit that finds no place waits (up to `admission_wait_s`, at most `admission_queue`
 waiting), then is answered 503 `replica_busy` with Retry-After. Waiting costs little: uvicorn
 stops reading a connection whose body the app has not asked for yet (its flow control), so an
 unread body stays in the client's socket, not in this process. What one admitted submit holds
-is its body, its parsed prompts and a slice of token ids (`harvest.tokenize.count_tokens`):
-a few times its body, so the replica's memory for submits stays within a few times
-`admission_bytes` above its idle size (README, "Bounds").
+is its body and its parsed prompts in the replica, and its body, its parsed prompts and a slice
+of token ids (`harvest.tokenize.count_tokens`) in its child: a few times its body, so the
+replica's memory for submits, and its children's, stay within a few times `admission_bytes`
+above their idle size (README, "Bounds"). A refused body's prompts never come back to the
+replica.
 """
 
 from __future__ import annotations
@@ -43,8 +41,10 @@ import anyio
 from fastapi import Depends, Request
 
 from api import deps
-from harvest.cpu_share import lower_thread
+from api.admission_process import TOKENIZE_ON_CALLER, WORK_NICE, Assessors
 from harvest.errors import ReplicaBusy, RequestTimeout
+from harvest.registry import Registry
+from harvest.request import HarvestRequest
 from harvest.settings import Settings
 
 __all__ = ["AdmissionBudget", "Admission", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S",
@@ -52,10 +52,6 @@ __all__ = ["AdmissionBudget", "Admission", "admission", "declared_bytes", "read_
 
 RETRY_AFTER_S = 5
 """What a refused submit is told to wait: about one large submit's time here."""
-WORK_NICE = 10
-"""The nice of the threads that parse and tokenize submits (module docstring)."""
-TOKENIZE_ON_CALLER = {"TOKENIZERS_PARALLELISM": "false"}
-"""An API replica's environment: the Rust tokenizers count on the calling thread, no pool."""
 
 T = TypeVar("T")
 
@@ -74,7 +70,10 @@ class AdmissionBudget:
         self.waiting = 0
         self._per_key: Counter[str] = Counter()
         self._changed = asyncio.Condition()
-        self._threads = ThreadPoolExecutor(concurrency, "admission", initializer=lower_thread, initargs=(WORK_NICE,))
+        # At the default nice: they only hand bodies over and take answers back, holding the
+        # GIL while they do; a thread at a lower nice would make the event loop wait for it.
+        self._threads = ThreadPoolExecutor(concurrency, "admission")
+        self._assessors: Assessors | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "AdmissionBudget":
@@ -139,6 +138,23 @@ class AdmissionBudget:
             async with self._changed:
                 self.working -= 1
                 self._changed.notify_all()
+
+    def start(self) -> None:
+        """Start the assessing children (in the background), so the first submits do not wait
+        for their imports; `assess` starts them too if this was not called."""
+        if self._assessors is None:
+            self._assessors = Assessors(self.concurrency)
+
+    def close(self) -> None:
+        if self._assessors is not None:
+            self._assessors.close()
+            self._assessors = None
+
+    async def assess(self, body: bytes, registry: Registry) -> tuple[HarvestRequest, dict]:
+        """The body parsed, checked and counted by a child (`api.admission_process.assess`),
+        from inside `work`: the request and its job's fields, or its 400."""
+        self.start()
+        return await self.call(self._assessors.assess, body, registry)
 
     async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` on one of the budget's threads (from inside `work`). Awaited to

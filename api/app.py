@@ -87,11 +87,13 @@ async def lifespan(app: FastAPI):
         orphan_after_s=settings.orphan_after_s,
     )
     app.state.watcher = watcher
+    app.state.admission.start()  # its children import while the replica starts (`api.admission_process`)
     await watcher.start()
     try:
         yield
     finally:
         await watcher.stop()
+        await run_in_threadpool(app.state.admission.close)
 
 
 async def harvest_error(request: Request, exc: HarvestError) -> JSONResponse:
@@ -167,8 +169,8 @@ def create_app(
         inline_budget = ResponseBudget(settings.inline_response_budget_bytes)
     if admission is None:
         admission = AdmissionBudget.from_settings(settings)
-    for name, value in TOKENIZE_ON_CALLER.items():  # the admission threads count tokens themselves
-        os.environ.setdefault(name, value)  # (`api.admission`); an operator's own setting is kept
+    for name, value in TOKENIZE_ON_CALLER.items():  # no tokenizer pool of one thread per core in the replica
+        os.environ.setdefault(name, value)  # either (`api.admission_process`); an operator's own setting is kept
     if anonymous_limiter is None:
         anonymous_limiter = AddressLimiter(settings.rate_anonymous_per_s, settings.rate_anonymous_burst)
     app.state.inline_budget = inline_budget

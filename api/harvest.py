@@ -1,8 +1,8 @@
 """The bulk harvest routes: submit, read (with long-poll), cancel, list.
 
 The route is a thin facade: take a place in the replica's admission budget (`api.admission`)
-before reading the body, parse it and learn what the job costs off the event loop, cheapest
-facts first (`harvest.cost`: refused with a 400 before any tokenizer runs when the prompts'
+before reading the body, have a child process parse it and learn what the job costs
+(`api.admission_process`), cheapest facts first (`harvest.cost`: refused with a 400 before any tokenizer runs when the prompts'
 characters already say it is too big), admit under the caps (job store), write the request
 next to the job's files, start the lane's run (run store), and answer the harvest object.
 Status changes come from the watcher. The reads' blocking calls run in their key's turn of the
@@ -20,7 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import MAX_BODY_BYTES, Files, JobWatcher, LinkBase, Models, Runs, parse
+from api.deps import MAX_BODY_BYTES, Files, JobWatcher, LinkBase, Models, Runs
 from api.admission import Admission, declared_bytes, read_body_within
 from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
@@ -31,15 +31,12 @@ from api.runs import RunStore
 from api.schemas import Harvest, HarvestList, render
 from api.watcher import Watcher
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, run_stopped
-from harvest.cost import check_before_tokenizing, check_counts
 from harvest.errors import ModelUnavailable
-from harvest.jobfiles import JobFiles, n_shards
+from harvest.jobfiles import JobFiles
 from harvest.lanes import load_lanes
-from harvest.registry import Registry
-from harvest.request import MAX_TOKENS, HarvestRequest, resolve_job
+from harvest.request import HarvestRequest
 from harvest.settings import get_settings
 from harvest.storage import Storage
-from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
 __all__ = ["router"]
 
@@ -53,36 +50,6 @@ START_RETRY_AFTER_S = 5
 log = logging.getLogger("harvest.api")
 
 router = APIRouter(prefix="/v1", tags=["harvest"])
-
-
-def _prepare(request: HarvestRequest, registry: Registry, storage: Storage) -> dict:
-    """Check the request against its model and learn its cost, cheapest facts first (every
-    400 comes from here); the job's row, its tokens counted."""
-    job = resolve_job(request, registry)
-    lane = load_lanes()[job.model.lane]
-    path = job.model.require_path()
-    chars_per_token = max_token_chars(path)
-    check_before_tokenizing(job, lane, chars_per_token=chars_per_token)
-    counts = count_tokens(
-        load_tokenizer(path), request.prompts, add_special_tokens=request.add_special_tokens,
-        max_len=job.model.max_model_len, chars_per_token=chars_per_token, stop_above=MAX_TOKENS,
-    )
-    cost = check_counts(job, counts, lane)
-    job_id = str(uuid.uuid4())
-    files = JobFiles.for_job(job_id, storage)
-    return {
-        "id": job_id,
-        "model": job.model.name,
-        "lane": job.model.lane,
-        "n_prompts": len(request.prompts),
-        "layers": job.layers,
-        "shard_size": request.shard_size,
-        "n_shards": n_shards(len(request.prompts), request.shard_size),
-        "add_special_tokens": request.add_special_tokens,
-        "contents": job.contents,
-        "reserved_tokens": cost.tokens,
-        "request_url": files.request_url,
-    }
 
 
 def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore) -> dict:
@@ -149,13 +116,12 @@ async def submit_harvest(
     async with budget.hold(key.id, declared_bytes(request, MAX_BODY_BYTES)):
         body = await read_body_within(request, get_settings().admission_read_s)
         async with budget.work():
-            # On the budget's threads: parsing 50 MB of JSON and counting its tokens holds a
-            # thread for a while, never the event loop, and yields the CPU to the replica's
-            # other requests. Strict: a JSON string is not a number nor a bool here, as the
-            # published schema says.
-            harvest_request = await budget.call(parse, HarvestRequest, body, strict=True)
+            # Parsed and counted by one of the budget's child processes: seconds of CPU for a
+            # large body, never the event loop's, and on a busy host not the replica's share.
+            harvest_request, fields = await budget.assess(body, registry)
             del body  # the parsed prompts are all that is kept
-            job = await budget.call(_prepare, harvest_request, registry, storage)
+        job_id = str(uuid.uuid4())
+        job = {"id": job_id, "request_url": JobFiles.for_job(job_id, storage).request_url, **fields}
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(

@@ -2,20 +2,20 @@
 
 On a host whose CPU is contended, Linux shares it between sessions (scheduling autogroups, the
 default on most distributions) equally whatever their processes' nice values, and between the
-processes of one session by their nice. Two kinds of bulk work lower themselves:
+processes of one session by their nice. Bulk work lowers itself:
 
-- an API replica's inline engine runs in a session of its own, whose group it lowers
-  (`lower_priority(..., session=True)`, `harvest.warm.inline_process`): one key's long
-  generations then never take the share the replica's requests and the control plane need;
+- an API replica's inline engine, and its children that parse and count submits whose cost
+  is not known yet, run in sessions of their own, whose groups they lower
+  (`lower_priority(..., session=True)`, `harvest.warm.inline_process`,
+  `api.admission_process`): one key's long generations or large bodies then never take the
+  share the replica's requests and the control plane need;
 - a flow run lowers itself by the size of its job (`run_nice`): runs forked by a worker
   host's run starter share its session, so a large job's run leaves the CPU to a small job's
   run and to the worker beside it, and a small job keeps its turnaround whatever else the
   host runs. (A session's group is never lowered from a run: it is the worker's.)
 
 Within one process, work that may be large runs on threads of its own that lower themselves
-(`lower_thread`): an API replica's admission threads, which parse and tokenize submits whose
-cost is not known yet (`api.admission`), leave its event loop and its reads the replica's
-share; an inline engine's decode leaves its own process's requests theirs.
+(`lower_thread`): an inline engine's decode leaves its own process's requests theirs.
 
 A lower priority only matters while something else wants the CPU; on a quiet host the work
 runs as fast as before.

@@ -164,6 +164,11 @@ def test_submits_have_their_own_rate_shared_by_every_replica(guarded, harvest_ho
     shared = {k: v for k, v in guarded.env.items() if k != "HARVEST_PORT"}  # same store, runs, storage
     replica = ApiServer(harvest_home, "guarded-replica", shared).start()
     try:
+        # Another key's submit first: the new replica's first submit waits for its assessing
+        # children's imports (`api.admission_process`), time in which this key's bucket would refill.
+        for server in (guarded, replica):
+            warm = guarded.make_key(name=f"warm-{server.base_url[-5:]}", small=10)
+            assert httpx.post(f"{server.base_url}/harvest", headers=_auth(warm), json=OK, timeout=60).status_code == 202
         key = guarded.make_key(name="two-replicas", small=10)
         answers = [httpx.post(f"{server.base_url}/harvest", headers=_auth(key), json=OK, timeout=60)
                    for server in (guarded, replica, guarded, replica)]

@@ -174,7 +174,12 @@ def stop_engine_servers(home: Path, timeout: float = 15.0) -> list[int]:
     for pid, started in servers:
         while time.monotonic() < deadline and process_started(pid) == started:
             time.sleep(0.1)
-        _signal_if(pid, started, signal.SIGKILL)
+        if _signal_if(pid, started, signal.SIGKILL):
+            # Gone when this returns, not merely signalled: a busy host may take a moment to
+            # end a killed process, and a worker that stops leaves no process behind.
+            killed_by = time.monotonic() + 10
+            while time.monotonic() < killed_by and process_started(pid) == started:
+                time.sleep(0.05)
     return [pid for pid, _ in servers]
 
 

@@ -1,0 +1,216 @@
+"""A submit's parsing and token count, in a process of its own session: `Assessors`.
+
+Learning a large submit's cost is seconds of CPU (4,000 prompts of 3,000 characters are
+counted to the 2,000,000-token cap in ~1.4 s here). On the replica's own threads, even at a
+lower nice, that CPU was the replica's: on a contended host Linux shares the CPU between
+sessions (autogroups) whatever their threads' nice, so one key's refused bodies took the share
+that every other key's reads needed (RELIABILITY.md, noisy neighbour: 21-23 of the replica's
+28.5-30 CPU seconds in the attack minute; the victim's read p95 22 ms without them, 37-44 ms
+with them). So each of the admission budget's places has a child process in a session of its
+own, whose group is lowered to `WORK_NICE` (`harvest.cpu_share`): it gets the CPU the rest of
+the host leaves, and all of it when the host is quiet. The replica's thread only hands the
+body over and waits.
+
+The exchange (a socket pair, `harvest.warm.protocol`'s messages): `("assess", registry)`, then
+the body's bytes as they are. The child parses the body (`api.deps.parse`, strict), checks the
+request against its model and counts its tokens, cheapest facts first (`assess`), and answers `("assessed", request, job
+fields)` or the error, pickled with its class (`harvest.warm.protocol.error_reply`): a 400
+names the limit and the number as before. A refused body never comes back to the replica. A
+child that dies (killed, out of memory) is started again for the next submit; the submit it
+was assessing is answered 503 `replica_busy` with Retry-After. Children end when the replica
+closes their socket, or dies (they read EOF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+from harvest.errors import ReplicaBusy
+from harvest.registry import Registry
+from harvest.request import HarvestRequest
+
+__all__ = ["Assessors", "assess", "WORK_NICE", "TOKENIZE_ON_CALLER", "main"]
+
+WORK_NICE = 10
+"""The nice of the children's scheduling group: a group at 10 gets about a tenth of what a
+default one does while both want the CPU."""
+TOKENIZE_ON_CALLER = {"TOKENIZERS_PARALLELISM": "false"}
+"""A child's environment: the Rust tokenizers count on its one thread, no pool of one thread
+per core that no budget counts."""
+RETRY_AFTER_S = 5
+"""What a submit whose child died is told to wait: about a child's start here."""
+_STOP_S = 10.0
+
+
+def assess(request: HarvestRequest, registry: Registry) -> dict:
+    """Check the request against its model and learn its cost, cheapest facts first (every
+    400 comes from here); the job's row without its id and files (`api.harvest` adds them)."""
+    from harvest.cost import check_before_tokenizing, check_counts
+    from harvest.jobfiles import n_shards
+    from harvest.lanes import load_lanes
+    from harvest.request import MAX_TOKENS, resolve_job
+    from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
+
+    job = resolve_job(request, registry)
+    lane = load_lanes()[job.model.lane]
+    path = job.model.require_path()
+    chars_per_token = max_token_chars(path)
+    check_before_tokenizing(job, lane, chars_per_token=chars_per_token)
+    counts = count_tokens(
+        load_tokenizer(path), request.prompts, add_special_tokens=request.add_special_tokens,
+        max_len=job.model.max_model_len, chars_per_token=chars_per_token, stop_above=MAX_TOKENS,
+    )
+    cost = check_counts(job, counts, lane)
+    return {
+        "model": job.model.name,
+        "lane": job.model.lane,
+        "n_prompts": len(request.prompts),
+        "layers": job.layers,
+        "shard_size": request.shard_size,
+        "n_shards": n_shards(len(request.prompts), request.shard_size),
+        "add_special_tokens": request.add_special_tokens,
+        "contents": job.contents,
+        "reserved_tokens": cost.tokens,
+    }
+
+
+class _Child:
+    """One assessing child and the replica's end of its socket."""
+
+    def __init__(self):
+        mine, theirs = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__, "--fd", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, **TOKENIZE_ON_CALLER},
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(mine.detach())
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self) -> None:
+        self.conn.close()  # the child reads EOF and ends
+        try:
+            self.process.wait(_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class Assessors:
+    """`size` children, each assessing one submit at a time (the admission budget's places:
+    `api.admission`). Started in the background when made, so the first submits do not wait
+    for a child's imports; one that died is replaced when next taken."""
+
+    def __init__(self, size: int):
+        self._free: queue.SimpleQueue[_Child | None] = queue.SimpleQueue()
+        self._children: list[_Child] = []
+        self._lock = threading.Lock()
+        for _ in range(size):
+            self._free.put(None)  # a place whose child is started when first taken…
+        threading.Thread(target=self._warm, args=(size,), name="admission-warm", daemon=True).start()
+
+    def _warm(self, size: int) -> None:
+        """…unless this thread has started it first."""
+        for _ in range(size):
+            child = self._free.get()
+            self._free.put(child if child is not None else self._start())
+
+    def _start(self) -> _Child:
+        child = _Child()
+        with self._lock:
+            self._children.append(child)
+        return child
+
+    def assess(self, body: bytes, registry: Registry) -> tuple[HarvestRequest, dict]:
+        """The body parsed and assessed by a child (blocking: the budget's threads call it):
+        the request and its job fields, or the child's error raised here."""
+        from harvest.warm.protocol import raise_error, receive, send
+
+        child = self._free.get()
+        try:
+            if child is None or not child.alive():
+                if child is not None:
+                    self._forget(child)
+                child = self._start()
+            try:
+                send(child.conn, ("assess", registry))
+                child.conn.send_bytes(body)  # from its own memory: no pickled copy of a 50 MB body
+                reply = receive(child.conn)
+            except (EOFError, OSError) as exc:
+                self._forget(child)
+                child = None
+                raise ReplicaBusy(
+                    "This API replica's admission process stopped while reading the request. Send it again in "
+                    f"{RETRY_AFTER_S} seconds.", retry_after=RETRY_AFTER_S,
+                ) from exc
+        finally:
+            self._free.put(child)
+        if reply[0] == "error":
+            raise_error(reply[1])
+        return reply[1], reply[2]
+
+    def _forget(self, child: _Child) -> None:
+        with self._lock:
+            if child in self._children:
+                self._children.remove(child)
+        child.close()
+
+    def close(self) -> None:
+        with self._lock:
+            children, self._children = self._children, []
+        for child in children:
+            child.close()
+
+
+# -- the child ---------------------------------------------------------------------------------
+
+def _serve(conn: Connection) -> int:
+    from api.deps import parse
+    from harvest.cpu_share import lower_priority
+    from harvest.warm.protocol import error_reply, receive, send
+
+    lower_priority(WORK_NICE, session=True)
+    for name in ("harvest.tokenize", "transformers"):  # imported before the first submit, not while it waits
+        importlib.import_module(name)
+
+    try:
+        while True:
+            message = receive(conn)
+            if message[0] != "assess":
+                return 0
+            registry = message[1]
+            body = conn.recv_bytes()
+            try:
+                request = parse(HarvestRequest, body, strict=True)  # strict: a JSON string is not a number here
+                del body  # the parsed prompts are all that is kept
+                reply = ("assessed", request, assess(request, registry))
+            except Exception as exc:  # noqa: BLE001 - this submit's error, handed to the replica
+                reply = error_reply(exc)
+            send(conn, reply)
+            del reply
+    except (EOFError, OSError):  # the replica went away
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="api.admission_process", description="An API replica's submit assessor.")
+    parser.add_argument("--fd", type=int, required=True, help="the socket shared with the replica")
+    args = parser.parse_args(argv)
+    return _serve(Connection(args.fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
