@@ -227,8 +227,9 @@ class Settings(BaseSettings):
 
     # --- admission (per API replica): what a submit may cost before its cost is known ---
     admission_concurrency: int = Field(default=2, ge=1)
-    """Submits (POST /v1/harvest) this replica parses and tokenizes at once (each in a worker
-    thread, off the event loop); more wait their turn."""
+    """Submits (POST /v1/harvest) this replica parses and tokenizes at once, each by one of as
+    many child processes (`api.admission_process`), off the event loop and out of the
+    replica's CPU share; more wait their turn."""
 
     admission_bytes: int = Field(default=128 << 20, ge=1 << 20)
     """Request bodies, in bytes, that submits being admitted hold at once on this replica: a
