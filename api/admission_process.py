@@ -11,10 +11,10 @@ own, whose group is lowered to `WORK_NICE` (`harvest.cpu_share`): it gets the CP
 the host leaves, and all of it when the host is quiet. The replica's thread only hands the
 body over and waits.
 
-The exchange (a socket pair, `harvest.warm.protocol`'s messages): `("assess", registry)`, then
-the body's bytes as they are. The child parses the body (`api.deps.parse`, strict), checks the
-request against its model and counts its tokens, cheapest facts first (`assess`), and answers `("assessed", request, job
-fields)` or the error, pickled with its class (`harvest.warm.protocol.error_reply`): a 400
+The exchange (a socket pair, `harvest.warm.protocol`'s messages and children): `("assess",
+registry)`, then the body's bytes as they are. The child parses the body (`api.deps.parse`,
+strict), checks the request against its model and counts its tokens, cheapest facts first
+(`assess`), and answers `("assessed", request, job fields)` or the error, pickled with its class (`harvest.warm.protocol.error_reply`): a 400
 names the limit and the number as before. A refused body never comes back to the replica. A
 child that dies (killed, out of memory) is started again for the next submit; the submit it
 was assessing is answered 503 `replica_busy` with Retry-After. Children end when the replica
@@ -23,12 +23,9 @@ closes their socket, or dies (they read EOF).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import queue
-import socket
-import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -36,6 +33,7 @@ from multiprocessing.connection import Connection
 from harvest.errors import ReplicaBusy
 from harvest.registry import Registry
 from harvest.request import HarvestRequest
+from harvest.warm.protocol import child_main, error_reply, raise_error, receive, send, start_child, stop_child
 
 __all__ = ["Assessors", "assess", "WORK_NICE", "TOKENIZE_ON_CALLER", "main"]
 
@@ -47,7 +45,6 @@ TOKENIZE_ON_CALLER = {"TOKENIZERS_PARALLELISM": "false"}
 per core that no budget counts."""
 RETRY_AFTER_S = 5
 """What a submit whose child died is told to wait: about a child's start here."""
-_STOP_S = 10.0
 
 
 def assess(request: HarvestRequest, registry: Registry) -> dict:
@@ -86,27 +83,14 @@ class _Child:
     """One assessing child and the replica's end of its socket."""
 
     def __init__(self):
-        mine, theirs = socket.socketpair()
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, "--fd", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, **TOKENIZE_ON_CALLER},
-            )
-        finally:
-            theirs.close()
-        self.conn = Connection(mine.detach())
+        self.process, self.conn = start_child(__name__, {**os.environ, **TOKENIZE_ON_CALLER})
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def close(self) -> None:
         self.conn.close()  # the child reads EOF and ends
-        try:
-            self.process.wait(_STOP_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_child(self.process)
 
 
 class Assessors:
@@ -137,8 +121,6 @@ class Assessors:
     def assess(self, body: bytes, registry: Registry) -> tuple[HarvestRequest, dict]:
         """The body parsed and assessed by a child (blocking: the budget's threads call it):
         the request and its job fields, or the child's error raised here."""
-        from harvest.warm.protocol import raise_error, receive, send
-
         child = self._free.get()
         try:
             if child is None or not child.alive():
@@ -180,7 +162,6 @@ class Assessors:
 def _serve(conn: Connection) -> int:
     from api.deps import parse
     from harvest.cpu_share import lower_priority
-    from harvest.warm.protocol import error_reply, receive, send
 
     lower_priority(WORK_NICE, session=True)
     for name in ("harvest.tokenize", "transformers"):  # imported before the first submit, not while it waits
@@ -206,10 +187,7 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="api.admission_process", description="An API replica's submit assessor.")
-    parser.add_argument("--fd", type=int, required=True, help="the socket shared with the replica")
-    args = parser.parse_args(argv)
-    return _serve(Connection(args.fd))
+    return child_main("api.admission_process", "An API replica's submit assessor.", _serve, argv)
 
 
 if __name__ == "__main__":

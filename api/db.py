@@ -212,8 +212,9 @@ def database_url(settings: Settings | None = None) -> str:
     return settings.database_url or f"sqlite:///{settings.home / 'harvest.db'}"
 
 
-def make_engine(url: str) -> Engine:
-    """An engine whose transactions lock the way admission needs (module docstring)."""
+def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Engine:
+    """An engine whose transactions lock the way admission needs (module docstring); on
+    PostgreSQL a pool of `pool_size` connections, `max_overflow` more at a peak."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
@@ -236,7 +237,7 @@ def make_engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow)
 
 
 MIGRATION_LOCK = 0x68617276  # an arbitrary constant: "harv"
@@ -276,8 +277,8 @@ def get_rates_engine() -> Engine:
         if _rates_engine is None:
             # Added to the URL's own `options` (a schema's search_path may be there).
             options = " ".join(filter(None, (engine.url.query.get("options"), "-c synchronous_commit=off")))
-            _rates_engine = create_engine(engine.url.update_query_dict({"options": options}),
-                                          pool_pre_ping=True, pool_size=5, max_overflow=10)
+            url = engine.url.update_query_dict({"options": options}).render_as_string(hide_password=False)
+            _rates_engine = make_engine(url, pool_size=5, max_overflow=10)
         return _rates_engine
 
 

@@ -23,10 +23,8 @@ died (a batch it was running fails with 503 `replica_busy`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +35,9 @@ from harvest.cpu_share import lower_priority, with_passive_waits
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
 from harvest.errors import ReplicaBusy
 from harvest.registry import ModelInfo
-from harvest.warm.protocol import error_reply, raise_error, receive, receive_value, send, send_value
+from harvest.warm.protocol import (
+    child_main, error_reply, raise_error, receive, receive_value, send, send_value, start_child, stop_child,
+)
 
 __all__ = ["ProcessEngine", "SESSION_NICE", "main"]
 
@@ -46,7 +46,6 @@ SESSION_NICE = 10
 tenth of what a default one does while both want the CPU."""
 RETRY_AFTER_S = 5
 """What a request whose engine process died is told to wait: about a model load here."""
-_STOP_S = 10.0
 
 
 class ProcessEngine(Engine):
@@ -68,16 +67,7 @@ class ProcessEngine(Engine):
         return self._child.pid if self._child is not None and self._child.poll() is None else None
 
     def _start(self) -> None:
-        mine, theirs = socket.socketpair()
-        try:
-            child = subprocess.Popen(
-                [sys.executable, "-m", __name__, "--fd", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
-                env=with_passive_waits(os.environ),
-            )
-        finally:
-            theirs.close()
-        conn = Connection(mine.detach())
+        child, conn = start_child(__name__, with_passive_waits(os.environ))
         try:
             send(conn, self.model)
             reply = receive(conn)
@@ -85,7 +75,7 @@ class ProcessEngine(Engine):
             reply = ("error", None)
         if reply[0] != "ready":
             conn.close()
-            _stop(child)
+            stop_child(child)
             if reply[1] is not None:
                 raise_error(reply[1])
             raise RuntimeError(f"the inline engine process for {self.model.name} ended while loading it")
@@ -119,7 +109,7 @@ class ProcessEngine(Engine):
         if self._conn is not None:
             self._conn.close()
         if self._child is not None:
-            _stop(self._child)
+            stop_child(self._child)
         self._conn = self._child = None
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
@@ -137,15 +127,6 @@ class ProcessEngine(Engine):
                 except OSError:
                     pass
             self._lost()
-
-
-def _stop(child: subprocess.Popen) -> None:
-    """Wait for a child told to stop (its end closed), then kill it."""
-    try:
-        child.wait(_STOP_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
 
 
 # -- the child ---------------------------------------------------------------------------------
@@ -191,10 +172,7 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="harvest.warm.inline_process", description="An API replica's inline engine.")
-    parser.add_argument("--fd", type=int, required=True, help="the socket shared with the replica")
-    args = parser.parse_args(argv)
-    return _serve(Connection(args.fd))
+    return child_main("harvest.warm.inline_process", "An API replica's inline engine.", _serve, argv)
 
 
 if __name__ == "__main__":

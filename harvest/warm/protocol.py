@@ -15,13 +15,19 @@ statistics and no values. So neither the server nor the run holds a whole shard.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import pickle
 import secrets
 import signal
+import socket
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Callable, Mapping
 
 import psutil
 import torch
@@ -30,7 +36,7 @@ from harvest.private_files import private_dir, write_private
 
 __all__ = [
     "unix_socket_path", "GroupFiles", "group_name", "send", "receive", "send_value", "receive_value", "error_reply", "raise_error",
-    "stop_engine_servers", "process_started",
+    "stop_engine_servers", "process_started", "start_child", "stop_child", "child_main",
 ]
 
 # A Unix socket path holds at most 107 bytes; deep homes (test folders) fall back to /tmp.
@@ -157,6 +163,43 @@ def error_reply(exc: BaseException) -> tuple[str, bytes]:
 
 def raise_error(payload: bytes) -> None:
     raise pickle.loads(payload)
+
+
+# -- children of an API replica that talk over a socket pair (its inline engines, its assessors)
+
+CHILD_STOP_S = 10.0
+"""How long a child told to stop (its end of the socket closed) has before it is killed."""
+
+
+def start_child(module: str, env: Mapping[str, str]) -> tuple[subprocess.Popen, Connection]:
+    """`python -m module --fd N` in a session of its own (so it can lower its own scheduling
+    group), and this side of the socket pair it shares; it reads EOF when this side closes or
+    this process dies. The module's `main` is `child_main`."""
+    mine, theirs = socket.socketpair()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", module, "--fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=dict(env),
+        )
+    finally:
+        theirs.close()
+    return child, Connection(mine.detach())
+
+
+def stop_child(child: subprocess.Popen) -> None:
+    """Wait for a child told to stop (its end closed), then kill it."""
+    try:
+        child.wait(CHILD_STOP_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def child_main(prog: str, description: str, serve: Callable[[Connection], int], argv: list[str] | None = None) -> int:
+    """A `start_child` child's command line: `--fd N`, the socket it serves."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--fd", type=int, required=True, help="the socket shared with the replica")
+    return serve(Connection(parser.parse_args(argv).fd))
 
 
 def stop_engine_servers(home: Path, timeout: float = 15.0) -> list[int]:
