@@ -15,6 +15,7 @@
 #   bash bench/gpu.sh                        # from the repository root, on the GPU machine
 #   GPU_BENCH_QUICK=1 bash bench/gpu.sh      # dry run: small sizes, one round (~2-3 min)
 #   GPU_BENCH_SMOKE=1 PYTHON=.venv/bin/python bash bench/gpu.sh   # CPU check of the script
+#   GPU_BENCH_SKIP_HF=1 bash bench/gpu.sh    # the vLLM parts only (a rerun after a vLLM change)
 #
 # Each part constructs its engine itself (`HFEngine(model)`, `VLLMEngine(model)`), so the
 # service's engine choice (HARVEST_ENGINE=auto|vllm|hf) neither applies nor needs setting here.
@@ -114,7 +115,12 @@ part() {  # part NAME RESERVE_S: run gpu_bench.py NAME with (time left − RESER
 }
 with_vllm=0
 [ -z "$VLLM_NOTE" ] && vllm_imports && with_vllm=1
-part hf $(( with_vllm ? 190 : 5 )); hf=$?
+hf=0
+if [ "${GPU_BENCH_SKIP_HF:-0}" = 1 ]; then
+    note "HF part skipped: GPU_BENCH_SKIP_HF=1"
+else
+    part hf $(( with_vllm ? 190 : 5 )); hf=$?
+fi
 vl=0; par=0
 if [ $with_vllm = 1 ]; then
     part vllm 70; vl=$?

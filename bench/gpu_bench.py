@@ -5,7 +5,10 @@ the device, saved, loaded by `HFEngine(model)` through `load_hf_model`; `bench/g
 Arms, interleaved each round on the same prompts: a bare `model.model` forward over the same
 right-padded batches the engine makes (the baseline), and harvest (`HFEngine.capture`, hooks +
 `PromptReducer`: statistics and the copy to host) at the quartile blocks [8, 16, 24], at all
-32, and projected onto 8 directions at the quartiles. Then co-batching
+32, projected onto 8 directions at the quartiles, and at the quartiles into a shard file on
+local disk as a run writes it (`StagedShard` as the sink); then the capture's values against
+`output_hidden_states`, and a shard file written through the sink against the values
+returned without one (also in the vLLM part). Then co-batching
 (`HARVEST_ENGINE_COBATCH_SHARDS`, `harvest.warm.cobatch`): 4 jobs at once on the one engine,
 each asking for its shards one after another, with 1 shard per engine call (each alone, the
 default) against up to 4 (the waiting shards co-batched), interleaved: the ratio decides the
@@ -43,6 +46,7 @@ from gpu_results import Results  # noqa: E402
 
 from harvest.capture import CaptureSpec  # noqa: E402
 from harvest.layers import default_layers  # noqa: E402
+from harvest.shard_file import StagedShard  # noqa: E402
 
 __all__ = ["main"]
 
@@ -70,6 +74,54 @@ def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
 def _directions(hidden: int) -> np.ndarray:
     d = np.random.default_rng(0).standard_normal((8, hidden)).astype(np.float32)
     return d / np.linalg.norm(d, axis=1, keepdims=True)
+
+
+def into_shard_file(engine, prompts: list[list[int]], layers: list[int], hidden: int, folder: Path) -> None:
+    """One shard as a run writes it: the capture's sink is a `StagedShard` on local disk
+    (each prompt's values at their offset as they come), discarded after."""
+    staged = StagedShard(str(folder / "bench-shard.safetensors"), range(len(prompts)), prompts, len(layers), hidden, torch.bfloat16)
+    try:
+        engine.capture(prompts, CaptureSpec(layers=layers), sink=staged.put)
+    finally:
+        staged.discard()
+
+
+def check_shard_file(engine, prompts: list[list[int]], layers: list[int], hidden: int, folder: Path, results: Results, label: str) -> None:
+    """A shard written through the sink (hand-overs overlapping the next batch or group on a
+    GPU), read back with safetensors, against the values the same capture returns without one."""
+    from safetensors.torch import load_file
+
+    path = folder / "check-shard.safetensors"
+    staged = StagedShard(str(path), range(len(prompts)), prompts, len(layers), hidden, torch.bfloat16)
+    try:
+        engine.capture(prompts, CaptureSpec(layers=layers), sink=staged.put)
+        staged.seal()
+        written = load_file(str(path))
+    finally:
+        staged.discard()
+        path.unlink(missing_ok=True)
+    returned = engine.capture(prompts, CaptureSpec(layers=layers)).values
+    differ = [i for i, value in enumerate(returned) if not torch.equal(written[f"prompt_{i}"], value)]
+    results.note(f"{label} shard file check: {'PASS' if not differ else 'FAIL'}, {len(prompts)} prompts written through the sink "
+                 f"and read back equal the values returned without one" + (f" except prompts {differ[:8]}" if differ else ""))
+
+
+@torch.inference_mode()
+def check_hf_capture(engine, prompts: list[list[int]], layers: list[int], results: Results) -> None:
+    """The capture's values, one prompt per batch (so on a GPU each is handed on while the
+    next runs), against the same prompt's own forward pass with `output_hidden_states`: the
+    same kernels on the same shapes, so equal up to the stored bf16."""
+    got = engine.capture(prompts, CaptureSpec(layers=layers), batch_size=1).values
+    worst = 0.0
+    for ids, value in zip(prompts, got, strict=True):
+        out = engine.hf_model.model(input_ids=torch.tensor([ids], device=engine.device),
+                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=engine.device),
+                                    use_cache=False, output_hidden_states=True)
+        ref = torch.stack([out.hidden_states[layer + 1][0] for layer in layers]).to(torch.bfloat16).float().cpu()
+        worst = max(worst, ((value.float() - ref).abs().amax() / ref.abs().amax()).item())
+    verdict = "PASS" if worst <= 4e-3 else "FAIL"
+    results.note(f"HF capture check: {verdict}, {len(prompts)} prompts one per batch, blocks {layers}, against each prompt's "
+                 f"`output_hidden_states` pass: max |diff| / max = {worst:.1e} (bf16 rounding is up to 3.9e-3)")
 
 
 def measure(arms: dict, rounds: int, results: Results, engine: str, tokens: int, baseline: str, blocks: dict) -> None:
@@ -196,10 +248,14 @@ def run_hf(args, results: Results) -> int:
         f"harvest, quartiles [{q}]": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles)),
         f"harvest, all {n_layers}": lambda: engine.capture(prompts, CaptureSpec(layers=list(range(n_layers)))),
         "harvest, 8-dir proj, quartiles": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles, directions=directions)),
+        "harvest, quartiles, into a shard file": lambda: into_shard_file(engine, prompts, quartiles, model.hidden_size, args.home),
     }
     blocks = {name: n_layers for name in arms}
-    blocks[f"harvest, quartiles [{q}]"] = blocks["harvest, 8-dir proj, quartiles"] = max(quartiles) + 1  # stops after the deepest
+    for name in (f"harvest, quartiles [{q}]", "harvest, 8-dir proj, quartiles", "harvest, quartiles, into a shard file"):
+        blocks[name] = max(quartiles) + 1  # stops after the deepest
     measure(arms, args.rounds, results, "HF", tokens, "bare forward", blocks)
+    check_hf_capture(engine, prompts[:8], quartiles, results)
+    check_shard_file(engine, prompts, quartiles, model.hidden_size, args.home, results, "HF")
     measure_cobatch(engine, prompts, quartiles, args.rounds, results, "HF")
     # One prompt's quartile values, for the vLLM part to compare against.
     sample = engine.capture(prompts[:1], CaptureSpec(layers=quartiles)).values[0]
@@ -253,8 +309,10 @@ def run_vllm(args, results: Results) -> int:
         f"harvest, quartiles [{q}]": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles)),
         f"harvest, all {n_layers}": lambda: engine.capture(prompts, CaptureSpec(layers=list(range(n_layers)))),
         "harvest, 8-dir proj, quartiles": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles, directions=directions)),
+        "harvest, quartiles, into a shard file": lambda: into_shard_file(engine, prompts, quartiles, model.hidden_size, args.home),
     }
     measure(arms, args.rounds, results, "vLLM", tokens, "plain prefill", {name: n_layers for name in arms})
+    check_shard_file(engine, prompts, quartiles, model.hidden_size, args.home, results, "vLLM")
     measure_cobatch(engine, prompts, quartiles, args.rounds, results, "vLLM")
 
     sample_path = args.results.with_name("hf_sample.pt")

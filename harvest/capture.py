@@ -5,6 +5,11 @@ activations, still on the device, to `PromptReducer.reduce`. The reducer project
 unit directions (if any), converts to the stored dtype, folds the statistics partial of
 exactly those stored values in float64, and only then copies to host memory, so projections
 and statistics never need the raw stream on the host.
+
+From a GPU that copy goes into pinned memory without waiting (`host_copy`), so an engine can
+queue its next forward pass before the copies land and hand the previous batch's values on
+while the device computes (`Landing`). The first GPU run (bench/RESULTS.md, "GPU") measured
+blocking copies into fresh pageable memory at ~1.6 GB/s: the copy, not the hooks, was the cost.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from harvest.errors import CaptureFailed
 from harvest.stats import RunningStats
 
-__all__ = ["CaptureSpec", "ShardCapture", "PromptReducer", "StopForward", "block_hooks", "check_capture"]
+__all__ = ["CaptureSpec", "ShardCapture", "PromptReducer", "Landing", "host_copy", "StopForward", "block_hooks", "check_capture"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,29 @@ class ShardCapture:
     extra: dict = field(default_factory=dict)
 
 
+def host_copy(value: torch.Tensor) -> torch.Tensor:
+    """`value` in host memory. From a GPU, a pinned tensor whose copy is queued, not waited for:
+    read it only after a `Landing` made later has been waited on. Pinned blocks come from torch's
+    caching host allocator, which reuses a freed block once the copies into it are done."""
+    if value.device.type != "cuda":
+        return value.cpu()
+    return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+
+
+class Landing:
+    """Marks every copy queued on the device so far; `wait()` returns once they are in host memory."""
+
+    def __init__(self, device: torch.device):
+        self.event = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
 class PromptReducer:
     """Projection, statistics and the device → host copy, shared by every engine."""
 
@@ -66,14 +94,15 @@ class PromptReducer:
 
     @torch.inference_mode()
     def reduce(self, acts: torch.Tensor) -> torch.Tensor:
-        """`acts` `[n_layers_kept, n_tokens, hidden]` on the device → the stored host tensor."""
+        """`acts` `[n_layers_kept, n_tokens, hidden]` on the device → the stored host tensor
+        (from a GPU, still landing: see `host_copy`)."""
         values = acts if self.directions is None else acts.float() @ self.directions.T
         stored = values.to(self.spec.stored_dtype)
         # The statistics describe exactly the values the files hold (bf16 for the stream), so a
         # reader normalising what it reads gets mean 0 and std 1; a prompt's first position
         # never enters them.
         self.stats.update(stored[:, 1:])
-        return stored.cpu()
+        return host_copy(stored)
 
     def finish(self, values: list[torch.Tensor], started: float) -> ShardCapture:
         return ShardCapture(values=values, stats=self.stats.to("cpu"), forward_s=time.perf_counter() - started)

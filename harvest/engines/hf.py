@@ -6,7 +6,8 @@ activations are sliced to its own length before anything else sees them. A batch
 most `batch_size` prompts (the request's hint) and never more padded tokens than
 `HARVEST_ENGINE_BATCH_TOKENS`, nor more captured values than `HARVEST_ENGINE_PIECE_BYTES`
 (a longer prompt runs alone): memory follows the settings, not the request. Each batch's
-values go to the shard's sink (`harvest.engines.base.ValueSink`) before the next batch runs. Forward hooks sit on
+values go to the shard's sink (`harvest.engines.base.ValueSink`) before the next batch runs
+(on a GPU: once the next batch is queued, so the two overlap; two batches' values at most). Forward hooks sit on
 the requested blocks only, and the forward pass stops after the deepest of them. On the CPU
 the model runs in float32; on a GPU in the checkpoint's dtype.
 """
@@ -14,10 +15,11 @@ the model runs in float32; on a GPU in the checkpoint's dtype.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
-from harvest.capture import CaptureSpec, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
+from harvest.capture import CaptureSpec, Landing, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
 from harvest.engines.base import Engine, ValueSink, tokens_per_piece
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
@@ -95,6 +97,21 @@ class HFEngine(Engine):
         values: list[torch.Tensor | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
         max_tokens = min(get_settings().engine_batch_tokens, tokens_per_piece(spec, self.model.hidden_size))
+
+        def hand_out(batch_values: list[tuple[int, torch.Tensor]], landing: Landing) -> None:
+            landing.wait()
+            for index, value in batch_values:
+                sink = sinks[owner[index]]
+                if sink is None:
+                    values[index] = value
+                else:
+                    sink(position[index], value)
+
+        # On a GPU a batch's values are handed on after the next batch's forward pass is
+        # queued, so the host's work (the sink's write) overlaps the device's; at most two
+        # batches' values are held. On the CPU nothing runs in the background: at once.
+        lag = 1 if self.device.type == "cuda" else 0
+        pending: deque[tuple[list[tuple[int, torch.Tensor]], Landing]] = deque()
         for batch in self._batches(lengths, batch_size, max_tokens):
             input_ids, attention_mask = right_padded(prompts, batch)
             with block_hooks(self.blocks, spec.layers) as captured:
@@ -107,17 +124,18 @@ class HFEngine(Engine):
                 except StopForward:
                     pass
             check_capture(captured, spec.layers, tuple(input_ids.shape))
+            batch_values = []
             for row, index in enumerate(batch):
                 # One prompt's layers at a time: never a second copy of the whole batch.
                 acts = torch.stack([captured[layer][row, : lengths[index]] for layer in spec.layers])  # [L, seq, hidden]
-                value = reducers[owner[index]].reduce(acts)
+                batch_values.append((index, reducers[owner[index]].reduce(acts)))
                 del acts
-                sink = sinks[owner[index]]
-                if sink is None:
-                    values[index] = value
-                else:
-                    sink(position[index], value)
             del captured
+            pending.append((batch_values, Landing(self.device)))
+            while len(pending) > lag:
+                hand_out(*pending.popleft())
+        while pending:
+            hand_out(*pending.popleft())
         answers, first = [], 0
         for reducer, shard, sink in zip(reducers, shards, sinks, strict=True):
             answers.append(reducer.finish([] if sink is not None else values[first : first + len(shard)], started))

@@ -24,6 +24,7 @@ import os
 import pickle
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -174,6 +175,7 @@ class VLLMEngine(Engine):
         from vllm import LLM
 
         self.model = model
+        self.on_gpu = not on_cpu
         path = str(model.require_path())
         args: dict[str, Any] = dict(
             model=path,
@@ -256,7 +258,10 @@ class VLLMEngine(Engine):
         The worker holds a call's captured values until the call ends, so the prompts run in
         groups (in order) of at most `HARVEST_ENGINE_PIECE_BYTES` of values each (one prompt
         bigger than that runs alone), and each group's values go to the sinks before the
-        next group runs; the shards' statistics partials are merged over the groups."""
+        group after next runs; the shards' statistics partials are merged over the groups.
+        On a GPU a group's values go to the sinks from a second thread while the next group
+        runs (`generate` blocks, so the overlap needs a thread; two groups' values at most);
+        on the CPU the sinks would only take the cores the forward pass uses: in turn."""
         from vllm import SamplingParams
 
         started = time.perf_counter()
@@ -266,25 +271,42 @@ class VLLMEngine(Engine):
         position = [p for shard in shards for p in range(len(shard))]
         values: list[list[torch.Tensor]] = [[] for _ in shards]
         stats = [RunningStats(len(spec.layers), spec.n_features(self.model.hidden_size)) for _ in shards]
-        for group in _groups([len(p) for p in prompts], tokens_per_piece(spec, self.model.hidden_size)):
-            in_group = sorted({owner[i] for i in group})
-            part_of = {k: n for n, k in enumerate(in_group)}
-            parts = [part_of[owner[i]] for i in group] if len(in_group) > 1 else None
-            plan = self._plan(spec, len(group), [len(prompts[i]) for i in group], stats=True, parts=parts)
-            params = [
-                SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={INDEX_KEY: n})
-                for n in range(len(group))
-            ]
-            _, result = self._session(plan, [prompts[i] for i in group], params)
-            for k, state in zip(in_group, result["stats"], strict=True):
-                stats[k].merge(RunningStats.from_state_dict(state))
-            for i, value in zip(group, result["values"], strict=True):
+
+        def hand_out(group: list[int], group_values: list[torch.Tensor]) -> None:
+            for i, value in zip(group, group_values, strict=True):
                 sink = sinks[owner[i]]
                 if sink is None:
                     values[owner[i]].append(value)
                 else:
                     sink(position[i], value)
-            del result
+
+        handing: Future | None = None
+        hands = ThreadPoolExecutor(1, thread_name_prefix="harvest-sinks") if self.on_gpu and any(sinks) else None
+        try:
+            for group in _groups([len(p) for p in prompts], tokens_per_piece(spec, self.model.hidden_size)):
+                in_group = sorted({owner[i] for i in group})
+                part_of = {k: n for n, k in enumerate(in_group)}
+                parts = [part_of[owner[i]] for i in group] if len(in_group) > 1 else None
+                plan = self._plan(spec, len(group), [len(prompts[i]) for i in group], stats=True, parts=parts)
+                params = [
+                    SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={INDEX_KEY: n})
+                    for n in range(len(group))
+                ]
+                _, result = self._session(plan, [prompts[i] for i in group], params)
+                for k, state in zip(in_group, result["stats"], strict=True):
+                    stats[k].merge(RunningStats.from_state_dict(state))
+                if handing is not None:
+                    handing.result()  # the group before is with its sinks (or its sink's error raises here)
+                if hands is None:
+                    hand_out(group, result["values"])
+                else:
+                    handing = hands.submit(hand_out, group, result["values"])
+                del result
+            if handing is not None:
+                handing.result()
+        finally:
+            if hands is not None:
+                hands.shutdown(wait=True)
         forward_s = time.perf_counter() - started
         return [ShardCapture(values=v, stats=s, forward_s=forward_s) for v, s in zip(values, stats, strict=True)]
 

@@ -6,7 +6,11 @@ forward hooks on the requested blocks only take each step's rows of this session
 (told apart by `extra_args["harvest_index"]` and the step's `query_start_loc`), add the fused
 (mlp_out, residual) pair into the stream, project it (float32, on the device) when asked,
 fold the statistics partial (`RunningStats`, float64, on the device; each prompt's first
-position left out), and copy the stored-dtype values to host memory once per layer per step.
+position left out), and copy the stored-dtype values to host memory. For a harvest (each
+prompt's length known, `CapturePlan.keep`) every prompt's rows go straight to their place in
+its own host tensor (pinned on a GPU, the copy queued, not waited for), so nothing is put
+together on the host afterwards; for a generation (lengths unknown) each layer's rows of a
+step go to host once and are joined at the end.
 
 A hook never raises into vLLM (that would take its engine down for every later shard): it
 records the error, and `harvest_end` reports it with every prompt's position count checked
@@ -159,6 +163,8 @@ class _Session:
         self.n_features = n_features
         self.seen = {layer: [0] * plan.n_prompts for layer in plan.layers}
         self.chunks: dict[int, list[list[torch.Tensor]]] = {layer: [[] for _ in range(plan.n_prompts)] for layer in plan.layers}
+        self.row_of_layer = {layer: k for k, layer in enumerate(plan.layers)}
+        self.placed: dict[int, torch.Tensor] = {}  # prompt -> its [n_layers, keep, n_features] host tensor
         self.stats: dict[tuple[int, int], RunningStats] = {}  # (part, layer) -> partial
         self.errors: list[str] = []
         self._cached: tuple[Any, list] | None = None  # (step's attn metadata, its segments)
@@ -200,7 +206,7 @@ class _Session:
             hidden = output
         self._hidden_ptr = hidden.data_ptr()
         seen = self.seen[layer]
-        pieces: list[tuple[int, int, int]] = []  # (prompt, first row, rows kept)
+        pieces: list[tuple[int, int, int, int]] = []  # (prompt, first row, rows kept, positions it had)
         skip_first: list[int] = []  # offsets (in the gathered rows) of each prompt's position 0
         offset = 0
         for index, start, end in segments:
@@ -211,7 +217,7 @@ class _Session:
                 continue
             if seen[index] == 0:
                 skip_first.append(offset)
-            pieces.append((index, start, rows))
+            pieces.append((index, start, rows, seen[index]))
             seen[index] += rows
             offset += rows
         if not pieces:
@@ -222,7 +228,7 @@ class _Session:
         if contiguous:
             values = hidden[:offset]
         else:
-            rows_index = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(hidden.device, non_blocking=True)
+            rows_index = torch.cat([torch.arange(s, s + n) for _, s, n, _ in pieces]).to(hidden.device, non_blocking=True)
             values = hidden.index_select(0, rows_index)
         if self.directions is not None:
             values = values.float() @ self.directions.T  # projected on the device
@@ -235,23 +241,39 @@ class _Session:
                 if (part, layer) not in self.stats:
                     self.stats[(part, layer)] = RunningStats(1, values.shape[-1], device=values.device)
                 self.stats[(part, layer)].update(counted[None])
+        if self.plan.keep is not None:
+            self._place(layer, pieces, values)
+            return
         host = self._to_host(values)  # one copy per layer per step
         at = 0
-        for index, _start, rows in pieces:
+        for index, _start, rows, _had in pieces:
             self.chunks[layer][index].append(host[at : at + rows])
             at += rows
 
-    def _counted_rows(self, pieces: list[tuple[int, int, int]], skip_first: list[int], offset: int) -> dict[int, torch.Tensor | None]:
+    def _place(self, layer: int, pieces: list[tuple[int, int, int, int]], values: torch.Tensor) -> None:
+        """Each prompt's rows of this step straight into its own host tensor, at this layer and
+        the positions they are; from a GPU into pinned memory, queued (`result` syncs)."""
+        pinned = values.device.type == "cuda"
+        at = 0
+        for index, _start, rows, had in pieces:
+            out = self.placed.get(index)
+            if out is None:
+                shape = (len(self.plan.layers), self.plan.keep[index], values.shape[-1])
+                out = self.placed[index] = torch.empty(shape, dtype=values.dtype, pin_memory=pinned)
+            out[self.row_of_layer[layer], had : had + rows].copy_(values[at : at + rows], non_blocking=pinned)
+            at += rows
+
+    def _counted_rows(self, pieces: list[tuple[int, int, int, int]], skip_first: list[int], offset: int) -> dict[int, torch.Tensor | None]:
         """Per part, the rows of this step (host indices into the gathered values) its
         statistics count: every row but a prompt's first position. None: all `offset` rows."""
-        parts = [self.plan.part(index) for index, _, _ in pieces]
+        parts = [self.plan.part(index) for index, _, _, _ in pieces]
         if len(set(parts)) == 1 and not skip_first:
             return {parts[0]: None}
         keep = torch.ones(offset, dtype=torch.bool)
         keep[skip_first] = False
         if len(set(parts)) == 1:
             return {parts[0]: keep.nonzero().squeeze(1)}
-        owner = torch.repeat_interleave(torch.tensor(parts), torch.tensor([n for _, _, n in pieces]))
+        owner = torch.repeat_interleave(torch.tensor(parts), torch.tensor([n for _, _, n, _ in pieces]))
         return {part: (keep & (owner == part)).nonzero().squeeze(1) for part in set(parts)}
 
     def _to_host(self, values: torch.Tensor) -> torch.Tensor:
@@ -281,7 +303,10 @@ class _Session:
                 if short:
                     errors.append(f"Prompt {index} ran {want} positions, but the capture holds {short} (layer: positions).")
                     break
-                values[index] = torch.stack([torch.cat(self.chunks[layer][index]) for layer in plan.layers])
+                if plan.keep is not None:
+                    values[index] = self.placed[index]
+                else:
+                    values[index] = torch.stack([torch.cat(self.chunks[layer][index]) for layer in plan.layers])
         stats_states = None
         if plan.stats and not errors:
             stats_states = [self._stacked_stats(part, hidden_size, errors) for part in range(plan.n_parts)]
