@@ -44,6 +44,7 @@ from api.fairshare import FairShare
 from api.ratelimit import AddressLimiter, EmptyBuckets
 from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
+from harvest.cpu_share import respond_quickly
 from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, RouteNotFound, invalid_from_pydantic
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
@@ -76,6 +77,7 @@ REPLICA = replica_id()
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     settings = get_settings()
+    respond_quickly()  # a read's wake-ups preempt bulk work's slices (`harvest.cpu_share`); before any child starts
     await run_in_threadpool(get_engine)  # migrate before the first request
     watcher = Watcher(
         app.state.runs,

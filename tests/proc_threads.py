@@ -1,10 +1,10 @@
-"""A process's threads as the kernel accounts for them: each one's nice and CPU seconds."""
+"""A process's threads as the kernel accounts for them: each one's nice, CPU seconds and scheduling slice."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["thread_stats"]
+__all__ = ["thread_stats", "thread_slices"]
 
 
 def thread_stats(pid: int) -> dict[int, tuple[int, float]]:
@@ -20,3 +20,16 @@ def thread_stats(pid: int) -> dict[int, tuple[int, float]]:
         # stat(5): utime and stime are fields 14 and 15, nice 19; `fields` starts at field 3.
         threads[int(tid)] = (int(fields[16]), (int(fields[11]) + int(fields[12])) / tick)
     return threads
+
+
+def thread_slices(pid: int) -> dict[int, int]:
+    """Each thread of `pid`: its scheduling slice in ns (`se.slice` of /proc/PID/task/TID/sched)."""
+    slices = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/sched") as sched:
+                lines = sched.read().splitlines()
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        slices[int(tid)] = next(int(line.split(":")[1]) for line in lines if line.split(":")[0].strip() == "se.slice")
+    return slices

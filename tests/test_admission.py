@@ -34,7 +34,7 @@ import pytest
 from harvest.errors import InvalidRequest, ReplicaBusy
 from harvest.lanes import Lane
 from tests.api_fixtures import ApiServer
-from tests.proc_threads import thread_stats
+from tests.proc_threads import thread_slices, thread_stats
 
 SHARD_LIMIT = 1 << 20
 """max_shard_bytes of the `xl` lane of the `harvest_api` replica (tests/api_fixtures.py)."""
@@ -349,6 +349,26 @@ def test_a_submits_tokens_are_counted_outside_the_replicas_session_at_the_admiss
     assert os.getsid(counter) != os.getsid(pid) and os.getsid(counter) == counter
     assert group_nice == WORK_NICE
     assert replica_spent < 0.25 * most, (replica_spent, most)
+
+
+def test_the_replica_asks_for_the_shortest_slice_and_its_assessing_children_go_back_to_the_default(replica):
+    """A read wakes the replica several times, and each wake-up waits for the running task's
+    slice unless its own is shorter (EEVDF): every thread of the replica runs with the
+    kernel's shortest slice, read back from /proc; its assessing children, started by it and
+    so inheriting it, are bulk work and go back to the kernel's default."""
+    from harvest.cpu_share import RESPONSIVE_SLICE_NS
+
+    with open(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/sched") as sched:  # this test's own: the default
+        default = next(int(line.split(":")[1]) for line in sched.read().splitlines() if line.split(":")[0].strip() == "se.slice")
+    pid = replica.process.pid
+    deadline = time.monotonic() + 60
+    while len(children := _assessors(pid)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert children, "the replica started no assessing child"
+    assert default > RESPONSIVE_SLICE_NS
+    assert set(thread_slices(pid).values()) == {RESPONSIVE_SLICE_NS}
+    for child in children:
+        assert set(thread_slices(child.pid).values()) == {default}, child.pid
 
 
 # --- integers, and malformed input without a key -----------------------------------------------------

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from harvest.cpu_share import run_nice, with_passive_waits
 from tests.test_flows_ops import _thread_nices
@@ -89,3 +91,37 @@ def test_threads_started_while_the_process_is_lowered_are_lowered_too():
 def test_idle_openmp_threads_sleep_unless_the_operator_chose_otherwise():
     assert with_passive_waits({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
     assert with_passive_waits({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+SLICES = """
+import json, os, threading, time
+from harvest.cpu_share import lower_priority, respond_quickly
+from tests.proc_threads import thread_slices
+
+def started():
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+
+started()  # a thread from before
+default = set(thread_slices(os.getpid()).values())
+quick = respond_quickly()
+started()  # one started by a quick thread
+short = set(thread_slices(os.getpid()).values())
+lower_priority(3)
+started()
+print(json.dumps([sorted(default), quick, sorted(short), sorted(set(thread_slices(os.getpid()).values()))]), flush=True)
+"""
+
+
+def test_a_responsive_process_asks_every_thread_for_the_shortest_slice_and_bulk_work_goes_back_to_the_default():
+    """`respond_quickly` (an API replica) gives every thread, and those started after, the
+    kernel's shortest slice; `lower_priority` (bulk work, which may be a replica's child and
+    so inherit it) puts every thread back to the default. Read from /proc/PID/task/TID/sched."""
+    from harvest.cpu_share import RESPONSIVE_SLICE_NS
+
+    out = subprocess.run([sys.executable, "-c", SLICES], capture_output=True, text=True, timeout=60, check=True,
+                         start_new_session=True, cwd=str(Path(__file__).resolve().parent.parent))
+    default, quick, short, lowered = json.loads(out.stdout)
+    assert quick is True
+    assert len(default) == 1 and default[0] > RESPONSIVE_SLICE_NS
+    assert short == [RESPONSIVE_SLICE_NS]
+    assert lowered == default
