@@ -258,10 +258,10 @@ class VLLMEngine(Engine):
         The worker holds a call's captured values until the call ends, so the prompts run in
         groups (in order) of at most `HARVEST_ENGINE_PIECE_BYTES` of values each (one prompt
         bigger than that runs alone), and each group's values go to the sinks before the
-        group after next runs; the shards' statistics partials are merged over the groups.
-        On a GPU a group's values go to the sinks from a second thread while the next group
-        runs (`generate` blocks, so the overlap needs a thread; two groups' values at most);
-        on the CPU the sinks would only take the cores the forward pass uses: in turn."""
+        next group runs; the shards' statistics partials are merged over the groups. On a GPU
+        the sinks take a group's values from a second thread while the next group runs
+        (`generate` blocks, so the overlap needs a thread; two groups' values at most); on
+        the CPU they would only take the cores the forward pass uses, so they go in turn."""
         from vllm import SamplingParams
 
         started = time.perf_counter()
