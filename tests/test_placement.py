@@ -196,13 +196,20 @@ def _read_runs(**filters):
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(**filters))
 
 
-def _shard_tasks(run_id) -> list[str]:
+def _shard_tasks(run_id, expected: int, timeout: float = 30) -> list[str]:
+    """The run's `write-k` task runs, once `expected` of them are recorded (or the timeout):
+    Prefect records task runs from their events, which may land after the flow run's end."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-    return sorted((t.name for t in tasks if t.name.startswith("write-")), key=lambda n: int(n.split("-")[1]))
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+        names = sorted((t.name for t in tasks if t.name.startswith("write-")), key=lambda n: int(n.split("-")[1]))
+        if len(names) >= expected or time.monotonic() > deadline:
+            return names
+        time.sleep(0.5)
 
 
 def test_a_host_with_two_slots_never_runs_a_third_job_and_each_run_sees_only_its_gpus(lanes):
@@ -275,13 +282,13 @@ def test_a_16_shard_job_spreads_over_two_idle_hosts_with_identical_results(lanes
     helper = helpers[0]
     assert helper.state.is_completed() and helper.run_count == 1  # ran itself, not taken over
     assert {parent.labels["prefect.worker.name"], helper.labels["prefect.worker.name"]} == {"cpu-host-a", "cpu-host-b"}
-    assert _shard_tasks(parent.id) == [f"write-{k}" for k in range(8)]
-    assert _shard_tasks(helper.id) == [f"write-{k}" for k in range(8, 16)]
+    assert _shard_tasks(parent.id, 8) == [f"write-{k}" for k in range(8)]
+    assert _shard_tasks(helper.id, 8) == [f"write-{k}" for k in range(8, 16)]
 
     ref_id, ref_files, ref_run = _submit(lanes, "cpu", prompts, workers=1)  # one run, one host
     assert _wait(ref_run).status == "done"
     assert not _read_runs(tags=FlowRunFilterTags(all_=[f"job:{ref_id}", HELPER_TAG]))
-    assert _shard_tasks(ref_run) == [f"write-{k}" for k in range(16)]
+    assert _shard_tasks(ref_run, 16) == [f"write-{k}" for k in range(16)]
 
     names = sorted(n for n in files.storage.listdir() if n.startswith("shard_"))
     assert names == sorted(n for n in ref_files.storage.listdir() if n.startswith("shard_")) and len(names) == 16
