@@ -212,18 +212,29 @@ class HarvestStack:
     def submit(
         self, request, *, workers: int = 1, env: dict[str, str] | None = None, key_id: str = "test", job_id: str | None = None
     ) -> SubmittedJob:
-        from flows.submit import start_harvest_run
+        from flows.submit import RunStartTimeout, cancel_job_runs, start_harvest_run
         from harvest.jobfiles import JobFiles
         from harvest.registry import load_registry
         from harvest.request import HarvestRequest
 
         request = request if isinstance(request, HarvestRequest) else HarvestRequest.model_validate(request)
-        job_id = job_id or str(uuid.uuid4())
-        files = JobFiles.for_job(job_id)
-        url = files.write_request(request)
         lane = load_registry().get(request.model).lane
-        run_id = start_harvest_run(job_id, url, request.model, lane, key_id, workers=workers, env=env)
-        return SubmittedJob(job_id=job_id, flow_run_id=run_id, request_url=url, storage=files.storage, files=files)
+        for attempt in range(3):
+            job = job_id or str(uuid.uuid4())
+            files = JobFiles.for_job(job)
+            url = files.write_request(request)
+            try:
+                run_id = start_harvest_run(job, url, request.model, lane, key_id, workers=workers, env=env)
+                return SubmittedJob(job_id=job, flow_run_id=run_id, request_url=url, storage=files.storage, files=files)
+            except RunStartTimeout:
+                # As the API answers it (503, Retry-After) and a client then submits again: the
+                # start that gave up may still have made its run, so the job's runs are
+                # cancelled by its tag first. A test that named its job cannot be renamed.
+                cancel_job_runs(job)
+                if job_id is not None or attempt == 2:
+                    raise
+                time.sleep(2)
+        raise AssertionError("unreachable")
 
     @staticmethod
     def status(flow_run_id: str):
