@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from harvest.capture import host_copy
 from harvest.stats import RunningStats
 
 __all__ = ["INDEX_KEY", "CapturePlan", "HarvestWorkerExtension", "in_process"]
@@ -280,8 +281,7 @@ class _Session:
         if values.device.type == "cuda":
             # Into pinned memory, without waiting: the forward pass goes on while the copy runs
             # (the caching allocator orders any reuse of `values` after it); `result` syncs.
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            return host.copy_(values, non_blocking=True)
+            return host_copy(values)
         # On the CPU `values` may still be vLLM's own buffer (no projection, no dtype change).
         return values.clone() if values.data_ptr() == self._hidden_ptr else values
 
