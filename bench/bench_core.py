@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from harvest.engines.hf import HFEngine, right_padded
+from harvest.engines.hf import HFEngine
+from harvest.engines.packing import packed_inputs
 from harvest.pipeline import run_job
 from harvest.registry import ModelInfo
 from harvest.request import HarvestRequest, ResolvedJob
@@ -53,14 +54,14 @@ def main() -> None:
     prompts = [[0] + torch.randint(2, vocab, (n - 1,), generator=generator).tolist() for n in lengths]
     tokenized = [TokenizedPrompt(ids=p, n_original=len(p)) for p in prompts]
     total = sum(lengths)
-    batches = engine._batches(lengths, None)
+    passes = engine.passes(lengths)
 
     @torch.inference_mode()
     def bare() -> float:
         started = time.perf_counter()
-        for batch in batches:
-            ids, mask = right_padded(prompts, batch)
-            engine.hf_model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+        for plan in passes:  # the engine's own packed passes, nothing captured
+            ids, positions, _ = packed_inputs(prompts, plan)
+            engine.hf_model.model(input_ids=ids, position_ids=positions, use_cache=False)
         return time.perf_counter() - started
 
     def harvest(layers) -> float:

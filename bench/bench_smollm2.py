@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from harvest.engines.base import SamplingSpec
-from harvest.engines.hf import HFEngine, right_padded
+from harvest.engines.hf import HFEngine
+from harvest.engines.packing import packed_inputs
 from harvest.pipeline import run_job
 from harvest.registry import load_registry
 from harvest.request import HarvestRequest, resolve_job
@@ -108,14 +109,14 @@ def main() -> None:
         from harvest.engines.vllm import VLLMEngine
 
         loaded["vllm"] = VLLMEngine(model)
-    batches = hf._batches([len(p) for p in ids], None)
+    passes = hf.passes([len(p) for p in ids])
 
     @torch.inference_mode()
     def bare() -> float:
         started = time.perf_counter()
-        for batch in batches:
-            input_ids, mask = right_padded(ids, batch)
-            hf.hf_model.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        for plan in passes:  # the engine's own packed passes, nothing captured
+            input_ids, positions, _ = packed_inputs(ids, plan)
+            hf.hf_model.model(input_ids=input_ids, position_ids=positions, use_cache=False)
         return time.perf_counter() - started
 
     manifests: dict[str, dict] = {}

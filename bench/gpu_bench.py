@@ -214,7 +214,8 @@ def _timing(results: Results, name: str, seconds: float) -> None:
 def run_hf(args, results: Results) -> int:
     import transformers
 
-    from harvest.engines.hf import HFEngine, right_padded
+    from harvest.engines.hf import HFEngine
+    from harvest.engines.packing import packed_inputs
 
     model, build_s, where = build_checkpoint(args.home, args.shapes, name=args.checkpoint_name)
     _timing(results, "checkpoint build+save (0 = reused)", build_s)
@@ -233,13 +234,13 @@ def run_hf(args, results: Results) -> int:
         block_params=block_params(args.shapes), checkpoint=str(where),
     )
     lengths = [len(p) for p in prompts]
-    batches = engine._batches(lengths, None)
+    passes = engine.passes(lengths)
 
     @torch.inference_mode()
     def bare() -> None:
-        for batch in batches:  # the engine's own batches and padding, nothing captured
-            input_ids, attention_mask = right_padded(prompts, batch)
-            engine.hf_model.model(input_ids=input_ids.to(engine.device), attention_mask=attention_mask.to(engine.device), use_cache=False)
+        for plan in passes:  # the engine's own packed passes, nothing captured
+            input_ids, positions, _ = packed_inputs(prompts, plan)
+            engine.hf_model.model(input_ids=input_ids.to(engine.device), position_ids=positions.to(engine.device), use_cache=False)
 
     directions = _directions(model.hidden_size)
     q = ",".join(map(str, quartiles))

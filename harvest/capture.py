@@ -57,6 +57,8 @@ class ShardCapture:
     """Per prompt, `[n_layers_kept, n_tokens, n_features]` in the stored dtype, on the host."""
     stats: RunningStats
     forward_s: float = 0.0
+    padded_tokens: int = 0
+    """Filler tokens the forward passes ran beside these prompts (`harvest.engines.packing`)."""
     extra: dict = field(default_factory=dict)
 
 

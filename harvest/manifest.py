@@ -64,7 +64,9 @@ class Manifest(BaseModel):
     engine: dict[str, str]
     """The engine and the library versions that computed the numbers."""
     timings: dict[str, float]
-    """Seconds spent: load_s, forward_s, save_s, upload_s (summed over workers)."""
+    """Seconds spent: load_s, forward_s, save_s, upload_s; and tokens the forward passes ran:
+    real_tokens (the prompts') and padded_tokens (filler that belongs to no prompt), summed
+    over workers (a shard skipped on a resume counts none)."""
     bytes_written: int
     """Bytes of the shards and stats.safetensors."""
     created_at: str

@@ -48,14 +48,26 @@ class Cancelled(Exception):
 
 @dataclass
 class Timings:
+    """Seconds spent in each step, and the tokens the forward passes ran: `real_tokens` of
+    prompts and `padded_tokens` of filler (`harvest.engines.packing`), summed over shards
+    and workers; a shard skipped on a resume counts nothing."""
+
     load_s: float = 0.0
     forward_s: float = 0.0
     save_s: float = 0.0
     upload_s: float = 0.0
+    real_tokens: int = 0
+    padded_tokens: int = 0
 
     def add(self, other: "Timings") -> None:
-        for name in ("load_s", "forward_s", "save_s", "upload_s"):
+        for name in vars(self):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def count(self, captured: "CapturedShard") -> None:
+        """Add one shard's forward passes."""
+        self.forward_s += captured.forward_s
+        self.real_tokens += captured.staged.n_tokens
+        self.padded_tokens += captured.padded_tokens
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 4) for k, v in vars(self).items()}
@@ -97,6 +109,7 @@ class CapturedShard:
     staged: StagedShard
     stats: RunningStats
     forward_s: float
+    padded_tokens: int = 0
 
 
 def capture_shard(job: ResolvedJob, engine: Engine, tokenized: list[TokenizedPrompt], k: int, storage: Storage) -> CapturedShard:
@@ -111,7 +124,7 @@ def capture_shard(job: ResolvedJob, engine: Engine, tokenized: list[TokenizedPro
     except BaseException:
         staged.discard()
         raise
-    return CapturedShard(k, staged, capture.stats, capture.forward_s)
+    return CapturedShard(k, staged, capture.stats, capture.forward_s, capture.padded_tokens)
 
 
 def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPrompt], k: int, captured: CapturedShard) -> tuple[ShardRecord, Timings]:
@@ -230,7 +243,7 @@ def run_shards(
                 continue
             capture = forward(k)
             staged.append(capture.staged)
-            timings.forward_s += capture.forward_s
+            timings.count(capture)
             writer.submit(written, write_shard, job, storage, tokenized, k, capture)
         ok = True
     finally:

@@ -152,9 +152,16 @@ class Settings(BaseSettings):
 
     # --- engine memory: forward passes bounded by tokens, shards streamed in pieces ---
     engine_batch_tokens: int = Field(default=16384, ge=1)
-    """Padded tokens in one forward pass of the HF engine, whatever a request's `batch_size`
-    says (a prompt longer than this still runs, alone). With `engine_piece_bytes` it bounds
-    the memory a forward pass and its captured values take in the process running the engine."""
+    """Tokens in one forward pass of the HF engine, filler included, whatever a request's
+    `batch_size` says (a prompt longer than this still runs, alone). With `engine_piece_bytes`
+    it bounds the memory a forward pass and its captured values take in the process running
+    the engine."""
+
+    engine_row_tokens: int = Field(default=512, ge=1)
+    """Tokens in one packed row of the HF engine: whole prompts back to back, each attending
+    to itself only (`harvest.engines.packing`). A row's attention spans the whole row, so
+    longer rows spend more on attention that the mask discards; 512 measured best on the CPU
+    (bench/RESULTS.md, "Packing")."""
 
     engine_piece_bytes: int = Field(default=256 << 20, ge=1 << 20)
     """Most bytes of captured values (as stored: tokens × layers kept × hidden or directions ×

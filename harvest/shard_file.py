@@ -106,6 +106,7 @@ class StagedShard:
         self.indices = indices
         self.dtype = dtype
         self.shapes = [(n_layers, len(ids), n_features) for ids in tokens]
+        self.n_tokens = sum(len(ids) for ids in tokens)
         self.layout = shard_layout(indices, [len(ids) for ids in tokens], n_layers, n_features, dtype)
         self._missing = set(range(len(tokens)))
         self.size: int | None = None

@@ -31,14 +31,17 @@ def shards(tiny) -> list[list[list[int]]]:
 
 
 class ForwardLog:
-    """The batch rows of every forward pass the HF model runs (a pre-hook on the decoder)."""
+    """The prompts of every forward pass the HF model runs (a pre-hook on the decoder): the
+    engine packs prompts into rows, each prompt's positions starting at 0, so a pass's prompts
+    are its positions equal to 0. (A pass of rows of unequal lengths would add one filler
+    sequence per shorter row; these prompts all pack into one row, with none.)"""
 
     def __init__(self, hf_model):
         self.rows: list[int] = []
         self.handle = hf_model.model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs):
-        self.rows.append(int(kwargs["input_ids"].shape[0]))
+        self.rows.append(int((kwargs["position_ids"] == 0).sum()))
 
     def close(self):
         self.handle.remove()
@@ -187,8 +190,10 @@ class Slow:
 
     def __init__(self, engine, per_token_s: float):
         self.engine, self.per_token_s = engine, per_token_s
+        self.turns: list[int] = []  # prompts of each call: a turn, whatever passes the engine makes of it
 
     def capture_cobatch(self, shards, spec, *, batch_size=None, sinks=None):
+        self.turns.append(sum(len(shard) for shard in shards))
         time.sleep(self.per_token_s * sum(len(prompt) for shard in shards for prompt in shard))
         return self.engine.capture_cobatch(shards, spec, batch_size=batch_size, sinks=sinks)
 
@@ -203,14 +208,11 @@ def test_a_turn_lasts_about_turn_s_at_the_engines_measured_speed(hf_engine):
     every later one to what runs in 0.25 s: one or two prompts, never the 6 the tokens allow.
     The shard's statistics count all its tokens (each prompt's but its first position)."""
     prompts = [[100 + (i * 7 + j) % 500 for j in range(100)] for i in range(12)]
-    cobatched = CobatchedEngine(Slow(hf_engine, 0.001), turn_tokens=600, turn_s=0.25)
-    log = ForwardLog(hf_engine.hf_model)
-    try:
-        answer = cobatched.capture(prompts, CaptureSpec(layers=LAYERS), None)
-    finally:
-        log.close()
-    assert log.rows[0] == 6 and sum(log.rows) == 12, log.rows
-    assert all(1 <= rows <= 2 for rows in log.rows[1:]), log.rows
+    slow = Slow(hf_engine, 0.001)
+    cobatched = CobatchedEngine(slow, turn_tokens=600, turn_s=0.25)
+    answer = cobatched.capture(prompts, CaptureSpec(layers=LAYERS), None)
+    assert slow.turns[0] == 6 and sum(slow.turns) == 12, slow.turns
+    assert all(1 <= prompts <= 2 for prompts in slow.turns[1:]), slow.turns
     assert cobatched.tokens_per_s is not None and cobatched.tokens_per_s < 1000
     assert answer.stats.count == 12 * 99
 

@@ -103,9 +103,9 @@ def test_hf_forward_passes_never_exceed_the_token_budget_whatever_batch_size_say
         capture = hf_engine.capture(prompts, CaptureSpec(layers=[0, 7]), batch_size=4096)
     finally:
         handle.remove()
-    assert sum(rows for rows, _ in shapes) == len(prompts) and len(shapes) > 1
+    assert len(shapes) > 1 and sum(rows * width for rows, width in shapes) >= sum(map(len, prompts))
     assert all(rows * width <= 256 for rows, width in shapes), shapes
-    for ids, value in zip(prompts[:3], capture.values):
+    for ids, value in zip(prompts, capture.values, strict=True):
         reference = hf_reference_layers(hf_engine.hf_model, ids, [0, 7])
         assert np.all(np.abs(value.float().numpy() - reference) <= bf16_tolerance(reference))
 

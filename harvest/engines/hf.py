@@ -1,13 +1,14 @@
 """The Hugging Face transformers engine: the numerical reference (`HARVEST_ENGINE=hf`; `auto` on the CPU).
 
-Prompts are sorted by length and run in right-padded batches, so padding only ever sits
-after a prompt's real tokens: with a causal mask it cannot change them, and each prompt's
-activations are sliced to its own length before anything else sees them. A batch holds at
-most `batch_size` prompts (the request's hint) and never more padded tokens than
+Prompts are packed, never padded to each other: a forward pass runs rows of whole prompts
+back to back, each prompt with its own positions and a mask that keeps it to itself
+(`harvest.engines.packing`), so no compute goes to filler (a pass of several rows keeps its
+filler within `PAD_BUDGET`) and each prompt's activations equal its own forward pass's. A pass
+holds at most `batch_size` prompts (the request's hint), never more tokens than
 `HARVEST_ENGINE_BATCH_TOKENS`, nor more captured values than `HARVEST_ENGINE_PIECE_BYTES`
-(a longer prompt runs alone): memory follows the settings, not the request. Each batch's
-values go to the shard's sink (`harvest.engines.base.ValueSink`) before the next batch runs
-(on a GPU: once the next batch is queued, so the two overlap; two batches' values at most). Forward hooks sit on
+(a longer prompt runs alone): memory follows the settings, not the request. Each pass's
+values go to the shard's sink (`harvest.engines.base.ValueSink`) before the next pass runs
+(on a GPU: once the next pass is queued, so the two overlap; two passes' values at most). Forward hooks sit on
 the requested blocks only, and the forward pass stops after the deepest of them. On the CPU
 the model runs in float32; on a GPU in the checkpoint's dtype.
 """
@@ -21,10 +22,11 @@ import torch
 
 from harvest.capture import CaptureSpec, Landing, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
 from harvest.engines.base import Engine, ValueSink, tokens_per_piece
+from harvest.engines.packing import Pass, packed_inputs, plan_passes
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
 
-__all__ = ["HFEngine", "load_hf_model", "right_padded"]
+__all__ = ["HFEngine", "load_hf_model"]
 
 
 def load_hf_model(model: ModelInfo, device: torch.device | None = None):
@@ -35,17 +37,6 @@ def load_hf_model(model: ModelInfo, device: torch.device | None = None):
     dtype = torch.float32 if device.type == "cpu" else "auto"
     hf_model = AutoModelForCausalLM.from_pretrained(model.require_path(), dtype=dtype)
     return hf_model.to(device).eval()
-
-
-def right_padded(prompts: list[list[int]], batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids and attention mask `[len(batch), longest]` for the prompts at `batch`, padded on the right."""
-    width = max(len(prompts[i]) for i in batch)
-    input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for row, index in enumerate(batch):
-        input_ids[row, : len(prompts[index])] = torch.tensor(prompts[index])
-        attention_mask[row, : len(prompts[index])] = 1
-    return input_ids, attention_mask
 
 
 class HFEngine(Engine):
@@ -60,25 +51,13 @@ class HFEngine(Engine):
     def blocks(self):
         return self.hf_model.model.layers
 
-    def _batches(self, lengths: list[int], batch_size: int | None, max_tokens: int | None = None) -> list[list[int]]:
-        """Prompt indices grouped by length (shortest first): at most `batch_size` prompts and
-        `max_tokens` (default `HARVEST_ENGINE_BATCH_TOKENS`) padded tokens per batch; one
-        prompt longer than that runs alone."""
-        max_tokens = max_tokens or get_settings().engine_batch_tokens
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        batches: list[list[int]] = []
-        current: list[int] = []
-        for index in order:
-            rows = len(current) + 1
-            too_many = batch_size is not None and rows > batch_size
-            too_big = current and rows * lengths[index] > max_tokens  # sorted: this one is the longest
-            if too_many or too_big:
-                batches.append(current)
-                current = []
-            current.append(index)
-        if current:
-            batches.append(current)
-        return batches
+    def passes(self, lengths: list[int], batch_size: int | None = None, max_tokens: int | None = None) -> list[Pass]:
+        """The packed forward passes for prompts of these lengths (`harvest.engines.packing`):
+        at most `batch_size` prompts and `max_tokens` (default `HARVEST_ENGINE_BATCH_TOKENS`)
+        tokens a pass."""
+        settings = get_settings()
+        return plan_passes(lengths, row_tokens=settings.engine_row_tokens, batch_tokens=max_tokens or settings.engine_batch_tokens,
+                           max_prompts=batch_size)
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
                 sink: ValueSink | None = None) -> ShardCapture:
@@ -87,7 +66,7 @@ class HFEngine(Engine):
     @torch.inference_mode()
     def capture_cobatch(self, shards: list[list[list[int]]], spec: CaptureSpec, *, batch_size: int | None = None,
                         sinks: list[ValueSink | None] | None = None) -> list[ShardCapture]:
-        """Every shard's prompts in one set of length-sorted batches; a reducer per shard."""
+        """Every shard's prompts in one set of packed passes; a reducer per shard."""
         started = time.perf_counter()
         sinks = sinks or [None] * len(shards)
         reducers = [PromptReducer(spec, self.model.hidden_size, self.device) for _ in shards]
@@ -107,27 +86,27 @@ class HFEngine(Engine):
                 else:
                     sink(position[index], value)
 
-        # On a GPU a batch's values are handed on after the next batch's forward pass is
-        # queued, so the host's work (the sink's write) overlaps the device's; at most two
-        # batches' values are held. On the CPU nothing runs in the background: at once.
+        # On a GPU a pass's values are handed on after the next forward pass is queued, so
+        # the host's work (the sink's write) overlaps the device's; at most two passes'
+        # values are held. On the CPU nothing runs in the background: at once.
         lag = 1 if self.device.type == "cuda" else 0
         pending: deque[tuple[list[tuple[int, torch.Tensor]], Landing]] = deque()
-        for batch in self._batches(lengths, batch_size, max_tokens):
-            input_ids, attention_mask = right_padded(prompts, batch)
+        padded = 0
+        for plan in self.passes(lengths, batch_size, max_tokens):
+            input_ids, positions, places = packed_inputs(prompts, plan)
+            padded += plan.padded_tokens
             with block_hooks(self.blocks, spec.layers) as captured:
                 try:
-                    self.hf_model.model(
-                        input_ids=input_ids.to(self.device),
-                        attention_mask=attention_mask.to(self.device),
-                        use_cache=False,
-                    )
+                    # No attention mask: positions that restart mark each prompt, and
+                    # transformers keeps every prompt's attention to itself.
+                    self.hf_model.model(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device), use_cache=False)
                 except StopForward:
                     pass
             check_capture(captured, spec.layers, tuple(input_ids.shape))
             batch_values = []
-            for row, index in enumerate(batch):
-                # One prompt's layers at a time: never a second copy of the whole batch.
-                acts = torch.stack([captured[layer][row, : lengths[index]] for layer in spec.layers])  # [L, seq, hidden]
+            for index, row, column in places:
+                # One prompt's layers at a time: never a second copy of the whole pass.
+                acts = torch.stack([captured[layer][row, column : column + lengths[index]] for layer in spec.layers])  # [L, seq, hidden]
                 batch_values.append((index, reducers[owner[index]].reduce(acts)))
                 del acts
             del captured
@@ -140,6 +119,10 @@ class HFEngine(Engine):
         for reducer, shard, sink in zip(reducers, shards, sinks, strict=True):
             answers.append(reducer.finish([] if sink is not None else values[first : first + len(shard)], started))
             first += len(shard)
+        # A co-batched pass's filler is shared by its shards: each is charged its share of tokens.
+        total = sum(lengths) or 1
+        for answer, shard in zip(answers, shards, strict=True):
+            answer.padded_tokens = round(padded * sum(len(p) for p in shard) / total)
         return answers
 
     def generate(self, prompts, sampling, layers):

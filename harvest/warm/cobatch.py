@@ -221,5 +221,6 @@ def joined(parts: list[ShardCapture]) -> ShardCapture:
         whole.values.extend(part.values)
         whole.stats.merge(part.stats)
         whole.forward_s += part.forward_s
+        whole.padded_tokens += part.padded_tokens
         whole.extra.update(part.extra)
     return whole

@@ -1,0 +1,127 @@
+"""How the HF engine lays prompts out in its forward passes: packed rows, no padding.
+
+Real text varies in length (a corpus of paragraphs runs from 1 to a few hundred tokens), and
+a batch padded to its longest prompt spends compute on tokens that belong to no prompt: on a
+2-core CPU one padded batch per 32-prompt shard made a harvest of prose ~5x slower than the
+same prompts in length-sorted batches (bench/RESULTS.md, "Peers"). So prompts are *packed*:
+a row holds several whole prompts one after another, each with its own positions counted
+from 0, and transformers turns positions that restart into a block-diagonal causal mask
+(`masking_utils.find_packed_sequence_indices`), so a prompt attends to itself only and its
+values equal those of its own single-prompt forward pass (checked in tests/test_packing.py).
+
+- Rows are filled best-fit, longest prompt first, up to `row_tokens`; a prompt longer than
+  that is a row of its own. A row's attention is computed over the whole row (the mask only
+  hides the other prompts), which is why rows stay short: at 512 tokens that part is small
+  beside the blocks' matrix products.
+- A forward pass takes rows of the same width, by construction or within `PAD_BUDGET`: the
+  rows are sorted by length and a row joins a pass only while the pass's filler (the tail of
+  each row shorter than the longest) stays within the budget. With one row per pass (a short
+  job, or a CPU's small `batch_tokens`) nothing is filler at all.
+
+Filler tokens carry positions of their own, so they form one more packed sequence that no
+prompt attends to; they are counted, and every job reports them (`padded_tokens`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PAD_BUDGET", "Pass", "plan_passes", "packed_inputs"]
+
+PAD_BUDGET = 1 / 64
+"""The most filler a forward pass of several rows may hold, as a share of its tokens."""
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward pass: rows of prompt indices, each row's prompts back to back."""
+
+    rows: tuple[tuple[int, ...], ...]
+    width: int
+    """Tokens per row: the longest row's."""
+    real_tokens: int
+    """Tokens that belong to prompts."""
+
+    @property
+    def padded_tokens(self) -> int:
+        """Filler tokens run: rows shorter than `width` are filled up to it."""
+        return len(self.rows) * self.width - self.real_tokens
+
+    @property
+    def prompts(self) -> list[int]:
+        return [i for row in self.rows for i in row]
+
+
+def _rows(lengths: list[int], row_tokens: int, max_prompts: int | None) -> list[list[int]]:
+    """Best-fit decreasing: each prompt, longest first, goes into the row it fills most
+    closely (a sorted list of rows' room, so planning stays O(n log n) for 4,096 prompts)."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens left, row index), sorted
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = lengths[index]
+        at = bisect.bisect_left(room, (length, -1))
+        if at < len(room):
+            left, row = room.pop(at)
+            rows[row].append(index)
+            if max_prompts is None or len(rows[row]) < max_prompts:
+                bisect.insort(room, (left - length, row))
+            continue
+        rows.append([index])
+        if length < row_tokens and (max_prompts is None or max_prompts > 1):
+            bisect.insort(room, (row_tokens - length, len(rows) - 1))
+    return rows
+
+
+def plan_passes(lengths: list[int], *, row_tokens: int, batch_tokens: int, max_prompts: int | None = None) -> list[Pass]:
+    """The forward passes that run every prompt once: packed rows of at most `row_tokens`
+    (a longer prompt alone), at most `batch_tokens` tokens a pass counting filler (a longer
+    row alone), at most `max_prompts` prompts a pass (a request's `batch_size`), and filler
+    within `PAD_BUDGET` of a pass."""
+    row_tokens = max(1, min(row_tokens, batch_tokens))
+    rows = _rows(lengths, row_tokens, max_prompts)
+    used = [sum(lengths[i] for i in row) for row in rows]
+    passes: list[Pass] = []
+    current: list[int] = []  # row indices, widest first
+    real = 0
+
+    def close() -> None:
+        nonlocal current, real
+        if current:
+            passes.append(Pass(tuple(tuple(rows[r]) for r in current), used[current[0]], real))
+        current, real = [], 0
+
+    for r in sorted(range(len(rows)), key=lambda r: (-used[r], r)):
+        if current:
+            width = used[current[0]]
+            n_rows = len(current) + 1
+            filler = n_rows * width - (real + used[r])
+            prompts = sum(len(rows[c]) for c in current) + len(rows[r])
+            if (n_rows * width > batch_tokens or filler > PAD_BUDGET * n_rows * width
+                    or (max_prompts is not None and prompts > max_prompts)):
+                close()
+        current.append(r)
+        real += used[r]
+    close()
+    return passes
+
+
+def packed_inputs(prompts: list[list[int]], plan: Pass) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """Input ids and position ids `[rows, width]` for one pass, and where each prompt lies:
+    (prompt index, row, first column). Each prompt's positions start at 0; a row's filler
+    gets positions 0, 1, … of its own, so it is one more sequence no prompt attends to."""
+    input_ids = torch.zeros(len(plan.rows), plan.width, dtype=torch.long)
+    positions = torch.zeros(len(plan.rows), plan.width, dtype=torch.long)
+    places = []
+    for r, row in enumerate(plan.rows):
+        column = 0
+        for index in row:
+            n = len(prompts[index])
+            input_ids[r, column : column + n] = torch.tensor(prompts[index], dtype=torch.long)
+            positions[r, column : column + n] = torch.arange(n)
+            places.append((index, r, column))
+            column += n
+        positions[r, column:] = torch.arange(plan.width - column)
+    return input_ids, positions, places

@@ -1,0 +1,172 @@
+"""No compute on padding: prompts of every length from 1 to `max_model_len`, packed into rows.
+
+The planner is checked against the lengths it was given (every prompt once, rows and passes
+within their bounds, filler within the budget); the engine against what the model itself ran
+(a pre-hook counting the tokens of every forward pass) and against each prompt run alone
+through HF (`hidden_states`), within one bf16 step either way (a packed pass's float32
+rounding differs from a lone pass's, so a value near a rounding edge can land on the
+neighbouring step, as in any batched run); a whole job against its manifest's token counts
+and the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_tensors
+
+from harvest.capture import CaptureSpec
+from harvest.engines.packing import PAD_BUDGET, packed_inputs, plan_passes
+from harvest.jobfiles import MANIFEST
+from harvest.pipeline import run_job
+from harvest.request import HarvestRequest, resolve_job
+from harvest.storage import Storage
+from harvest.tokenize import load_tokenizer
+from tests.reference import bf16_tolerance, hf_reference_layers
+
+MAX_LEN = 2048  # llama-tiny's max_model_len
+
+
+def _spread(n: int, seed: int) -> list[int]:
+    """Lengths as real text has them, log-uniform over 1..MAX_LEN, with both ends present."""
+    rng = random.Random(seed)
+    return [1, MAX_LEN, 2, MAX_LEN - 1] + [max(1, min(MAX_LEN, round(2 ** rng.uniform(0, 11)))) for _ in range(n - 4)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("row_tokens, batch_tokens, max_prompts", [(512, 16384, None), (512, 512, None), (256, 4096, 8), (2048, 2048, 3)])
+def test_every_prompt_runs_once_within_the_bounds(seed, row_tokens, batch_tokens, max_prompts):
+    lengths = _spread(300, seed)
+    passes = plan_passes(lengths, row_tokens=row_tokens, batch_tokens=batch_tokens, max_prompts=max_prompts)
+    seen = sorted(i for plan in passes for i in plan.prompts)
+    assert seen == list(range(len(lengths)))
+    for plan in passes:
+        widths = [sum(lengths[i] for i in row) for row in plan.rows]
+        assert plan.width == max(widths) and plan.real_tokens == sum(widths)
+        for row in plan.rows:
+            assert len(row) == 1 or sum(lengths[i] for i in row) <= row_tokens
+        if len(plan.rows) > 1:
+            assert len(plan.rows) * plan.width <= batch_tokens
+            assert plan.padded_tokens <= PAD_BUDGET * len(plan.rows) * plan.width
+        if max_prompts is not None:
+            assert len(plan.prompts) <= max_prompts
+    # Packing leaves little unfilled: rows of short prompts are nearly full.
+    assert sum(p.padded_tokens for p in passes) <= PAD_BUDGET * sum(lengths)
+
+
+def test_one_row_a_pass_runs_no_filler_at_all():
+    lengths = _spread(500, 9)
+    passes = plan_passes(lengths, row_tokens=512, batch_tokens=512)
+    assert sum(p.padded_tokens for p in passes) == 0
+    # and the rows are packed: the prompts shorter than a row share rows
+    assert len(passes) < len(lengths) / 2
+
+
+def test_packed_inputs_place_each_prompt_with_positions_from_zero():
+    prompts = [[5] * n for n in (3, 1, 4, 2, 7)]
+    plan = plan_passes([len(p) for p in prompts], row_tokens=8, batch_tokens=64)[0]
+    ids, positions, places = packed_inputs(prompts, plan)
+    assert sorted(i for i, _, _ in places) == sorted(plan.prompts)
+    for index, row, column in places:
+        n = len(prompts[index])
+        assert positions[row, column : column + n].tolist() == list(range(n))
+        assert ids[row, column : column + n].tolist() == prompts[index]
+
+
+class TokensRun:
+    """Every forward pass's `[rows, width]`, as the model received it (a pre-hook)."""
+
+    def __init__(self, hf_model):
+        self.shapes: list[tuple[int, int]] = []
+        self.handle = hf_model.model.register_forward_pre_hook(
+            lambda _m, _a, kwargs: self.shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+
+    @property
+    def total(self) -> int:
+        return sum(rows * width for rows, width in self.shapes)
+
+    def close(self):
+        self.handle.remove()
+
+
+def test_each_prompt_equals_its_own_forward_pass_from_1_to_max_model_len(hf_engine, tiny):
+    assert tiny.max_model_len == MAX_LEN
+    rng = random.Random(5)
+    lengths = _spread(40, 1)
+    prompts = [[rng.randrange(3, hf_engine.hf_model.config.vocab_size) for _ in range(n)] for n in lengths]
+    layers = [0, 3, 7]
+    log = TokensRun(hf_engine.hf_model)
+    try:
+        capture = hf_engine.capture(prompts, CaptureSpec(layers=layers))
+    finally:
+        log.close()
+    # The model ran the prompts' tokens and the reported filler, nothing else.
+    assert log.total == sum(lengths) + capture.padded_tokens
+    assert capture.padded_tokens <= PAD_BUDGET * sum(lengths)
+    assert len(log.shapes) < len(prompts)  # prompts shared passes
+    for ids, value in zip(prompts, capture.values, strict=True):
+        reference = hf_reference_layers(hf_engine.hf_model, ids, layers)
+        assert value.shape == reference.shape
+        assert np.all(np.abs(value.float().numpy() - reference) <= 2 * bf16_tolerance(reference)), len(ids)
+
+
+def test_a_job_reports_real_and_padded_tokens_and_its_files_hold_each_prompt_alone(registry, hf_engine, tiny):
+    rng = random.Random(11)
+    words = "the of and a to in is you that it he was for on are as with his they at be this".split()
+    # From one word to past max_model_len (truncated to it), as paragraphs of prose vary.
+    texts = [" ".join(rng.choice(words) for _ in range(n)) for n in (1, 2, 3, 5, 9, 30, 80, 200, 511, 700, 1500, 3000)]
+    rng.shuffle(texts)
+    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=texts, layers=[1, 6], shard_size=5, add_special_tokens=False), registry)
+    storage = Storage("memory:///tests/packing-job")
+    storage.delete_all()
+    log = TokensRun(hf_engine.hf_model)
+    try:
+        run_job(job, storage, hf_engine, "job-packing")
+    finally:
+        log.close()
+    manifest = json.loads(storage.read_bytes(MANIFEST))
+    tokenizer = load_tokenizer(tiny.path)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:MAX_LEN] for t in texts]
+    assert min(map(len, ids)) == 1 and max(map(len, ids)) == MAX_LEN
+    timings = manifest["timings"]
+    assert timings["real_tokens"] == sum(map(len, ids))
+    assert timings["real_tokens"] + timings["padded_tokens"] == log.total
+    assert timings["padded_tokens"] <= PAD_BUDGET * timings["real_tokens"]
+    for shard in manifest["shards"]:
+        tensors = load_tensors(storage.read_bytes(shard["file"]))
+        first, last = shard["prompt_range"]
+        for i in range(first, last + 1):
+            reference = hf_reference_layers(hf_engine.hf_model, ids[i], [1, 6])
+            got = tensors[f"prompt_{i}"].float().numpy()
+            assert got.shape == reference.shape
+            assert np.all(np.abs(got - reference) <= 2 * bf16_tolerance(reference))
+
+
+def test_a_forward_pass_stays_within_batch_tokens_with_rows_of_many_prompts(hf_engine, tiny, monkeypatch):
+    from harvest.settings import get_settings
+
+    monkeypatch.setenv("HARVEST_ENGINE_BATCH_TOKENS", "300")
+    monkeypatch.setenv("HARVEST_ENGINE_ROW_TOKENS", "100")
+    get_settings.cache_clear()
+    try:
+        lengths = [1, 7, 30, 99, 100, 150, 299, 301, 12, 45, 60, 2]
+        prompts = [[4 + (i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+        log = TokensRun(hf_engine.hf_model)
+        try:
+            capture = hf_engine.capture(prompts, CaptureSpec(layers=[2]))
+        finally:
+            log.close()
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
+    # Only a prompt longer than the bound runs a longer pass, alone.
+    assert all(rows * width <= 300 or (rows == 1 and width == 301) for rows, width in log.shapes), log.shapes
+    assert max(width for _, width in log.shapes) == 301
+    for ids, value in zip(prompts, capture.values, strict=True):
+        reference = hf_reference_layers(hf_engine.hf_model, ids, [2])
+        assert np.all(np.abs(value.float().numpy() - reference) <= 2 * bf16_tolerance(reference))
+    assert torch.is_tensor(capture.values[0])
