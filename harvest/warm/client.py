@@ -11,7 +11,8 @@ from multiprocessing.connection import Client, Connection
 
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.cpu_share import with_passive_waits
-from harvest.engines.base import Engine, EngineLoad, ValueSink, choose_engine, load_engine
+from harvest.engines.base import Engine, EngineLoad, ValueSink
+from harvest.engines.choice import choose_engine, load_engine
 from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
 from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send

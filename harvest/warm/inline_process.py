@@ -134,13 +134,13 @@ class ProcessEngine(Engine):
 def _serve(conn: Connection) -> int:
     import torch
 
-    from harvest.engines.base import load_engine
+    from harvest.engines.choice import load_engine
 
     if not torch.cuda.is_available():
         lower_priority(SESSION_NICE, session=True)
     try:
         model = receive(conn)
-        engine = load_engine(model)
+        engine = load_engine(model, warm=True)
     except (EOFError, OSError):
         return 0
     except Exception as exc:  # noqa: BLE001 - handed to the replica, which raises it

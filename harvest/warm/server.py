@@ -25,7 +25,7 @@ import time
 from multiprocessing.connection import Connection, Listener
 
 from harvest.capture import CaptureSpec
-from harvest.engines.base import EngineChoice, choose_engine, load_engine
+from harvest.engines.choice import EngineChoice, choose_engine, load_engine
 from harvest.registry import load_registry
 from harvest.settings import get_settings
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
@@ -85,7 +85,7 @@ class EngineServer:
                 try:
                     if op == "load":
                         model, setting = args
-                        choice = choose_engine(setting)  # on this host: what torch sees here
+                        choice = choose_engine(setting, warm=True)  # on this host: what torch sees here
                         self.registry.get(model)  # unknown model: a clear error, nothing evicted
                         if held is not None:
                             self.cache.release(held)

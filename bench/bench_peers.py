@@ -1,0 +1,308 @@
+"""The service against the tools a researcher would pick instead, side by side on real text.
+
+Corpus: the paragraphs of the GNU GPL version 3 (`/usr/share/common-licenses/GPL-3`, from
+Debian's base-files; the same text as gnu.org), 122 paragraphs of 1 to 213 tokens of
+`smollm2-135m`: real prose with the spread of lengths real prose has (a heading, a sentence,
+a long clause). Quartile layers 7, 15, 22 unless `--layers` says otherwise; bf16 values
+written to safetensors on local disk by every arm that captures.
+
+Arms, each a process of its own, started in turn, `--rounds` times (the median is reported):
+- `bare`, `handwritten`, `nnsight`, `transformer_lens`, `saelens`: `bench/peer_arms.py` (its
+  docstring says how each is written; the peers run in `.venv-peers`, `bench/peers_venv.sh`),
+  on the corpus tokenized once by the model's tokenizer, in length-sorted batches of 8;
+- `harvest run`: the command as a user runs it, shipped defaults, on the corpus as text
+  (`--prompts corpus.jsonl`; it tokenizes, loads, harvests, writes the manifest);
+- `harvest run, all layers` against `bare` (every block runs either way);
+- `harvest run, vLLM`: the same with `HARVEST_ENGINE=vllm`, for what `auto` should pick;
+- `make run`: `harvest up` as `make run` starts it (a temporary `HARVEST_HOME`, nothing else
+  changed), then `harvest_client.Client().harvest(...)` of the corpus, submit to files
+  downloaded and verified, after one other job warmed the engine server; each round one job.
+
+Also, in one process (`steady`): the HF and the vLLM engine loaded once each, as a warm engine
+server holds them, the corpus captured in 32-prompt shards, rounds alternating: what a warm
+server's choice of engine should rest on.
+
+Corpus time: the arm's loop over the corpus, writes included (for `harvest run`, the time it
+prints for the job: forward passes, files, statistics and manifest). Whole: from spawn to
+exit (imports, load and tokenizing included for `harvest run`; the peer arms get the corpus
+already tokenized, which spares them the tokenizer's load). Free: `bare` × blocks in the model
+÷ blocks the capture runs (it stops after the deepest requested block).
+
+Values: every arm's against `handwritten` (`peer_arms.compare`: per-token cosine ≥ 0.9999 and
+relative RMS ≤ 1 %, position 0 apart), and `make run`'s files against `harvest run`'s.
+
+    bash bench/peers_venv.sh                  # once: the peers' own venv
+    .venv/bin/python bench/bench_peers.py [--rounds 2] [--skip make_run,saelens] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from peer_arms import compare, load_values  # noqa: E402
+
+__all__ = ["corpus_texts", "main"]
+
+MODEL = "smollm2-135m"
+CORPUS = Path("/usr/share/common-licenses/GPL-3")
+PEER_ARMS = ["bare", "handwritten", "nnsight", "transformer_lens", "saelens"]
+PROJECT_PY = REPO / ".venv" / "bin" / "python"
+PEERS_PY = REPO / ".venv-peers" / "bin" / "python"
+
+
+def corpus_texts() -> list[str]:
+    """The paragraphs of the GPL-3, whitespace inside each folded to single spaces."""
+    paragraphs = re.split(r"\n\s*\n", CORPUS.read_text())
+    return [" ".join(p.split()) for p in paragraphs if p.strip()]
+
+
+def _tokenized(texts: list[str]) -> list[list[int]]:
+    from harvest.registry import load_registry
+    from harvest.tokenize import load_tokenizer, tokenize_prompts
+
+    model = load_registry().get(MODEL)
+    tokenizer = load_tokenizer(model.require_path())
+    return [t.ids for t in tokenize_prompts(tokenizer, texts, add_special_tokens=True, max_len=model.max_model_len)]
+
+
+def _model_dir() -> Path:
+    from harvest.registry import load_registry
+
+    return load_registry().get(MODEL).require_path()
+
+
+def peer_arm(arm: str, work: Path, layers: list[int], python: Path) -> dict:
+    out = work / arm
+    command = [str(python), str(REPO / "bench" / "peer_arms.py"), arm, "--model-dir", str(_model_dir()),
+               "--corpus", str(work / "ids.json"), "--layers", ",".join(map(str, layers)), "--out", str(out),
+               "--started-at", str(time.time())]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"{arm} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "out": str(out)}
+
+
+WROTE = re.compile(r"wrote \d+ shard\(s\), (\d+) tokens, [\d,]+ bytes to \S+ in ([\d.]+) s")
+
+
+def harvest_run(work: Path, name: str, layers: str, env: dict[str, str] | None = None) -> dict:
+    """`harvest run` as a user types it, timed from spawn to exit."""
+    out = work / name.replace(" ", "_").replace(",", "")
+    shutil.rmtree(out, ignore_errors=True)
+    command = [str(REPO / ".venv" / "bin" / "harvest"), "run", "--model", MODEL, "--prompts", str(work / "corpus.jsonl"),
+               "--out", str(out), "--layers", layers]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
+    whole = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
+    match = WROTE.search(done.stdout)
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {"arm": name, "corpus_s": float(match[2]), "whole_s": whole, "load_s": manifest["timings"]["load_s"],
+            "tokens": int(match[1]), "padded_tokens": manifest["timings"].get("padded_tokens"), "out": str(out),
+            "engine": manifest["engine"]["engine"]}
+
+
+def shard_values(folder: Path, layers: list[int]) -> dict[tuple[int, int], object]:
+    """`{(prompt, layer): bf16 [n_tokens, hidden]}` from a job's shard files (any folder below)."""
+    from safetensors.torch import load_file
+
+    values = {}
+    for path in sorted(folder.rglob("shard_*.safetensors")):
+        for name, tensor in load_file(str(path)).items():
+            if name.startswith("prompt_"):
+                i = int(name.removeprefix("prompt_"))
+                for row, layer in enumerate(layers):
+                    values[(i, layer)] = tensor[row]
+    return values
+
+
+@contextmanager
+def make_run_stack(home: Path):
+    """`harvest up` as `make run` starts it, in `home`: yields (api base, key)."""
+    from fleet.processes import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "HARVEST_", "ACS_"))}
+    env.update(HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"),
+               HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()))
+    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "harvest"), "up"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=open(home / "up.log", "w"), text=True, start_new_session=True)
+    ready: dict[str, str] = {}
+    try:
+        for line in proc.stdout:
+            name, _, value = line.strip().partition("=")
+            ready[name] = value
+            if "PREFECT_UI" in ready:
+                break
+        if "ACS_API_KEY" not in ready:
+            raise RuntimeError(f"harvest up did not start:\n{(home / 'up.log').read_text()[-2000:]}")
+        yield ready["ACS_API_BASE"], ready["ACS_API_KEY"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int) -> list[dict]:
+    """Each round: the corpus through `make run`'s stack, submit to verified files, on an
+    engine server another job has already warmed."""
+    from harvest_client import Client
+
+    home = Path(tempfile.mkdtemp(prefix="bench-peers-up-"))
+    results = []
+    try:
+        with make_run_stack(home) as (base, key):
+            client = Client(api_base=base, api_key=key)
+            client.harvest(MODEL, texts[::-1][:16], out=str(work / "make_run_warmup"), layers=layers, progress=False)
+            for r in range(rounds):
+                out = work / f"make_run_{r}"
+                shutil.rmtree(out, ignore_errors=True)
+                # A corpus the stack has not seen (else the client's idempotency finds the
+                # first job): the same paragraphs, the round's number in front of the first.
+                corpus = [f"{r}. {texts[0]}"] + texts[1:]
+                started = time.perf_counter()
+                summary = client.harvest(MODEL, corpus, out=str(out), layers=layers, progress=False)
+                results.append({"arm": "make run", "whole_s": time.perf_counter() - started, "corpus_s": time.perf_counter() - started,
+                                "tokens": summary.tokens, "out": str(out)})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    return results
+
+
+def steady(ids_path: Path, layers: list[int], rounds: int) -> dict:
+    """In this process: both engines loaded once; the corpus in 32-prompt shards, alternating."""
+    from harvest.capture import CaptureSpec
+    from harvest.engines.hf import HFEngine
+    from harvest.engines.vllm import VLLMEngine
+    from harvest.registry import load_registry
+
+    ids = json.loads(ids_path.read_text())["prompts"]
+    model = load_registry().get(MODEL)
+    engines = {"hf": HFEngine(model), "vllm": VLLMEngine(model)}
+    spec = CaptureSpec(layers=layers)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for engine in engines.values():
+        engine.capture(ids[:8], spec)  # first-call allocations
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            started = time.perf_counter()
+            for start in range(0, len(ids), 32):
+                engine.capture(ids[start : start + 32], spec)
+            times[name].append(time.perf_counter() - started)
+    tokens = sum(map(len, ids))
+    return {name: {"corpus_s": statistics.median(t), "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
+
+
+def _median_arm(runs: list[dict]) -> dict:
+    ordered = sorted(runs, key=lambda r: r["corpus_s"])
+    middle = dict(ordered[len(ordered) // 2])
+    middle["runs"] = [round(r["corpus_s"], 2) for r in runs]
+    middle["whole_runs"] = [round(r["whole_s"], 2) for r in runs]
+    middle["whole_s"] = statistics.median(r["whole_s"] for r in runs)
+    return middle
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layers", default="7,15,22")
+    parser.add_argument("--skip", default="", help="comma-separated arms to leave out")
+    parser.add_argument("--json", help="write every figure here too")
+    parser.add_argument("--steady-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    layers = [int(x) for x in args.layers.split(",")]
+    if args.steady_only:
+        print(json.dumps(steady(Path(args.work) / "ids.json", layers, args.rounds)))
+        return
+    skip = set(filter(None, args.skip.split(",")))
+    texts = corpus_texts()
+    work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    ids = _tokenized(texts)
+    (work / "ids.json").write_text(json.dumps({"prompts": ids}))
+    with open(work / "corpus.jsonl", "w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    n_blocks = 30
+    lengths = sorted(map(len, ids))
+    print(f"corpus: {len(ids)} paragraphs of {CORPUS}, {sum(lengths)} tokens, {lengths[0]}-{lengths[-1]} each "
+          f"(median {lengths[len(lengths) // 2]}); layers {layers}; {args.rounds} round(s); work {work}", flush=True)
+
+    runs: dict[str, list[dict]] = {}
+    arms = [a for a in PEER_ARMS if a not in skip]
+    for _ in range(args.rounds):
+        for arm in arms:
+            python = PROJECT_PY if arm in ("bare", "handwritten") else PEERS_PY
+            runs.setdefault(arm, []).append(peer_arm(arm, work, layers, python))
+            print(f"  {arm}: {runs[arm][-1]['corpus_s']:.2f} s", flush=True)
+        for name, layer_arg, env in [("harvest run", args.layers, None), ("harvest run, all layers", "all", None),
+                                     ("harvest run, vLLM", args.layers, {"HARVEST_ENGINE": "vllm"})]:
+            if name in skip or ("vLLM" in name and "vllm" in skip) or ("all" in name and "all" in skip):
+                continue
+            runs.setdefault(name, []).append(harvest_run(work, name, layer_arg, env))
+            print(f"  {name}: {runs[name][-1]['corpus_s']:.2f} s", flush=True)
+    if "make_run" not in skip:
+        runs["make run"] = make_run_jobs(work, texts, layers, args.rounds)
+    results = {name: _median_arm(r) for name, r in runs.items()}
+    if "steady" not in skip:
+        done = subprocess.run([str(PROJECT_PY), __file__, "--steady-only", "--work", str(work), "--layers", args.layers,
+                               "--rounds", str(args.rounds)], capture_output=True, text=True, cwd=REPO)
+        if done.returncode != 0:
+            raise RuntimeError(f"steady failed:\n{done.stderr[-3000:]}")
+        results["steady"] = json.loads(done.stdout.strip().splitlines()[-1])
+
+    # Values: every arm against the hand-written loop, make run against harvest run.
+    reference = load_values(work / "handwritten") if "handwritten" in results else None
+    checks = {}
+    for name, result in results.items():
+        if reference is None or name in ("bare", "handwritten", "steady", "harvest run, all layers"):
+            continue
+        got = load_values(result["out"]) if name in PEER_ARMS else shard_values(Path(result["out"]), layers)
+        if name == "make run":
+            got = {(i, k): v for (i, k), v in got.items() if i > 0}  # its first paragraph carries the round number
+        check = compare(got, {key: v for key, v in reference.items() if key in got or name != "make run"})
+        checks[name] = {k: check[k] for k in ("ok", "pairs", "min_cosine", "max_rel_rms")}
+
+    bare = results.get("bare")
+    deepest = max(layers) + 1
+    print()
+    print(f"| arm | corpus s | vs bare | vs free ({n_blocks}/{deepest}) | whole process s | padded tokens | values vs hand-written |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, r in results.items():
+        if name == "steady":
+            continue
+        vs_bare = bare["corpus_s"] / r["corpus_s"] if bare else float("nan")
+        blocks_run = n_blocks if name in ("bare", "harvest run, all layers") else deepest
+        vs_free = vs_bare / (n_blocks / blocks_run)
+        check = checks.get(name)
+        values = "" if check is None else f"{'equal' if check['ok'] else 'DIFFER'} (cos ≥ {check['min_cosine']:.5f}, rel RMS ≤ {check['max_rel_rms']:.1e})"
+        print(f"| {name} | {r['corpus_s']:.2f} ({', '.join(map(str, r['runs']))}) | {vs_bare:.2f} | {vs_free:.2f} | "
+              f"{r['whole_s']:.2f} ({', '.join(map(str, r['whole_runs']))}) | {r.get('padded_tokens', '')} | {values} |")
+    if "steady" in results:
+        s = results["steady"]
+        print(f"\nsteady state, engines loaded once (32-prompt shards): HF {s['hf']['corpus_s']:.2f} s "
+              f"({s['hf']['tokens_per_s']:.0f} tokens/s), vLLM {s['vllm']['corpus_s']:.2f} s ({s['vllm']['tokens_per_s']:.0f} tokens/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "checks": checks}, indent=2, default=str))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Which engine runs a model, and why: `HARVEST_ENGINE`, and what `auto` picks where.
+
+`auto` decides per host and per kind of process, from what bench/ measured:
+- with CUDA and vLLM installed: vLLM, in every process (the GPU runs, bench/RESULTS.md "GPU");
+- on the CPU, a *one-off* process (`harvest run`, a flow run outside a worker host) loads its
+  engine for one job, so vLLM's start-up, ~15 s longer than the HF engine's, is paid by every
+  run: the HF engine;
+- on the CPU, a *warm* process (an engine server, an inline engine process) pays start-up
+  once, so only throughput counts, and the HF engine's packed passes ran the real-text corpus
+  faster than vLLM with both loaded once (bench/RESULTS.md, "Peers", steady state): the HF
+  engine there too.
+
+The choice and its reason go into every manifest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from harvest.engines.base import Engine
+from harvest.errors import ModelUnavailable
+from harvest.registry import ModelInfo
+from harvest.settings import get_settings
+
+__all__ = ["EngineChoice", "choose_engine", "load_engine", "vllm_available"]
+
+CPU_ONE_OFF = ("auto: no CUDA device, and a one-off run pays its engine's start-up every time: "
+               "the HF engine starts ~15 s sooner than vLLM on the CPU")
+CPU_WARM = ("auto: no CUDA device; a warm process pays start-up once, and on the CPU the HF engine's "
+            "packed passes outran vLLM on real text (bench/RESULTS.md, \"Peers\")")
+
+
+@lru_cache(maxsize=1)
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine runs a model, and why (the manifest records both)."""
+
+    name: str
+    """`vllm`, `hf`, or `module:Class`."""
+    reason: str
+
+
+def choose_engine(setting: str | None = None, *, warm: bool = False) -> EngineChoice:
+    """Resolve `HARVEST_ENGINE` (or `setting`) on this machine, for a process that keeps its
+    engine for many jobs (`warm`) or loads it for one."""
+    setting = (setting or get_settings().engine).strip()
+    if setting == "auto":
+        if not torch.cuda.is_available():
+            return EngineChoice("hf", CPU_WARM if warm else CPU_ONE_OFF)
+        if not vllm_available():
+            return EngineChoice("hf", "auto: CUDA is present but vLLM is not installed")
+        return EngineChoice("vllm", "auto: CUDA is present and vLLM is installed")
+    if setting == "vllm" and not vllm_available():
+        raise ModelUnavailable("HARVEST_ENGINE=vllm, but vLLM is not installed on this host.")
+    return EngineChoice(setting, f"HARVEST_ENGINE={setting}")
+
+
+def load_engine(model: ModelInfo, choice: EngineChoice | str | None = None, *, warm: bool = False) -> Engine:
+    """Load `model` on the chosen engine (default: `choose_engine(warm=warm)`)."""
+    if not isinstance(choice, EngineChoice):
+        choice = choose_engine(choice, warm=warm)
+    if choice.name == "vllm":
+        from harvest.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model)
+    if choice.name == "hf":
+        from harvest.engines.hf import HFEngine
+
+        return HFEngine(model)
+    module, _, cls = choice.name.partition(":")
+    return getattr(importlib.import_module(module), cls)(model)
