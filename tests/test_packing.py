@@ -170,3 +170,29 @@ def test_a_forward_pass_stays_within_batch_tokens_with_rows_of_many_prompts(hf_e
         reference = hf_reference_layers(hf_engine.hf_model, ids, [2])
         assert np.all(np.abs(value.float().numpy() - reference) <= 2 * bf16_tolerance(reference))
     assert torch.is_tensor(capture.values[0])
+
+
+def test_inline_prefill_runs_packed_and_each_completion_is_the_prompts_own(hf_engine, tiny):
+    from harvest.engines.base import SamplingSpec
+
+    rng = random.Random(8)
+    vocab = hf_engine.hf_model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 3, 40, 300, 700, 9)]
+    greedy = [SamplingSpec(max_tokens=4, temperature=0)] * len(prompts)
+    log = TokensRun(hf_engine.hf_model)
+    try:
+        together = hf_engine.generate(prompts, greedy, [0, 7])
+    finally:
+        log.close()
+    prefill = [shape for shape in log.shapes if shape[1] > 1]
+    padded = together[0].extra["prefill_padded_tokens"]
+    # The prefill ran the prompts' tokens (and the reported filler), never rows padded to 700.
+    assert sum(rows * width for rows, width in prefill) == sum(map(len, prompts)) + padded
+    assert padded <= PAD_BUDGET * sum(map(len, prompts))
+    for prompt, got in zip(prompts, together, strict=True):
+        alone = hf_engine.generate([prompt], greedy[:1], [0, 7])[0]
+        assert got.token_ids == alone.token_ids
+        ran = prompt + got.token_ids[:-1]
+        reference = hf_reference_layers(hf_engine.hf_model, ran, [0, 7])
+        assert got.residual.shape == reference.shape
+        assert np.all(np.abs(got.residual.float().numpy() - reference) <= 2 * bf16_tolerance(reference)), len(prompt)

@@ -1,12 +1,14 @@
 """Batched generation on the HF reference engine, capturing the residual stream as it runs.
 
-All prompts of a call run as one left-padded batch with a KV cache: one prefill forward pass,
-then one forward pass per generated token for the rows still generating (a finished row
+The prompts of a call are prefilled packed, not padded (`harvest.engines.hf_prefill`: rows of
+whole prompts, each attending to itself), which leaves one left-padded row per prompt in the KV
+cache; then one forward pass per generated token for the rows still generating (a finished row
 leaves the batch and its KV cache, so one long request does not drag the short ones' rows
 through every later step). Left padding keeps every row's newest token in the last column,
 so each decode step feeds one column; `position_ids` are counted from each row's first real
-token, so a padded row sees the same positions (and, up to float rounding, the same values)
-as it would alone.
+token, so a row sees the same positions (and, up to float rounding, the same values) as it
+would alone. (A decode step still attends over the cache's padding columns, masked: a few
+products per row and step, against the prefill's whole blocks.)
 
 Capture uses `block_hooks(..., stop_after_last=False)` on the requested blocks only, for the
 prefill and every decode step: a row's residual stream is its prompt positions from the
@@ -49,7 +51,9 @@ from transformers.cache_utils import DynamicLayer
 from harvest.capture import block_hooks, check_capture
 from harvest.cpu_share import lower_thread
 from harvest.engines.base import Generation, SamplingSpec
+from harvest.engines.hf_prefill import packed_prefill
 from harvest.errors import CaptureFailed, InvalidRequest
+from harvest.settings import get_settings
 from harvest.tokenize import load_tokenizer
 
 __all__ = ["hf_generate", "GrowingLayer", "growing_cache", "DECODE_NICE"]
@@ -264,46 +268,22 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
     eos_ids = _eos_ids(hf_model)
     layers = sorted(set(layers)) if layers else None
 
-    batch, lengths = len(prompts), [len(p) for p in prompts]
-    width = max(lengths)
-    pad_id = hf_model.config.pad_token_id if hf_model.config.pad_token_id is not None else 0
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
+    batch = len(prompts)
+    settings = get_settings()
     cache = growing_cache(hf_model.config)
     rows = [_Row(spec=spec, generator=_generator(spec)) for spec in sampling]
-    prefill: torch.Tensor | None = None  # [L, batch, width, hidden] bf16
     # Per decode step: [L, rows in that step, hidden] bf16, and each row's column in it.
     steps: list[tuple[torch.Tensor, dict[int, int]]] = []
     running = list(range(batch))  # the original row of each row of the current batch
-    forward_passes = 0
 
     hooks = block_hooks(engine.blocks, layers, stop_after_last=False) if layers else nullcontext({})
     with _cpu_share(device), hooks as captured:
+        prefilled = packed_prefill(hf_model, prompts, cache, captured, layers, row_tokens=settings.engine_row_tokens,
+                                   batch_tokens=settings.engine_batch_tokens)
+        attention_mask, position_ids = prefilled.attention_mask, prefilled.position_ids
+        logits = prefilled.logits
+        forward_passes = prefilled.passes
         while True:
-            captured.clear()
-            out = hf_model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,  # only the newest position's logits are ever read
-            )
-            forward_passes += 1
-            if layers:
-                check_capture(captured, layers, tuple(input_ids.shape))
-                stacked = torch.stack([captured[layer].to(torch.bfloat16) for layer in layers])
-                if prefill is None:
-                    prefill = stacked
-                else:
-                    steps.append((stacked[:, :, 0], {r: i for i, r in enumerate(running)}))
-            logits = out.logits[:, -1].float()
             next_tokens = []
             for i, r in enumerate(running):
                 row = rows[r]
@@ -326,12 +306,27 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
             input_ids = torch.tensor(next_tokens, dtype=torch.long, device=device).view(-1, 1)
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
             position_ids = position_ids[:, -1:] + 1
+            captured.clear()
+            out = hf_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,  # only the newest position's logits are ever read
+            )
+            forward_passes += 1
+            if layers:
+                check_capture(captured, layers, tuple(input_ids.shape))
+                stacked = torch.stack([captured[layer].to(torch.bfloat16) for layer in layers])
+                steps.append((stacked[:, :, 0], {r: i for i, r in enumerate(running)}))
+            logits = out.logits[:, -1].float()
 
     generations = []
     for r, (prompt, row) in enumerate(zip(prompts, rows)):
         residual = None
         if layers:
-            parts = [prefill[:, r, width - len(prompt) :]]
+            parts = [prefilled.residual[r]]
             # A row is in every decode step until it finishes: steps 0 .. n_generated - 2.
             parts += [step[:, columns[r] : columns[r] + 1] for step, columns in steps[: len(row.ids) - 1]]
             residual = torch.cat(parts, dim=1).cpu()
@@ -347,7 +342,7 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
                 token_logprobs=row.token_logprobs if row.spec.logprobs is not None else None,
                 top_logprobs=row.top_logprobs if row.spec.logprobs is not None else None,
                 residual=residual,
-                extra={"forward_passes": forward_passes, "batch_size": batch},
+                extra={"forward_passes": forward_passes, "batch_size": batch, "prefill_padded_tokens": prefilled.padded_tokens},
             )
         )
     return generations

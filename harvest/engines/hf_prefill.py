@@ -1,0 +1,113 @@
+"""The prefill of a batch of completions on the HF engine, packed instead of padded.
+
+Inline requests come with prompts of any length; a prefill padded to the longest spends its
+compute on filler. So the prompts run packed, as a harvest's do (`harvest.engines.packing`):
+rows of whole prompts back to back, each with positions from 0. A prefill must also fill the
+KV cache, and transformers only recognises packed positions without a cache, so the mask is
+given explicitly: a 4-D additive mask that lets each token see the earlier tokens of its own
+prompt only (the same block-diagonal causal mask transformers builds for packed sequences).
+The keys and values each pass leaves in its own cache are then laid out left-padded, one row
+per prompt, in the decode cache, which is exactly what a padded prefill would have left there
+(keys carry their rotary positions, counted from each prompt's first token); decoding goes on
+from there unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from harvest.capture import check_capture
+from harvest.engines.packing import packed_inputs, plan_passes
+
+__all__ = ["Prefilled", "packed_prefill", "block_causal_mask"]
+
+
+@dataclass
+class Prefilled:
+    """What decoding starts from, one row per prompt (in the order given)."""
+
+    logits: torch.Tensor
+    """float32 `[batch, vocab]`: each prompt's last position."""
+    residual: list[torch.Tensor] | None
+    """Per prompt, bf16 `[n_layers, n_tokens, hidden]` of the captured layers (None: no capture)."""
+    attention_mask: torch.Tensor
+    """`[batch, width]`, 0 on the left padding of the decode cache."""
+    position_ids: torch.Tensor
+    """`[batch, 1]`: each prompt's last position."""
+    passes: int
+    padded_tokens: int
+    """Filler tokens the packed passes ran."""
+
+
+def block_causal_mask(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[rows, 1, width, width]`: 0 where a token may attend (an earlier or the
+    same token of its own prompt, a prompt being a run of positions counting up from 0), the
+    dtype's lowest value elsewhere."""
+    starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+    segment = starts.cumsum(-1)
+    same = segment[:, :, None] == segment[:, None, :]
+    width = positions.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
+    allowed = same & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+@torch.inference_mode()
+def packed_prefill(hf_model, prompts: list[list[int]], cache, captured: dict[int, torch.Tensor], layers: list[int] | None,
+                   *, row_tokens: int, batch_tokens: int) -> Prefilled:
+    """Run every prompt's prefill in packed passes, fill `cache` (empty, one row per prompt,
+    left-padded) and collect `captured` (the hooks' dict) per prompt."""
+    device = next(hf_model.parameters()).device
+    dtype = next(hf_model.parameters()).dtype
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    config = hf_model.config
+    n_layers = config.num_hidden_layers
+    logits: list[torch.Tensor | None] = [None] * len(prompts)
+    residual: list[torch.Tensor | None] = [None] * len(prompts)
+    keys: list[torch.Tensor | None] = [None] * n_layers
+    values: list[torch.Tensor | None] = [None] * n_layers
+    plans = plan_passes(lengths, row_tokens=row_tokens, batch_tokens=batch_tokens)
+    for plan in plans:
+        input_ids, positions, places = packed_inputs(prompts, plan)
+        input_ids, positions = input_ids.to(device), positions.to(device)
+        ends = sorted({column + lengths[index] - 1 for index, _, column in places})
+        at = {column: k for k, column in enumerate(ends)}
+        own = DynamicCache(config=config)
+        captured.clear()
+        out = hf_model(input_ids=input_ids, attention_mask=block_causal_mask(positions, dtype), position_ids=positions,
+                       past_key_values=own, use_cache=True, logits_to_keep=torch.tensor(ends, device=device))
+        if layers:
+            check_capture(captured, layers, tuple(input_ids.shape))
+        for index, row, column in places:
+            n = lengths[index]
+            logits[index] = out.logits[row, at[column + n - 1]].float()
+            if layers:
+                residual[index] = torch.stack([captured[layer][row, column : column + n] for layer in layers]).to(torch.bfloat16)
+        for k, layer in enumerate(own.layers):
+            if keys[k] is None:  # the decode cache's storage, left-padded, once the shapes are known
+                keys[k] = layer.keys.new_zeros((len(prompts), layer.keys.shape[1], width, layer.keys.shape[3]))
+                values[k] = layer.values.new_zeros((len(prompts), layer.values.shape[1], width, layer.values.shape[3]))
+            for index, row, column in places:
+                n = lengths[index]
+                keys[k][index, :, width - n :] = layer.keys[row, :, column : column + n]
+                values[k][index, :, width - n :] = layer.values[row, :, column : column + n]
+        del own, out
+    for k, layer in enumerate(cache.layers):
+        layer.update(keys[k], values[k])
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for index, n in enumerate(lengths):
+        attention_mask[index, width - n :] = 1
+    return Prefilled(
+        logits=torch.stack(logits),
+        residual=residual if layers else None,
+        attention_mask=attention_mask,
+        position_ids=torch.tensor([[n - 1] for n in lengths], device=device),
+        passes=len(plans),
+        padded_tokens=sum(p.padded_tokens for p in plans),
+    )
