@@ -211,12 +211,13 @@ def steady(ids_path: Path, layers: list[int], rounds: int) -> dict:
 
 
 def _median_arm(runs: list[dict]) -> dict:
-    ordered = sorted(runs, key=lambda r: r["corpus_s"])
-    middle = dict(ordered[len(ordered) // 2])
-    middle["runs"] = [round(r["corpus_s"], 2) for r in runs]
-    middle["whole_runs"] = [round(r["whole_s"], 2) for r in runs]
-    middle["whole_s"] = statistics.median(r["whole_s"] for r in runs)
-    return middle
+    """The arm's medians over the rounds (of two: their mean), each round's figures kept."""
+    summary = dict(runs[0])
+    for field in ("corpus_s", "whole_s"):
+        summary[field] = statistics.median(r[field] for r in runs)
+    summary["runs"] = [round(r["corpus_s"], 2) for r in runs]
+    summary["whole_runs"] = [round(r["whole_s"], 2) for r in runs]
+    return summary
 
 
 def main() -> None:

@@ -65,8 +65,9 @@ class HarvestRequest(BaseModel):
     shard_size: WholeInt = Field(default=32, ge=1, le=4096)
     """Prompts per shard file; the lane's `max_shard_bytes` bounds what one may hold."""
     batch_size: WholeInt | None = Field(default=None, ge=1, le=4096)
-    """Forward batch (prompts) on the HF reference engine only, a hint: a forward pass never
-    holds more padded tokens than the engine's token budget; vLLM batches on its own."""
+    """Most prompts in one forward pass of the HF reference engine, a hint: a pass never holds
+    more tokens than the engine's token budget, and packs prompts instead of padding them
+    (`harvest.engines.packing`); vLLM batches on its own."""
     add_special_tokens: bool = True
     """True prepends the model's BOS token to each prompt; false tokenizes the text verbatim."""
     project_onto: ProjectOnto | None = None

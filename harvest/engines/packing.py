@@ -11,8 +11,8 @@ values equal those of its own single-prompt forward pass (checked in tests/test_
 
 - Rows are filled best-fit, longest prompt first, up to `row_tokens`; a prompt longer than
   that is a row of its own. A row's attention is computed over the whole row (the mask only
-  hides the other prompts), which is why rows stay short: at 512 tokens that part is small
-  beside the blocks' matrix products.
+  hides the other prompts), which is why rows stay short (`HARVEST_ENGINE_ROW_TOKENS`, 128):
+  then that part is small beside the blocks' matrix products.
 - A forward pass takes rows of the same width, by construction or within `PAD_BUDGET`: the
   rows are sorted by length and a row joins a pass only while the pass's filler (the tail of
   each row shorter than the longest) stays within the budget. With one row per pass (a short
