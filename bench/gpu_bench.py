@@ -3,7 +3,7 @@
 `hf`: the HF engine on a checkpoint of Llama-3.1-8B's shapes (random bf16 weights built on
 the device, saved, loaded by `HFEngine(model)` through `load_hf_model`; `bench/gpu_checkpoint.py`).
 Arms, interleaved each round on the same prompts: a bare `model.model` forward over the same
-right-padded batches the engine makes (the baseline), and harvest (`HFEngine.capture`, hooks +
+packed passes the engine makes (the baseline), and harvest (`HFEngine.capture`, hooks +
 `PromptReducer`: statistics and the copy to host) at the quartile blocks [8, 16, 24], at all
 32, projected onto 8 directions at the quartiles, and at the quartiles into a shard file on
 local disk as a run writes it (`StagedShard` as the sink); then the capture's values against
@@ -19,7 +19,8 @@ part's (bf16 on both, so a loose figure, reported rather than judged). Without v
 records that it was skipped and why.
 `parity`: `bench/gpu_parity.py` (llama-tiny in float32 against HF, the CPU tests' tolerances).
 
-Sizes: default 48 prompts of 256-768 tokens, 3 rounds; `--quick` (GPU_BENCH_QUICK=1) 16
+Sizes: default 48 prompts of 16-1,024 tokens, log-uniform as real text's lengths spread
+(the packed passes are what that measures), 3 rounds; `--quick` (GPU_BENCH_QUICK=1) 16
 prompts of 128-256, 1 round; `--smoke` (GPU_BENCH_SMOKE=1) the same code at a CPU's size.
 `GPU_BENCH_DEADLINE` (epoch seconds, set by gpu.sh) cuts rounds short so a part always
 records what it measured before its time runs out. Engines are constructed explicitly
@@ -65,9 +66,11 @@ def _device_name() -> str:
 
 
 def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
-    """Random token ids after a BOS (id 0), lengths uniform in [lo, hi]; the same for every part."""
+    """Random token ids after a BOS (id 0), lengths log-uniform in [lo, hi] (many short, a few
+    long, as paragraphs of real text are); the same for every part."""
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(lo, hi + 1, (n,), generator=generator).tolist()
+    spread = torch.rand(n, generator=generator) * (np.log(hi) - np.log(lo)) + np.log(lo)
+    lengths = [max(lo, min(hi, round(float(np.exp(x))))) for x in spread]
     return [[0] + torch.randint(2, vocab, (k - 1,), generator=generator).tolist() for k in lengths]
 
 
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", default=os.environ.get("GPU_BENCH_QUICK") == "1", help="dry run: small sizes, 1 round")
     parser.add_argument("--smoke", action="store_true", default=os.environ.get("GPU_BENCH_SMOKE") == "1", help="CPU-sized shapes (script check)")
     args = parser.parse_args(argv)
-    sizes = (8, 16, 48, 1) if args.smoke else (16, 128, 256, 1) if args.quick else (48, 256, 768, 3)
+    sizes = (8, 16, 48, 1) if args.smoke else (16, 128, 256, 1) if args.quick else (48, 16, 1024, 3)
     for name, value in zip(("prompts", "min_len", "max_len", "rounds"), sizes):
         if getattr(args, name) is None:
             setattr(args, name, value)
