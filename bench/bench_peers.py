@@ -31,8 +31,9 @@ already tokenized, which spares them the tokenizer's load). Free: `bare` × bloc
 Values: every arm's against `handwritten` (`peer_arms.compare`: per-token cosine ≥ 0.9999 and
 relative RMS ≤ 1 %, position 0 apart), and `make run`'s files against `harvest run`'s.
 
-    bash bench/peers_venv.sh                  # once: the peers' own venv
-    .venv/bin/python bench/bench_peers.py [--rounds 2] [--skip make_run,saelens] [--json out.json]
+    .venv/bin/python bench/bench_peers.py [--rounds 3] [--skip make_run,saelens,...] [--json out.json]
+
+(the first run builds the peers' own venv, `.venv-peers`, with `bench/peers_venv.sh`).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def _median_arm(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", default="7,15,22")
     parser.add_argument("--skip", default="", help="comma-separated arms to leave out")
     parser.add_argument("--json", help="write every figure here too")
@@ -234,6 +235,8 @@ def main() -> None:
         print(json.dumps(steady(Path(args.work) / "ids.json", layers, args.rounds)))
         return
     skip = set(filter(None, args.skip.split(",")))
+    if not PEERS_PY.exists() and set(PEER_ARMS[2:]) - skip:
+        subprocess.run(["bash", str(REPO / "bench" / "peers_venv.sh")], check=True)  # the peers' own venv, once
     texts = corpus_texts()
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     ids = _tokenized(texts)
