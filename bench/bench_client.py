@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,9 @@ import numpy as np
 from harvest_client import ActivationDataset, Client
 from harvest_client.download import Downloader
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack import harvest_up  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = [2, 5]
 
@@ -45,30 +46,11 @@ def live_stack():
     if os.environ.get("ACS_API_BASE") and os.environ.get("ACS_API_KEY"):
         yield os.environ["ACS_API_BASE"], os.environ["ACS_API_KEY"]
         return
-    from fleet.processes import free_port
-
     home = Path(tempfile.mkdtemp(prefix="bench-client-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HARVEST_"))}
-    env.update(HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"), HARVEST_USE_VLLM="0",
-               HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()))
-    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "harvest"), "up"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=open(home / "up.log", "w"), text=True, start_new_session=True)
-    ready: dict[str, str] = {}
     try:
-        for line in proc.stdout:
-            name, _, value = line.strip().partition("=")
-            ready[name] = value
-            if "PREFECT_UI" in ready:
-                break
-        if "ACS_API_KEY" not in ready:
-            raise RuntimeError(f"harvest up did not start:\n{(home / 'up.log').read_text()[-2000:]}")
-        yield ready["ACS_API_BASE"], ready["ACS_API_KEY"]
+        with harvest_up(home, HARVEST_USE_VLLM="0") as stack:
+            yield stack
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(home, ignore_errors=True)
 
 

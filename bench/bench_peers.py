@@ -1,9 +1,9 @@
 """The service against the tools a researcher would pick instead, side by side on real text.
 
 Corpus: the paragraphs of the GNU GPL version 3 (`/usr/share/common-licenses/GPL-3`, from
-Debian's base-files; the same text as gnu.org), 122 paragraphs of 1 to 213 tokens of
-`smollm2-135m`: real prose with the spread of lengths real prose has (a heading, a sentence,
-a long clause). Quartile layers 7, 15, 22 unless `--layers` says otherwise; bf16 values
+Debian's base-files; the same text as gnu.org), 122 paragraphs, 6,919 tokens of
+`smollm2-135m`, 3 to 193 each (median 47): real prose with the spread of lengths real prose
+has (a heading, a sentence, a long clause). Quartile layers 7, 15, 22 unless `--layers` says otherwise; bf16 values
 written to safetensors on local disk by every arm that captures.
 
 Arms, each a process of its own, started in turn, `--rounds` times (the median is reported):
@@ -25,11 +25,15 @@ server's choice of engine should rest on.
 Corpus time: the arm's loop over the corpus, writes included (for `harvest run`, the time it
 prints for the job: forward passes, files, statistics and manifest). Whole: from spawn to
 exit (imports, load and tokenizing included for `harvest run`; the peer arms get the corpus
-already tokenized, which spares them the tokenizer's load). Free: `bare` × blocks in the model
-÷ blocks the capture runs (it stops after the deepest requested block).
+already tokenized, which spares them the tokenizer's load). Free: the corpus time a capture
+would take if it cost only the blocks it runs, `bare` × blocks run ÷ blocks in the model (it
+stops after the deepest requested block); "vs free" is that time over the arm's.
 
-Values: every arm's against `handwritten` (`peer_arms.compare`: per-token cosine ≥ 0.9999 and
-relative RMS ≤ 1 %, position 0 apart), and `make run`'s files against `harvest run`'s.
+Values: every arm's, `make run`'s files included, against `handwritten` (`peer_arms.compare`:
+per-token cosine ≥ 0.9999 and relative RMS ≤ 1 %, position 0 apart).
+
+Rows: `--rows 64,128,...` adds, in the `steady` process, the HF engine's capture of the corpus
+in 32-prompt shards at each `HARVEST_ENGINE_ROW_TOKENS` (what chose its default).
 
     .venv/bin/python bench/bench_peers.py [--rounds 3] [--skip make_run,saelens,...] [--json out.json]
 
@@ -43,19 +47,18 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from peer_arms import compare, load_values  # noqa: E402
+from stack import harvest_up  # noqa: E402
 
 __all__ = ["corpus_texts", "main"]
 
@@ -133,34 +136,6 @@ def shard_values(folder: Path, layers: list[int]) -> dict[tuple[int, int], objec
     return values
 
 
-@contextmanager
-def make_run_stack(home: Path):
-    """`harvest up` as `make run` starts it, in `home`: yields (api base, key)."""
-    from fleet.processes import free_port
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "HARVEST_", "ACS_"))}
-    env.update(HARVEST_HOME=str(home), PREFECT_HOME=str(home / "prefect"),
-               HARVEST_PORT=str(free_port()), HARVEST_PREFECT_PORT=str(free_port()))
-    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "harvest"), "up"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=open(home / "up.log", "w"), text=True, start_new_session=True)
-    ready: dict[str, str] = {}
-    try:
-        for line in proc.stdout:
-            name, _, value = line.strip().partition("=")
-            ready[name] = value
-            if "PREFECT_UI" in ready:
-                break
-        if "ACS_API_KEY" not in ready:
-            raise RuntimeError(f"harvest up did not start:\n{(home / 'up.log').read_text()[-2000:]}")
-        yield ready["ACS_API_BASE"], ready["ACS_API_KEY"]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int) -> list[dict]:
     """Each round: the corpus through `make run`'s stack, submit to verified files, on an
     engine server another job has already warmed."""
@@ -169,7 +144,7 @@ def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int) 
     home = Path(tempfile.mkdtemp(prefix="bench-peers-up-"))
     results = []
     try:
-        with make_run_stack(home) as (base, key):
+        with harvest_up(home) as (base, key):
             client = Client(api_base=base, api_key=key)
             client.harvest(MODEL, texts[::-1][:16], out=str(work / "make_run_warmup"), layers=layers, progress=False)
             for r in range(rounds):
@@ -187,8 +162,16 @@ def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int) 
     return results
 
 
-def steady(ids_path: Path, layers: list[int], rounds: int) -> dict:
-    """In this process: both engines loaded once; the corpus in 32-prompt shards, alternating."""
+def _shards(engine, ids: list[list[int]], spec) -> None:
+    for start in range(0, len(ids), 32):
+        engine.capture(ids[start : start + 32], spec)
+
+
+def steady(ids_path: Path, layers: list[int], rounds: int, rows: list[int]) -> dict:
+    """In this process: both engines loaded once; the corpus in 32-prompt shards, alternating;
+    then the HF engine at each row size of `rows`."""
+    from harvest.settings import get_settings
+
     from harvest.capture import CaptureSpec
     from harvest.engines.hf import HFEngine
     from harvest.engines.vllm import VLLMEngine
@@ -201,14 +184,22 @@ def steady(ids_path: Path, layers: list[int], rounds: int) -> dict:
     times: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():
         engine.capture(ids[:8], spec)  # first-call allocations
+    row_times: dict[int, list[float]] = {r: [] for r in rows}
     for _ in range(rounds):
         for name, engine in engines.items():
             started = time.perf_counter()
-            for start in range(0, len(ids), 32):
-                engine.capture(ids[start : start + 32], spec)
+            _shards(engine, ids, spec)
             times[name].append(time.perf_counter() - started)
+        for r in rows:
+            os.environ["HARVEST_ENGINE_ROW_TOKENS"] = str(r)
+            get_settings.cache_clear()
+            started = time.perf_counter()
+            _shards(engines["hf"], ids, spec)
+            row_times[r].append(time.perf_counter() - started)
     tokens = sum(map(len, ids))
-    return {name: {"corpus_s": statistics.median(t), "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
+    answer = {name: {"corpus_s": statistics.median(t), "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
+    answer["rows"] = {r: statistics.median(t) for r, t in row_times.items()}
+    return answer
 
 
 def _median_arm(runs: list[dict]) -> dict:
@@ -227,12 +218,14 @@ def main() -> None:
     parser.add_argument("--layers", default="7,15,22")
     parser.add_argument("--skip", default="", help="comma-separated arms to leave out")
     parser.add_argument("--json", help="write every figure here too")
+    parser.add_argument("--rows", default="", help="row sizes for the HF engine's rows sweep (steady process)")
     parser.add_argument("--steady-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
     layers = [int(x) for x in args.layers.split(",")]
     if args.steady_only:
-        print(json.dumps(steady(Path(args.work) / "ids.json", layers, args.rounds)))
+        rows = [int(r) for r in args.rows.split(",") if r]
+        print(json.dumps(steady(Path(args.work) / "ids.json", layers, args.rounds, rows)))
         return
     skip = set(filter(None, args.skip.split(",")))
     if not PEERS_PY.exists() and set(PEER_ARMS[2:]) - skip:
@@ -267,7 +260,7 @@ def main() -> None:
     results = {name: _median_arm(r) for name, r in runs.items()}
     if "steady" not in skip:
         done = subprocess.run([str(PROJECT_PY), __file__, "--steady-only", "--work", str(work), "--layers", args.layers,
-                               "--rounds", str(args.rounds)], capture_output=True, text=True, cwd=REPO)
+                               "--rounds", str(args.rounds), "--rows", args.rows], capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
             raise RuntimeError(f"steady failed:\n{done.stderr[-3000:]}")
         results["steady"] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -287,7 +280,7 @@ def main() -> None:
     bare = results.get("bare")
     deepest = max(layers) + 1
     print()
-    print(f"| arm | corpus s | vs bare | vs free ({n_blocks}/{deepest}) | whole process s | padded tokens | values vs hand-written |")
+    print(f"| arm | corpus s | vs bare | vs free ({deepest}/{n_blocks} of bare) | whole process s | tokens beyond the prompts | values vs hand-written |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for name, r in results.items():
         if name == "steady":
@@ -303,6 +296,8 @@ def main() -> None:
         s = results["steady"]
         print(f"\nsteady state, engines loaded once (32-prompt shards): HF {s['hf']['corpus_s']:.2f} s "
               f"({s['hf']['tokens_per_s']:.0f} tokens/s), vLLM {s['vllm']['corpus_s']:.2f} s ({s['vllm']['tokens_per_s']:.0f} tokens/s)")
+        for r, seconds in s["rows"].items():
+            print(f"  HF engine, rows of {r} tokens: {seconds:.2f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "checks": checks}, indent=2, default=str))
     shutil.rmtree(work, ignore_errors=True)

@@ -57,8 +57,8 @@ named `p{i}.l{k}` (i: the prompt's index in the corpus as given) of shape `[n_to
 in bfloat16; `load_values(OUTDIR)` reads them back with torch and safetensors only.
 
 Last line on stdout, one JSON object: `arm`, `import_s`, `load_s`, `corpus_s` (the loop over
-all batches, writes included), `tokens` (real tokens), `padded_tokens` (tokens each forward
-pass was given, padding included), `whole_s` (from process start, or from `--started-at`, the
+all batches, writes included), `tokens` (real tokens), `padded_tokens` (tokens the forward
+passes ran beyond the prompts' own: the padding), `whole_s` (from process start, or from `--started-at`, the
 parent's `time.time()` at spawn, to the end of the arm's own work). Anything the tools print
 goes to stderr.
 """
@@ -258,7 +258,8 @@ def _hf_model(auto_class, model_dir: str):
 
 
 def _padded(batches: list[Batch]) -> int:
-    return sum(b.input_ids.numel() for b in batches)
+    """Tokens the forward passes ran beyond the prompts' own: the padding."""
+    return sum(b.input_ids.numel() - sum(b.lengths) for b in batches)
 
 
 def arm_bare(job: Job) -> tuple:
@@ -406,7 +407,8 @@ def arm_saelens(job: Job) -> tuple:
     t = time.perf_counter()
     _export_saelens(job, batches, order, rows, datasets_by_layer)
     export_s = time.perf_counter() - t
-    return import_s, load_s, corpus_s, n_rows * width, {"export_s": export_s, "_end": end}
+    padding = n_rows * width - sum(len(p) for p in job.prompts)  # the rows the runner ran, beyond the prompts
+    return import_s, load_s, corpus_s, padding, {"export_s": export_s, "_end": end}
 
 
 def _hidden_size(model_dir: str) -> int:

@@ -205,7 +205,7 @@ def collect_helpers(
             if action == COLLECT:
                 helper_timings = files.read_helper_timings(rng)
                 if helper_timings is not None:
-                    timings.add(Timings(**helper_timings))
+                    timings.add(Timings.from_dict(helper_timings))
             else:
                 what = kind.value if kind else "unknown"
                 logger.info("helper %s %s (%s); doing shards %s..%s here", child_id, action, what, rng[0], rng[1] - 1)

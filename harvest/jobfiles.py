@@ -40,7 +40,7 @@ __all__ = [
     "STATS",
     "MANIFEST",
     "RESULT_FILE",
-    "TIMING_KEYS",
+    "TIMING_KEYS", "TOKEN_KEYS",
     "shard_name",
     "part_name",
     "n_shards",
@@ -56,6 +56,7 @@ MANIFEST = "manifest.json"
 RESULT_FILE = re.compile(r"^(shard_\d{5}\.safetensors|stats\.safetensors|manifest\.json)$")
 """The names a result download link may point at (the shards, the statistics, the manifest)."""
 TIMING_KEYS = ("load_s", "forward_s", "save_s", "upload_s")
+TOKEN_KEYS = ("real_tokens", "padded_tokens")  # the forward passes' tokens, beside the seconds
 
 
 def shard_name(k: int) -> str:
@@ -174,11 +175,11 @@ class JobFiles:
         return progress
 
     # --- scale-out helpers' timings ----------------------------------------------------------
-    def write_helper_timings(self, shard_range: list[int], timings: dict[str, float]) -> None:
+    def write_helper_timings(self, shard_range: list[int], timings: dict[str, int | float]) -> None:
         """A helper run's timings for its `[start, stop)` range, for the parent to add up."""
         self.storage.write_bytes(_timings_name(*shard_range), json.dumps(timings).encode())
 
-    def read_helper_timings(self, shard_range: list[int]) -> dict[str, float] | None:
+    def read_helper_timings(self, shard_range: list[int]) -> dict[str, int | float] | None:
         """What `write_helper_timings` wrote for this range, or None."""
         name = _timings_name(*shard_range)
         if not self.storage.exists(name):
@@ -209,7 +210,7 @@ class JobFiles:
             "contents": manifest["contents"],
             "tokens": manifest["tokens"],
             "bytes_written": manifest["bytes_written"],
-            "timings": {k: float(timings.get(k, 0.0)) for k in TIMING_KEYS},
+            "timings": {**{k: float(timings.get(k, 0.0)) for k in TIMING_KEYS}, **{k: int(timings.get(k, 0)) for k in TOKEN_KEYS}},
         }
 
     def delete(self) -> None:

@@ -63,13 +63,19 @@ class Timings:
         for name in vars(self):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    @classmethod
+    def from_dict(cls, figures: dict) -> "Timings":
+        """What `as_dict` wrote, by another run (a scale-out helper, which may run other code
+        during an upgrade): unknown figures left out, missing ones 0."""
+        return cls(**{name: figures[name] for name in vars(cls()) if name in figures})
+
     def count(self, captured: "CapturedShard") -> None:
         """Add one shard's forward passes."""
         self.forward_s += captured.forward_s
         self.real_tokens += captured.staged.n_tokens
         self.padded_tokens += captured.padded_tokens
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, int | float]:
         return {k: round(v, 4) for k, v in vars(self).items()}
 
 

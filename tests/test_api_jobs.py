@@ -89,7 +89,9 @@ def test_a_done_job_has_a_result_with_links_that_need_no_key(harvest_api, key, d
     result = job["result"]
     assert result["n_shards"] == 2 and len(result["shard_urls"]) == 2
     assert result["layer_indices"] == [2, 4, 7] and result["contents"] == "activations"
-    assert set(result["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}
+    assert set(result["timings"]) == {"load_s", "forward_s", "save_s", "upload_s", "real_tokens", "padded_tokens"}
+    # The forward passes' tokens reach the API: those of every prompt (the job's own count).
+    assert result["timings"]["real_tokens"] == job["tokens"] and result["timings"]["padded_tokens"] >= 0
     assert result["bytes_written"] > 0 and job["urls_expired"] is False
     # The documented reading code, with plain HTTP and no key.
     shard = load_tensors(httpx.get(result["shard_urls"][0], timeout=30).content)

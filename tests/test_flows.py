@@ -37,7 +37,9 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
     assert [s["file"] for s in manifest["shards"]] == [f"shard_0000{k}.safetensors" for k in range(3)]  # the documented names
     assert job.files.read_result()["n_shards"] == 3 and job.files.shards_done() == 3
     assert manifest["layer_indices"] == [1, 3, 7]
-    assert set(manifest["timings"]) == {"load_s", "forward_s", "save_s", "upload_s"}
+    assert set(manifest["timings"]) == {"load_s", "forward_s", "save_s", "upload_s", "real_tokens", "padded_tokens"}
+    # The forward passes ran every prompt's tokens (the shards' token counts say how many).
+    assert manifest["timings"]["real_tokens"] == sum(n for s in manifest["shards"] for n in s["token_counts"])
     assert manifest["timings"]["load_s"] > 0 and manifest["bytes_written"] > 0
     shard = load_tensors(job.storage.read_bytes(shard_name(2)))
     assert set(shard) == {"prompt_8", "prompt_9", "tokens_8", "tokens_9"}

@@ -93,12 +93,13 @@ def test_read_result_from_the_manifest(tmp_path):
     assert files.read_result() is None and not files.has_manifest()
     manifest = {
         "shards": [{}, {}], "layer_indices": [1, 3], "contents": "activations", "tokens": 42,
-        "bytes_written": 1000, "timings": {"load_s": 1, "forward_s": 2.5, "extra_s": 9}, "created_at": "x",
+        "bytes_written": 1000, "timings": {"load_s": 1, "forward_s": 2.5, "extra_s": 9, "real_tokens": 40, "padded_tokens": 2},
+        "created_at": "x",
     }
     files.storage.write_bytes("manifest.json", json.dumps(manifest).encode())
     assert files.read_result() == {
         "n_shards": 2, "layer_indices": [1, 3], "contents": "activations", "tokens": 42, "bytes_written": 1000,
-        "timings": {"load_s": 1.0, "forward_s": 2.5, "save_s": 0.0, "upload_s": 0.0},
+        "timings": {"load_s": 1.0, "forward_s": 2.5, "save_s": 0.0, "upload_s": 0.0, "real_tokens": 40, "padded_tokens": 2},
     }
     files.discard_manifest()
     assert not files.has_manifest()

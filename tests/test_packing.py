@@ -163,8 +163,10 @@ def test_a_forward_pass_stays_within_batch_tokens_with_rows_of_many_prompts(hf_e
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()
-    # Only a prompt longer than the bound runs a longer pass, alone.
+    # Only a prompt longer than the bound runs a longer pass, alone; the short ones share rows.
     assert all(rows * width <= 300 or (rows == 1 and width == 301) for rows, width in log.shapes), log.shapes
+    assert sum(rows for rows, _ in log.shapes) < len(prompts)
+    assert sum(rows * width for rows, width in log.shapes) == sum(lengths) + capture.padded_tokens
     assert max(width for _, width in log.shapes) == 301
     for ids, value in zip(prompts, capture.values, strict=True):
         reference = hf_reference_layers(hf_engine.hf_model, ids, [2])
@@ -196,3 +198,26 @@ def test_inline_prefill_runs_packed_and_each_completion_is_the_prompts_own(hf_en
         reference = hf_reference_layers(hf_engine.hf_model, ran, [0, 7])
         assert got.residual.shape == reference.shape
         assert np.all(np.abs(got.residual.float().numpy() - reference) <= 2 * bf16_tolerance(reference)), len(prompt)
+
+
+def test_co_batched_shards_share_the_filler_that_ran(hf_engine, monkeypatch):
+    from harvest.settings import get_settings
+
+    monkeypatch.setenv("HARVEST_ENGINE_BATCH_TOKENS", "400")
+    monkeypatch.setenv("HARVEST_ENGINE_ROW_TOKENS", "100")
+    get_settings.cache_clear()
+    try:
+        rng = random.Random(4)
+        shards = [[[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+                  for lengths in ([99, 97, 3, 60, 41], [98, 95, 2, 57, 30, 12])]
+        log = TokensRun(hf_engine.hf_model)
+        try:
+            answers = hf_engine.capture_cobatch(shards, CaptureSpec(layers=[1]))
+        finally:
+            log.close()
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
+    real = sum(len(p) for shard in shards for p in shard)
+    assert sum(a.padded_tokens for a in answers) == log.total - real
+    assert all(a.padded_tokens >= 0 for a in answers)

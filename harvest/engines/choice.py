@@ -3,12 +3,12 @@
 `auto` decides per host and per kind of process, from what bench/ measured:
 - with CUDA and vLLM installed: vLLM, in every process (the GPU runs, bench/RESULTS.md "GPU");
 - on the CPU, a *one-off* process (`harvest run`, a flow run outside a worker host) loads its
-  engine for one job, so start-up counts: `harvest run` of a 6,919-token corpus took 16.1 s
-  as a whole process on vLLM against 9.3 s on the HF engine (vLLM's load 5.4 s against
-  0.3 s), for the same corpus time: the HF engine;
+  engine for one job, so start-up counts: `harvest run` of a 6,919-token corpus took 17.2 s
+  as a whole process on vLLM against 9.5 s on the HF engine (its corpus time 5.8 s against
+  5.0 s, the rest vLLM's imports and start-up): the HF engine;
 - on the CPU, a *warm* process (an engine server, an inline engine process) pays start-up
   once, so only throughput counts: with both loaded once, the HF engine's packed passes ran
-  that corpus at 1,506 tokens/s against vLLM's 1,267: the HF engine there too.
+  that corpus at 1,459 tokens/s against vLLM's 1,237: the HF engine there too.
 
 (bench/RESULTS.md, "Against the peers", `bench/bench_peers.py`.)
 
@@ -32,7 +32,7 @@ from harvest.settings import get_settings
 __all__ = ["EngineChoice", "choose_engine", "load_engine", "vllm_available"]
 
 CPU_ONE_OFF = ("auto: no CUDA device, and a one-off run pays its engine's start-up every time: "
-               "on the CPU the HF engine starts ~5 s sooner than vLLM and runs as fast")
+               "on the CPU the HF engine starts several seconds sooner than vLLM, and runs faster")
 CPU_WARM = ("auto: no CUDA device; a warm process pays start-up once, and on the CPU the HF engine's "
             "packed passes outran vLLM on real text (bench/RESULTS.md, \"Against the peers\")")
 

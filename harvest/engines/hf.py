@@ -23,10 +23,11 @@ import torch
 from harvest.capture import CaptureSpec, Landing, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
 from harvest.engines.base import Engine, ValueSink, tokens_per_piece
 from harvest.engines.packing import Pass, packed_inputs, plan_passes
+from harvest.errors import ModelUnavailable
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
 
-__all__ = ["HFEngine", "load_hf_model"]
+__all__ = ["HFEngine", "load_hf_model", "check_packable"]
 
 
 def load_hf_model(model: ModelInfo, device: torch.device | None = None):
@@ -39,12 +40,25 @@ def load_hf_model(model: ModelInfo, device: torch.device | None = None):
     return hf_model.to(device).eval()
 
 
+def check_packable(hf_model, name: str) -> None:
+    """Refuse a model whose attention would let packed prompts see each other: the packed
+    mask comes from transformers' sdpa and eager paths, and a sliding window would replace it."""
+    config = hf_model.config
+    attention = getattr(config, "_attn_implementation", None)
+    sliding = getattr(config, "sliding_window", None) is not None and (
+        getattr(config, "use_sliding_window", True) or "sliding_attention" in (getattr(config, "layer_types", None) or []))
+    if attention not in ("sdpa", "eager") or sliding:
+        raise ModelUnavailable(f"Model {name!r} cannot run on the HF engine's packed passes (attention {attention!r}"
+                               f"{', sliding window' if sliding else ''}); use HARVEST_ENGINE=vllm for it.")
+
+
 class HFEngine(Engine):
     name = "hf"
 
     def __init__(self, model: ModelInfo, device: torch.device | None = None):
         self.model = model
         self.hf_model = load_hf_model(model, device)
+        check_packable(self.hf_model, model.name)
         self.device = next(self.hf_model.parameters()).device
 
     @property
@@ -119,10 +133,13 @@ class HFEngine(Engine):
         for reducer, shard, sink in zip(reducers, shards, sinks, strict=True):
             answers.append(reducer.finish([] if sink is not None else values[first : first + len(shard)], started))
             first += len(shard)
-        # A co-batched pass's filler is shared by its shards: each is charged its share of tokens.
-        total = sum(lengths) or 1
+        # A co-batched pass's filler is shared by its shards, each charged its share of tokens
+        # (the last the remainder, so the shares add up to the filler that ran).
+        total, charged = sum(lengths) or 1, 0
         for answer, shard in zip(answers, shards, strict=True):
             answer.padded_tokens = round(padded * sum(len(p) for p in shard) / total)
+            charged += answer.padded_tokens
+        answers[-1].padded_tokens += padded - charged
         return answers
 
     def generate(self, prompts, sampling, layers):

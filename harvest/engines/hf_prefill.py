@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from harvest.capture import check_capture
-from harvest.engines.packing import packed_inputs, plan_passes
+from harvest.engines.packing import packed_inputs, plan_passes, segments
 
 __all__ = ["Prefilled", "packed_prefill", "block_causal_mask"]
 
@@ -46,8 +46,7 @@ def block_causal_mask(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     """Additive mask `[rows, 1, width, width]`: 0 where a token may attend (an earlier or the
     same token of its own prompt, a prompt being a run of positions counting up from 0), the
     dtype's lowest value elsewhere."""
-    starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
-    segment = starts.cumsum(-1)
+    segment = segments(positions)
     same = segment[:, :, None] == segment[:, None, :]
     width = positions.shape[-1]
     causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
@@ -62,8 +61,7 @@ def packed_prefill(hf_model, prompts: list[list[int]], cache, captured: dict[int
                    *, row_tokens: int, batch_tokens: int) -> Prefilled:
     """Run every prompt's prefill in packed passes, fill `cache` (empty, one row per prompt,
     left-padded) and collect `captured` (the hooks' dict) per prompt."""
-    device = next(hf_model.parameters()).device
-    dtype = next(hf_model.parameters()).dtype
+    device, dtype = hf_model.device, hf_model.dtype
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     config = hf_model.config
@@ -76,17 +74,18 @@ def packed_prefill(hf_model, prompts: list[list[int]], cache, captured: dict[int
     for plan in plans:
         input_ids, positions, places = packed_inputs(prompts, plan)
         input_ids, positions = input_ids.to(device), positions.to(device)
-        ends = sorted({column + lengths[index] - 1 for index, _, column in places})
-        at = {column: k for k, column in enumerate(ends)}
         own = DynamicCache(config=config)
         captured.clear()
-        out = hf_model(input_ids=input_ids, attention_mask=block_causal_mask(positions, dtype), position_ids=positions,
-                       past_key_values=own, use_cache=True, logits_to_keep=torch.tensor(ends, device=device))
+        out = hf_model.model(input_ids=input_ids, attention_mask=block_causal_mask(positions, dtype), position_ids=positions,
+                             past_key_values=own, use_cache=True)
         if layers:
             check_capture(captured, layers, tuple(input_ids.shape))
+        # Only each prompt's last position is sampled from: the LM head runs on those alone.
+        last = out.last_hidden_state[[row for _, row, _ in places], [column + lengths[index] - 1 for index, _, column in places]]
+        for (index, _, _), row_logits in zip(places, hf_model.get_output_embeddings()(last).float(), strict=True):
+            logits[index] = row_logits
         for index, row, column in places:
             n = lengths[index]
-            logits[index] = out.logits[row, at[column + n - 1]].float()
             if layers:
                 residual[index] = torch.stack([captured[layer][row, column : column + n] for layer in layers]).to(torch.bfloat16)
         for k, layer in enumerate(own.layers):

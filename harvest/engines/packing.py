@@ -2,8 +2,9 @@
 
 Real text varies in length (a corpus of paragraphs runs from 1 to a few hundred tokens), and
 a batch padded to its longest prompt spends compute on tokens that belong to no prompt: on a
-2-core CPU one padded batch per 32-prompt shard made a harvest of prose ~5x slower than the
-same prompts in length-sorted batches (bench/RESULTS.md, "Peers"). So prompts are *packed*:
+2-core CPU one padded batch per 32-prompt shard made `harvest run` of prose run at 0.61x a
+bare forward of the same prompts in length-sorted batches (issue 34; what packing does
+instead: bench/RESULTS.md, "Against the peers"). So prompts are *packed*:
 a row holds several whole prompts one after another, each with its own positions counted
 from 0, and transformers turns positions that restart into a block-diagonal causal mask
 (`masking_utils.find_packed_sequence_indices`), so a prompt attends to itself only and its
@@ -15,8 +16,8 @@ values equal those of its own single-prompt forward pass (checked in tests/test_
   then that part is small beside the blocks' matrix products.
 - A forward pass takes rows of the same width, by construction or within `PAD_BUDGET`: the
   rows are sorted by length and a row joins a pass only while the pass's filler (the tail of
-  each row shorter than the longest) stays within the budget. With one row per pass (a short
-  job, or a CPU's small `batch_tokens`) nothing is filler at all.
+  each row shorter than the longest) stays within the budget. A pass of one row has no filler
+  at all.
 
 Filler tokens carry positions of their own, so they form one more packed sequence that no
 prompt attends to; they are counted, and every job reports them (`padded_tokens`).
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PAD_BUDGET", "Pass", "plan_passes", "packed_inputs"]
+__all__ = ["PAD_BUDGET", "Pass", "plan_passes", "packed_inputs", "segments"]
 
 PAD_BUDGET = 1 / 64
 """The most filler a forward pass of several rows may hold, as a share of its tokens."""
@@ -57,7 +58,7 @@ class Pass:
 
 def _rows(lengths: list[int], row_tokens: int, max_prompts: int | None) -> list[list[int]]:
     """Best-fit decreasing: each prompt, longest first, goes into the row it fills most
-    closely (a sorted list of rows' room, so planning stays O(n log n) for 4,096 prompts)."""
+    closely (found by bisecting a sorted list of the rows' room: ~10 ms for 4,096 prompts)."""
     rows: list[list[int]] = []
     room: list[tuple[int, int]] = []  # (tokens left, row index), sorted
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -125,3 +126,10 @@ def packed_inputs(prompts: list[list[int]], plan: Pass) -> tuple[torch.Tensor, t
             column += n
         positions[r, column:] = torch.arange(plan.width - column)
     return input_ids, positions, places
+
+
+def segments(positions: torch.Tensor) -> torch.Tensor:
+    """Which packed sequence each token of `[rows, width]` positions belongs to (0, 1, … per
+    row): a sequence starts wherever the positions do not count up by one (`packed_inputs`
+    restarts them at 0 for each prompt and for a row's filler), as transformers reads them."""
+    return (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
