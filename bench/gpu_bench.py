@@ -127,8 +127,9 @@ def check_hf_capture(engine, prompts: list[list[int]], layers: list[int], result
                  f"`output_hidden_states` pass: max |diff| / max = {worst:.1e} (bf16 rounding is up to 3.9e-3)")
 
 
-def measure(arms: dict, rounds: int, results: Results, engine: str, tokens: int, baseline: str, blocks: dict) -> None:
-    """Warm each arm once, then `rounds` rounds with the arms interleaved; record medians."""
+def measure(arms: dict, rounds: int, results: Results, engine: str, tokens: int, baseline: str, blocks: dict) -> dict[str, float | None]:
+    """Warm each arm once, then `rounds` rounds with the arms interleaved; record medians and
+    return them (None for an arm with no timed round)."""
     times: dict[str, list[float]] = {name: [] for name in arms}
     failed: dict[str, str] = {}
     for round_ in range(rounds + 1):  # round 0 is the warm-up
@@ -151,9 +152,61 @@ def measure(arms: dict, rounds: int, results: Results, engine: str, tokens: int,
             if round_ > 0:
                 times[name].append(elapsed)
             print(f"gpu_bench: {engine} round {round_} {name}: {elapsed:.3f} s", flush=True)
+    medians = {}
     for name in arms:
-        seconds = statistics.median(times[name]) if times[name] else None
+        seconds = medians[name] = statistics.median(times[name]) if times[name] else None
         results.row(engine, name, name == baseline, seconds, tokens, blocks[name], failed.get(name) or (None if seconds else "no timed round"))
+    return medians
+
+
+def measure_bandwidths(folder: Path, results: Results, nbytes: int) -> float:
+    """What capturing every layer is held to (issue 34: at least half the lower of the two):
+    the host link, a device → pinned host copy, and the local disk, a write fsynced; GB/s,
+    median of 3 after a warm-up, noted. Returns the lower (the disk's alone without CUDA)."""
+
+    def median_rate(step) -> float:
+        rates = []
+        for round_ in range(4):
+            _sync()
+            started = time.perf_counter()
+            step()
+            _sync()
+            if round_:
+                rates.append(nbytes / (time.perf_counter() - started) / 1e9)
+        return statistics.median(rates)
+
+    chunk = np.zeros(16 << 20, dtype=np.uint8)
+    target = folder / "bandwidth.bin"
+
+    def write_disk() -> None:
+        with open(target, "wb") as f:
+            for _ in range(max(1, nbytes // chunk.nbytes)):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+
+    try:
+        disk = median_rate(write_disk)
+    finally:
+        target.unlink(missing_ok=True)
+    rates = {"disk write": disk}
+    if torch.cuda.is_available():
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        rates["pinned device→host copy"] = median_rate(lambda: pinned.copy_(on_device, non_blocking=True))
+        del on_device, pinned
+    results.note("bandwidths: " + ", ".join(f"{name} {rate:.2f} GB/s" for name, rate in rates.items())
+                 + f" ({nbytes / 1e9:.2f} GB each, median of 3)")
+    return min(rates.values())
+
+
+def note_all_layers(results: Results, label: str, seconds: float | None, tokens: int, n_layers: int, hidden: int, limit: float) -> None:
+    """The all-layers arm's rate of stored values (bf16) against the lower bandwidth."""
+    if seconds is None:
+        return
+    rate = tokens * n_layers * hidden * 2 / seconds / 1e9
+    results.note(f"{label} all {n_layers} layers: values at {rate:.2f} GB/s, {rate / limit:.0%} of the lower bandwidth "
+                 f"({limit:.2f} GB/s; issue 34's target: at least 50 %)")
 
 
 COBATCH_JOBS, COBATCH_SHARDS, COBATCH_PROMPTS = 4, 3, 8
@@ -257,7 +310,9 @@ def run_hf(args, results: Results) -> int:
     blocks = {name: n_layers for name in arms}
     for name in (f"harvest, quartiles [{q}]", "harvest, 8-dir proj, quartiles", "harvest, quartiles, into a shard file"):
         blocks[name] = max(quartiles) + 1  # stops after the deepest
-    measure(arms, args.rounds, results, "HF", tokens, "bare forward", blocks)
+    seconds = measure(arms, args.rounds, results, "HF", tokens, "bare forward", blocks)
+    limit = measure_bandwidths(args.home, results, 64 << 20 if args.smoke else 1 << 30)
+    note_all_layers(results, "HF", seconds.get(f"harvest, all {n_layers}"), tokens, n_layers, model.hidden_size, limit)
     check_hf_capture(engine, prompts[:8], quartiles, results)
     check_shard_file(engine, prompts, quartiles, model.hidden_size, args.home, results, "HF")
     measure_cobatch(engine, prompts, quartiles, args.rounds, results, "HF")
@@ -315,7 +370,9 @@ def run_vllm(args, results: Results) -> int:
         "harvest, 8-dir proj, quartiles": lambda: engine.capture(prompts, CaptureSpec(layers=quartiles, directions=directions)),
         "harvest, quartiles, into a shard file": lambda: into_shard_file(engine, prompts, quartiles, model.hidden_size, args.home),
     }
-    measure(arms, args.rounds, results, "vLLM", tokens, "plain prefill", {name: n_layers for name in arms})
+    seconds = measure(arms, args.rounds, results, "vLLM", tokens, "plain prefill", {name: n_layers for name in arms})
+    limit = measure_bandwidths(args.home, results, 64 << 20 if args.smoke else 1 << 30)
+    note_all_layers(results, "vLLM", seconds.get(f"harvest, all {n_layers}"), tokens, n_layers, model.hidden_size, limit)
     check_shard_file(engine, prompts, quartiles, model.hidden_size, args.home, results, "vLLM")
     measure_cobatch(engine, prompts, quartiles, args.rounds, results, "vLLM")
 
