@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -78,7 +79,7 @@ def test_packed_inputs_place_each_prompt_with_positions_from_zero():
 
 
 class TokensRun:
-    """Every forward pass's `[rows, width]`, as the model received it (a pre-hook)."""
+    """Every forward pass's `[rows, width]`, as the model received it (a pre-hook, removed on exit)."""
 
     def __init__(self, hf_model):
         self.shapes: list[tuple[int, int]] = []
@@ -89,8 +90,26 @@ class TokensRun:
     def total(self) -> int:
         return sum(rows * width for rows, width in self.shapes)
 
-    def close(self):
+    def __enter__(self) -> "TokensRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
         self.handle.remove()
+
+
+@contextmanager
+def engine_bounds(monkeypatch, *, batch_tokens: int, row_tokens: int):
+    """The engine's token bounds, set as an operator sets them (the environment), for one block."""
+    from harvest.settings import get_settings
+
+    monkeypatch.setenv("HARVEST_ENGINE_BATCH_TOKENS", str(batch_tokens))
+    monkeypatch.setenv("HARVEST_ENGINE_ROW_TOKENS", str(row_tokens))
+    get_settings.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
 
 
 def test_each_prompt_equals_its_own_forward_pass_from_1_to_max_model_len(hf_engine, tiny):
@@ -99,11 +118,8 @@ def test_each_prompt_equals_its_own_forward_pass_from_1_to_max_model_len(hf_engi
     lengths = _spread(40, 1)
     prompts = [[rng.randrange(3, hf_engine.hf_model.config.vocab_size) for _ in range(n)] for n in lengths]
     layers = [0, 3, 7]
-    log = TokensRun(hf_engine.hf_model)
-    try:
+    with TokensRun(hf_engine.hf_model) as log:
         capture = hf_engine.capture(prompts, CaptureSpec(layers=layers))
-    finally:
-        log.close()
     # The model ran the prompts' tokens and the reported filler, nothing else.
     assert log.total == sum(lengths) + capture.padded_tokens
     assert capture.padded_tokens <= PAD_BUDGET * sum(lengths)
@@ -123,11 +139,8 @@ def test_a_job_reports_real_and_padded_tokens_and_its_files_hold_each_prompt_alo
     job = resolve_job(HarvestRequest(model="llama-tiny", prompts=texts, layers=[1, 6], shard_size=5, add_special_tokens=False), registry)
     storage = Storage("memory:///tests/packing-job")
     storage.delete_all()
-    log = TokensRun(hf_engine.hf_model)
-    try:
+    with TokensRun(hf_engine.hf_model) as log:
         run_job(job, storage, hf_engine, "job-packing")
-    finally:
-        log.close()
     manifest = json.loads(storage.read_bytes(MANIFEST))
     tokenizer = load_tokenizer(tiny.path)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:MAX_LEN] for t in texts]
@@ -147,22 +160,10 @@ def test_a_job_reports_real_and_padded_tokens_and_its_files_hold_each_prompt_alo
 
 
 def test_a_forward_pass_stays_within_batch_tokens_with_rows_of_many_prompts(hf_engine, tiny, monkeypatch):
-    from harvest.settings import get_settings
-
-    monkeypatch.setenv("HARVEST_ENGINE_BATCH_TOKENS", "300")
-    monkeypatch.setenv("HARVEST_ENGINE_ROW_TOKENS", "100")
-    get_settings.cache_clear()
-    try:
-        lengths = [1, 7, 30, 99, 100, 150, 299, 301, 12, 45, 60, 2]
-        prompts = [[4 + (i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
-        log = TokensRun(hf_engine.hf_model)
-        try:
-            capture = hf_engine.capture(prompts, CaptureSpec(layers=[2]))
-        finally:
-            log.close()
-    finally:
-        monkeypatch.undo()
-        get_settings.cache_clear()
+    lengths = [1, 7, 30, 99, 100, 150, 299, 301, 12, 45, 60, 2]
+    prompts = [[4 + (i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+    with engine_bounds(monkeypatch, batch_tokens=300, row_tokens=100), TokensRun(hf_engine.hf_model) as log:
+        capture = hf_engine.capture(prompts, CaptureSpec(layers=[2]))
     # Only a prompt longer than the bound runs a longer pass, alone; the short ones share rows.
     assert all(rows * width <= 300 or (rows == 1 and width == 301) for rows, width in log.shapes), log.shapes
     assert sum(rows for rows, _ in log.shapes) < len(prompts)
@@ -181,11 +182,8 @@ def test_inline_prefill_runs_packed_and_each_completion_is_the_prompts_own(hf_en
     vocab = hf_engine.hf_model.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 3, 40, 300, 700, 9)]
     greedy = [SamplingSpec(max_tokens=4, temperature=0)] * len(prompts)
-    log = TokensRun(hf_engine.hf_model)
-    try:
+    with TokensRun(hf_engine.hf_model) as log:
         together = hf_engine.generate(prompts, greedy, [0, 7])
-    finally:
-        log.close()
     prefill = [shape for shape in log.shapes if shape[1] > 1]
     padded = together[0].extra["prefill_padded_tokens"]
     # The prefill ran the prompts' tokens (and the reported filler), never rows padded to 700.
@@ -201,23 +199,11 @@ def test_inline_prefill_runs_packed_and_each_completion_is_the_prompts_own(hf_en
 
 
 def test_co_batched_shards_share_the_filler_that_ran(hf_engine, monkeypatch):
-    from harvest.settings import get_settings
-
-    monkeypatch.setenv("HARVEST_ENGINE_BATCH_TOKENS", "400")
-    monkeypatch.setenv("HARVEST_ENGINE_ROW_TOKENS", "100")
-    get_settings.cache_clear()
-    try:
-        rng = random.Random(4)
-        shards = [[[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
-                  for lengths in ([99, 97, 3, 60, 41], [98, 95, 2, 57, 30, 12])]
-        log = TokensRun(hf_engine.hf_model)
-        try:
-            answers = hf_engine.capture_cobatch(shards, CaptureSpec(layers=[1]))
-        finally:
-            log.close()
-    finally:
-        monkeypatch.undo()
-        get_settings.cache_clear()
+    rng = random.Random(4)
+    shards = [[[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+              for lengths in ([99, 97, 3, 60, 41], [98, 95, 2, 57, 30, 12])]
+    with engine_bounds(monkeypatch, batch_tokens=400, row_tokens=100), TokensRun(hf_engine.hf_model) as log:
+        answers = hf_engine.capture_cobatch(shards, CaptureSpec(layers=[1]))
     real = sum(len(p) for shard in shards for p in shard)
     assert sum(a.padded_tokens for a in answers) == log.total - real
     assert all(a.padded_tokens >= 0 for a in answers)
