@@ -121,7 +121,8 @@ def test_a_capture_that_misses_a_layer_fails(hf_engine, prompts):
     # One seam: block 3's hook sits on a copy that never runs, as a broken capture would.
     blocks = list(hf_engine.blocks)
     blocks[3] = copy.deepcopy(blocks[3])
-    broken = types.SimpleNamespace(hf_model=hf_engine.hf_model, device=hf_engine.device, model=hf_engine.model, blocks=blocks)
+    broken = types.SimpleNamespace(hf_model=hf_engine.hf_model, device=hf_engine.device, model=hf_engine.model, blocks=blocks,
+                                   passes=hf_engine.passes)
     from harvest.engines.hf_generate import hf_generate
 
     with pytest.raises(CaptureFailed, match=r"missed layer\(s\) \[3\]"):

@@ -53,7 +53,6 @@ from harvest.cpu_share import lower_thread
 from harvest.engines.base import Generation, SamplingSpec
 from harvest.engines.hf_prefill import packed_prefill
 from harvest.errors import CaptureFailed, InvalidRequest
-from harvest.settings import get_settings
 from harvest.tokenize import load_tokenizer
 
 __all__ = ["hf_generate", "GrowingLayer", "growing_cache", "DECODE_NICE"]
@@ -269,7 +268,6 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
     layers = sorted(set(layers)) if layers else None
 
     batch = len(prompts)
-    settings = get_settings()
     cache = growing_cache(hf_model.config)
     rows = [_Row(spec=spec, generator=_generator(spec)) for spec in sampling]
     # Per decode step: [L, rows in that step, hidden] bf16, and each row's column in it.
@@ -278,8 +276,7 @@ def hf_generate(engine, prompts: list[list[int]], sampling: list[SamplingSpec], 
 
     hooks = block_hooks(engine.blocks, layers, stop_after_last=False) if layers else nullcontext({})
     with _cpu_share(device), hooks as captured:
-        prefilled = packed_prefill(hf_model, prompts, cache, captured, layers, row_tokens=settings.engine_row_tokens,
-                                   batch_tokens=settings.engine_batch_tokens)
+        prefilled = packed_prefill(hf_model, prompts, engine.passes([len(p) for p in prompts]), cache, captured, layers)
         attention_mask, position_ids = prefilled.attention_mask, prefilled.position_ids
         logits = prefilled.logits
         forward_passes = prefilled.passes

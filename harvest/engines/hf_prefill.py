@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from harvest.capture import check_capture
-from harvest.engines.packing import packed_inputs, plan_passes, segments
+from harvest.engines.packing import Pass, packed_inputs, segments
 
 __all__ = ["Prefilled", "packed_prefill", "block_causal_mask"]
 
@@ -57,10 +57,11 @@ def block_causal_mask(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 @torch.inference_mode()
-def packed_prefill(hf_model, prompts: list[list[int]], cache, captured: dict[int, torch.Tensor], layers: list[int] | None,
-                   *, row_tokens: int, batch_tokens: int) -> Prefilled:
-    """Run every prompt's prefill in packed passes, fill `cache` (empty, one row per prompt,
-    left-padded) and collect `captured` (the hooks' dict) per prompt."""
+def packed_prefill(hf_model, prompts: list[list[int]], plans: list[Pass], cache, captured: dict[int, torch.Tensor],
+                   layers: list[int] | None) -> Prefilled:
+    """Run every prompt's prefill in the packed passes `plans` (the engine's, `HFEngine.passes`),
+    fill `cache` (empty, one row per prompt, left-padded) and collect `captured` (the hooks'
+    dict) per prompt."""
     device, dtype = hf_model.device, hf_model.dtype
     lengths = [len(p) for p in prompts]
     width = max(lengths)
@@ -70,7 +71,6 @@ def packed_prefill(hf_model, prompts: list[list[int]], cache, captured: dict[int
     residual: list[torch.Tensor | None] = [None] * len(prompts)
     keys: list[torch.Tensor | None] = [None] * n_layers
     values: list[torch.Tensor | None] = [None] * n_layers
-    plans = plan_passes(lengths, row_tokens=row_tokens, batch_tokens=batch_tokens)
     for plan in plans:
         input_ids, positions, places = packed_inputs(prompts, plan)
         input_ids, positions = input_ids.to(device), positions.to(device)
@@ -82,11 +82,10 @@ def packed_prefill(hf_model, prompts: list[list[int]], cache, captured: dict[int
             check_capture(captured, layers, tuple(input_ids.shape))
         # Only each prompt's last position is sampled from: the LM head runs on those alone.
         last = out.last_hidden_state[[row for _, row, _ in places], [column + lengths[index] - 1 for index, _, column in places]]
-        for (index, _, _), row_logits in zip(places, hf_model.get_output_embeddings()(last).float(), strict=True):
+        for (index, row, column), row_logits in zip(places, hf_model.get_output_embeddings()(last).float(), strict=True):
             logits[index] = row_logits
-        for index, row, column in places:
-            n = lengths[index]
             if layers:
+                n = lengths[index]
                 residual[index] = torch.stack([captured[layer][row, column : column + n] for layer in layers]).to(torch.bfloat16)
         for k, layer in enumerate(own.layers):
             if keys[k] is None:  # the decode cache's storage, left-padded, once the shapes are known

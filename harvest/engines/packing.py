@@ -86,25 +86,25 @@ def plan_passes(lengths: list[int], *, row_tokens: int, batch_tokens: int, max_p
     used = [sum(lengths[i] for i in row) for row in rows]
     passes: list[Pass] = []
     current: list[int] = []  # row indices, widest first
-    real = 0
+    real = n_prompts = 0
 
     def close() -> None:
-        nonlocal current, real
+        nonlocal current, real, n_prompts
         if current:
             passes.append(Pass(tuple(tuple(rows[r]) for r in current), used[current[0]], real))
-        current, real = [], 0
+        current, real, n_prompts = [], 0, 0
 
     for r in sorted(range(len(rows)), key=lambda r: (-used[r], r)):
         if current:
             width = used[current[0]]
             n_rows = len(current) + 1
             filler = n_rows * width - (real + used[r])
-            prompts = sum(len(rows[c]) for c in current) + len(rows[r])
             if (n_rows * width > batch_tokens or filler > PAD_BUDGET * n_rows * width
-                    or (max_prompts is not None and prompts > max_prompts)):
+                    or (max_prompts is not None and n_prompts + len(rows[r]) > max_prompts)):
                 close()
         current.append(r)
         real += used[r]
+        n_prompts += len(rows[r])
     close()
     return passes
 
