@@ -3,13 +3,15 @@
 The work is split so orchestration can spread it out: `run_shards` writes any range of shards
 (skipping those already written and verified), each shard's write running behind the next
 shard's forward pass (`ShardWriter`), and `finalize` merges the shards' statistics partials
-and writes `stats.safetensors` then `manifest.json`, listing each shard as stored (hashed
-again, whichever write of it stayed). `run_job` does both in one process, which is what
-`harvest run` uses; the flow calls the same two with its Prefect tasks.
+and writes `stats.safetensors` then `manifest.json`, listing each shard as stored. A shard is
+created once (`harvest.storage`): of two writes of it (a writer taken over while still alive
+and its successor) the first stands, the other lists that file instead of its own. `run_job`
+does both in one process, which is what `harvest run` uses; the flow calls the same two with
+its Prefect tasks.
 
 No process holds a whole shard: the engine hands each batch's values to the shard's file,
 staged on local disk (`harvest.shard_file`), as soon as they exist, and the write step hashes
-that file and publishes it (a rename on local disk, one multipart upload on S3). Memory
+that file and publishes it (a hard link on local disk, one multipart upload on S3). Memory
 follows `HARVEST_ENGINE_PIECE_BYTES` and `HARVEST_ENGINE_BATCH_TOKENS`, not `shard_size`.
 """
 
@@ -27,9 +29,10 @@ from safetensors.torch import save as save_tensors
 from harvest.engines.base import Engine, EngineLoad, hand_over
 from harvest.layers import RESIDUAL_STREAM_CONVENTION
 from harvest.manifest import MANIFEST, STATS, Manifest, ModelEntry, PromptEntry, statistics_sentence
+from harvest.metrics import count_forward, count_shard_written
 from harvest.request import ResolvedJob, check_token_total
 from harvest.shard_file import StagedShard
-from harvest.shards import ShardRecord, shard_name, shard_ranges, stored_stats, verified_part, write_part
+from harvest.shards import ShardRecord, read_part, shard_name, shard_ranges, stored_stats, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts
@@ -135,7 +138,12 @@ def capture_shard(job: ResolvedJob, engine: Engine, tokenized: list[TokenizedPro
 
 def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPrompt], k: int, captured: CapturedShard) -> tuple[ShardRecord, Timings]:
     """Hash and publish shard k's staged file, then its record (whose presence vouches for the
-    shard). Safe to call again after a failure (a task's retry): what is done is not redone."""
+    shard). Safe to call again after a failure (a task's retry): what is done is not redone.
+
+    The file is created once (`Storage.publish_file`). Where shard k exists already, another
+    write of it came first (this one was taken over, or took over a writer still alive; or it
+    is this write's own earlier try, whose answer was lost): that file stands, and the record
+    lists it, its size, sha256 and statistics, never this write's (`_as_stored`)."""
     indices = shard_ranges(len(tokenized), job.request.shard_size)[k]
     timings = Timings()
     started = time.perf_counter()
@@ -150,10 +158,16 @@ def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPro
     )
     timings.save_s = time.perf_counter() - started
     started = time.perf_counter()
-    if not captured.staged.published:
-        storage.publish_file(record.file, captured.staged.path)
-        captured.staged.published = True
-    write_part(storage, record, captured.stats)
+    staged, stats = captured.staged, captured.stats
+    if not staged.published:
+        try:
+            storage.publish_file(record.file, staged.path)
+        except FileExistsError:
+            staged.superseded = True
+        staged.published = True
+    if staged.superseded:
+        record, stats = _as_stored(job, storage, record, stats, storage.digest(record.file))
+    write_part(storage, record, stats)
     timings.upload_s = time.perf_counter() - started
     return record, timings
 
@@ -233,6 +247,7 @@ def run_shards(
         record, spent = result
         timings.save_s += spent.save_s
         timings.upload_s += spent.upload_s
+        count_shard_written(job.model.lane, record.bytes)
         on_shard(record, False)
 
     writer = ShardWriter(overlap=overlap, submit_write=submit_write)
@@ -247,9 +262,11 @@ def run_shards(
                 skipped += 1
                 on_shard(done[0], True)
                 continue
+            _remove_disowned(storage, k)
             capture = forward(k)
             staged.append(capture.staged)
             timings.count(capture)
+            count_forward(job.model.lane, capture.staged.n_tokens, capture.forward_s)
             writer.submit(written, write_shard, job, storage, tokenized, k, capture)
         ok = True
     finally:
@@ -264,25 +281,47 @@ HASH_THREADS = 4
 busy; memory is one `HASH_CHUNK_BYTES` buffer each."""
 
 
+def _remove_disowned(storage: Storage, k: int) -> None:
+    """Delete shard k's file if its record exists and names other bytes (damaged in place), so
+    that the write about to come can create it again; asked only of a shard that failed its
+    check. A record-less file is left alone: another write of it is between its file and its
+    record, and this one will list that file (`write_shard`)."""
+    try:
+        record, _ = read_part(storage, k)
+    except FileNotFoundError:
+        return
+    if storage.exists(record.file) and storage.digest(record.file) != (record.bytes, record.sha256):
+        logger.warning("shard %s does not match its record; writing it again", record.file)
+        storage.delete(record.file)
+
+
+def _as_stored(job: ResolvedJob, storage: Storage, record: ShardRecord, partial: RunningStats, digest: tuple[int, str]) -> tuple[ShardRecord, RunningStats]:
+    """`record` and its statistics `partial` made those of its file as stored, whose size and
+    sha256 are `digest`: unchanged where they match, else the stored size and hash, and the
+    statistics read from the stored values (`stored_stats`)."""
+    size, sha256 = digest
+    if (size, sha256) == (record.bytes, record.sha256):
+        return record, partial
+    if size != record.bytes:
+        raise RuntimeError(f"shard {record.file} holds {size} bytes, its layout {record.bytes}; it is not a write of this shard")
+    logger.warning("shard %s was written by another write of it; listing the stored file", record.file)
+    n_features = job.spec.n_features(job.model.hidden_size)
+    stats = stored_stats(storage, record, len(job.layers), n_features, job.spec.stored_dtype)
+    return record.model_copy(update={"bytes": size, "sha256": sha256}), stats
+
+
 def stored_records(job: ResolvedJob, storage: Storage, n_shards: int) -> tuple[list[ShardRecord], RunningStats]:
     """Every shard's record, its size and sha256 those of the file as stored now, and the
     job's statistics merged over them.
 
-    Two processes can write the same shard: a scale-out helper taken over while still alive, a
-    crashed run rescheduled while its cut-off process goes on. Their values agree only to one
-    bf16 rounding (batching differs), so their files can differ, and each publishes its file
-    then its record: the record that stays can be the other write's. So each shard is hashed
-    again here, streamed (`Storage.digest`), `HASH_THREADS` at a time, and where a file is not
-    its record's, its statistics are read from the file too.
-
-    Why re-hash rather than write each attempt under a name of its own and rename it once into
-    place: the cost is one read of each shard per job (on local disk mostly from the page cache
-    the writes just filled; on S3 a streamed GET, like a resume's check), with no name changed.
-    A rename on S3 is a server-side copy, which also takes time in proportion to the shard's
-    size, doubles its storage until the original is deleted, moves the shards out of the job
-    folder's layout until the end, and still lets two finalizers each list one copy. Re-hashing
-    is right for any number of writers and finalizers, once the writes are over: a write landing
-    while this runs can still come after its hash.
+    A shard file never changes once created (`harvest.storage`), and each record names its
+    file's bytes (`write_shard`), so the hashes agree. They are checked again here all the
+    same, each shard streamed (`Storage.digest`), `HASH_THREADS` at a time, so that the
+    manifest vouches for what is stored, not for what was meant: a store that ignores
+    `If-None-Match` lets a late write replace a shard, and a file can be damaged after its
+    record. Where a file is not its record's, its statistics are read from the file too. The
+    cost is one read of each shard per job (on local disk mostly from the page cache the
+    writes just filled; on S3 a streamed GET, like a resume's check).
     """
     parts = []
     for k in range(n_shards):
@@ -294,11 +333,8 @@ def stored_records(job: ResolvedJob, storage: Storage, n_shards: int) -> tuple[l
         digests = list(pool.map(lambda part: storage.digest(part[0].file), parts))
     records: list[ShardRecord] = []
     stats = RunningStats(len(job.layers), job.spec.n_features(job.model.hidden_size))
-    for (record, partial), (size, sha256) in zip(parts, digests, strict=True):
-        if sha256 != record.sha256:
-            logger.warning("shard %s was replaced by another write of it after its record; listing the stored file", record.file)
-            partial = stored_stats(storage, record, len(job.layers), job.spec.n_features(job.model.hidden_size), job.spec.stored_dtype)
-            record = record.model_copy(update={"bytes": size, "sha256": sha256})
+    for (record, partial), digest in zip(parts, digests, strict=True):
+        record, partial = _as_stored(job, storage, record, partial, digest)
         records.append(record)
         stats.merge(partial)
     return records, stats
