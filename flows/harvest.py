@@ -30,8 +30,11 @@ manifest is written.
 
 from __future__ import annotations
 
+import time
+
 from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
+from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled as CancelledState
 from prefect.states import Failed, State
 
@@ -42,6 +45,7 @@ from harvest.cost import bytes_per_token
 from harvest.cpu_share import lower_priority, run_nice
 from harvest.errors import job_error
 from harvest.jobfiles import JobFiles
+from harvest.metrics import RUN_START_SECONDS
 from harvest.pipeline import Cancelled, tokenize_job
 from harvest.placement import place_run
 from harvest.registry import load_registry
@@ -52,6 +56,15 @@ from harvest.warm.client import open_engine
 from tasks.shards import ShardWork, finalize_job, run_shard_range
 
 __all__ = ["harvest", "ending"]
+
+
+def observe_run_start(lane: str, entered: float) -> None:
+    """The run-start latency (`harvest_run_start_seconds`): from when Prefect expected the run
+    to start (its creation by the API, or its rescheduling) to its flow code running here,
+    i.e. the lane's queue, the worker's poll and the run's start on its host."""
+    scheduled = current_run.scheduled_start_time
+    if scheduled is not None:
+        RUN_START_SECONDS.labels(lane).observe(max(0.0, entered - scheduled.timestamp()))
 
 
 def ending(exc: BaseException, job_id: str, files: JobFiles, run: RunProgress | None, helper: bool) -> State:
@@ -87,6 +100,7 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
         None: as many as the lane's free slots allow (`flows.placement.choose_workers`).
     shard_range: `[start, stop)` for a helper run: write those shards only, no manifest.
     """
+    entered = time.time()
     logger = get_run_logger()
     settings = get_settings()  # in this flow run's process: its own environment
     files = JobFiles.from_request_url(request_url)
@@ -96,6 +110,7 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
     try:
         # 1. The request, tokenized.
         job = resolve_job(files.read_request(), load_registry())
+        observe_run_start(job.model.lane, entered)
         tokenized = tokenize_job(job)
         ranges = shard_ranges(len(tokenized), job.request.shard_size)
         n_shards = len(ranges)

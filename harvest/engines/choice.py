@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,6 +27,7 @@ import torch
 
 from harvest.engines.base import Engine
 from harvest.errors import ModelUnavailable
+from harvest.metrics import observe_engine_load
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
 
@@ -67,9 +69,17 @@ def choose_engine(setting: str | None = None, *, warm: bool = False) -> EngineCh
 
 
 def load_engine(model: ModelInfo, choice: EngineChoice | str | None = None, *, warm: bool = False) -> Engine:
-    """Load `model` on the chosen engine (default: `choose_engine(warm=warm)`)."""
+    """Load `model` on the chosen engine (default: `choose_engine(warm=warm)`); every load is
+    counted with its seconds (`harvest.metrics`: engine servers, inline engines, one-off runs)."""
     if not isinstance(choice, EngineChoice):
         choice = choose_engine(choice, warm=warm)
+    started = time.perf_counter()
+    engine = _construct(model, choice)
+    observe_engine_load(model.lane, model.name, choice.name, time.perf_counter() - started)
+    return engine
+
+
+def _construct(model: ModelInfo, choice: EngineChoice) -> Engine:
     if choice.name == "vllm":
         from harvest.engines.vllm import VLLMEngine
 
