@@ -9,9 +9,11 @@ and its range done here; one that ended without finishing has its range resumed 
 Crashed, Cancelling or unreadable for `HARVEST_HELPER_STALL_S` is taken over too. A Running
 helper is waited for: if its host dies, Prefect's heartbeat automation marks it Crashed, and
 then the rule above applies. Shards already written and verified are skipped, and a shard
-written twice (a helper that started just as it was taken over) is the same bytes written
-atomically, so scale-out never deadlocks on the lane's limit and never loses or doubles a
-shard. How many runs (N) is `flows.placement.choose_workers`.
+is created once (`harvest.storage`): a helper taken over while still alive (Crashed but
+running, or started just as it was cancelled) that goes on writing finds the shards its
+successor wrote and leaves them as they are, listing their bytes, never its own. So scale-out
+never deadlocks on the lane's limit, never loses or doubles a shard, and a manifest's hash of
+a shard stays its file's. How many runs (N) is `flows.placement.choose_workers`.
 
 Helpers wait in their parent's work queue, its key's (`flows.key_queues`): they hold slots of
 the lane like any run, so they count against the key's share; in the pool's default queue a
@@ -146,7 +148,7 @@ def _cancel_helper(client, child_id: UUID) -> bool:
         if _helper_kind(client, child_id) in (StateType.RUNNING, StateType.COMPLETED):
             return False
         client.set_flow_run_state(child_id, CancelledState(message=message), force=True)
-    except Exception:  # unreachable API: its range is done here anyway, the writes are idempotent
+    except Exception:  # unreachable API: its range is done here anyway, each shard is created once
         get_run_logger().warning("could not cancel helper %s; taking its shards over anyway", child_id, exc_info=True)
     return True
 

@@ -12,8 +12,10 @@ made, then each prompt's values at their own offset as the engine hands them ove
 engine's sink), in whatever order the engine's batches produce them. Nothing of a prompt stays
 in memory once written. `seal` checks every prompt arrived and hashes the file in one
 sequential read (the prompts arrive out of file order, so the hash cannot be taken as they
-come); `Storage.publish_file` then renames it into place (local disk) or uploads it as one
-multipart upload (S3). A shard's memory is thus one engine batch, whatever `shard_size` says.
+come); `Storage.publish_file` then links it into place (local disk) or uploads it as one
+multipart upload (S3), create-once: if another write of the shard got there first, this file is
+dropped and the stored one stands (`superseded`). A shard's memory is thus one engine batch,
+whatever `shard_size` says.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class StagedShard:
         self.size: int | None = None
         self.sha256: str | None = None
         self.published = False
+        """The file has left local disk: its name on storage is settled (see `superseded`)."""
+        self.superseded = False
+        """Its name was taken by another write of the shard, whose file stands instead."""
         self._fd: int | None = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
         try:
             os.ftruncate(self._fd, self.layout.size)  # sparse until the values land

@@ -1,13 +1,33 @@
 """Job files on any fsspec filesystem: local disk by default, S3 in production, memory in tests.
 
 Every write is all-or-nothing from a reader's point of view: on local disk a file is written
-beside its target and renamed into place, and an object store's PUT (or multipart upload, for
-large files on S3) is atomic already. So a file that exists is complete, which is what lets
-`manifest.json`, written last, mean "done". On local disk that must hold across a power cut
-too: the file's data is fsynced before the rename (else the rename can reach the disk before
-the data, leaving a complete-looking name over an empty or partial file) and its folder after
-(else the rename itself can be lost, and a manifest written after it survive without it).
+beside its target and renamed (a shard: linked, see below) into place, and an object store's
+PUT (or multipart upload, for large files on S3) is atomic already. So a file that exists is
+complete, which is what lets `manifest.json`, written last, mean "done". On local disk that
+must hold across a power cut too: the file's data is fsynced before the rename or link (else
+it can reach the disk before the data, leaving a complete-looking name over an empty or
+partial file) and its folder after (else the new name itself can be lost, and a manifest
+written after it survive without it).
 What goes where inside a job's folder is `harvest.jobfiles`; this module knows no file names.
+
+A shard is published create-once (`publish_file`): the first write of a name makes it, and
+every later one fails with `FileExistsError` and changes nothing. That is what fences a writer
+that was taken over while still alive (a scale-out helper marked Crashed, a rescheduled run's
+cut-off process): whichever write of a shard lands first is the shard for good, so a manifest
+that hashed it can never be contradicted by a write landing after it. On local disk the staged
+file is hard-linked to its name (`os.link` fails if the name exists; a rename would replace
+it), on S3 the PUT or the multipart upload's completion carries `If-None-Match: *` (s3fs's
+`mode="create"`; AWS S3, MinIO and moto's server answer 412 when the key exists, s3fs raises
+`FileExistsError`, and aborts the upload). The loser hands the name to the winner's file
+(`harvest.pipeline.write_shard` lists the stored bytes, never its own), and a retry whose
+earlier try landed finds its own bytes there. Per-attempt names with the manifest naming the
+winner would fence as well, but change the shard names that the SPEC, the client's downloads,
+the links and the resume all read, and leave the losers' copies to sweep; here nothing is
+renamed and nothing is left over. A store that ignores the condition (an old S3-compatible
+server) replaces instead: the manifest's re-hash of each shard is still there for it
+(`harvest.pipeline.stored_records`). A shard damaged in place is deleted before
+it is written again (`harvest.pipeline.run_shards`): that delete, then create, is the one
+replacement, and only a resume does it.
 
 Every read sees the store as it is now. s3fs answers `ls` (and `exists`, `info`) from a
 listings cache once a folder was listed, and fsspec hands one filesystem object to every caller
@@ -23,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import threading
 import uuid
 
 import fsspec
@@ -31,6 +52,10 @@ from fsspec.core import url_to_fs
 from harvest.settings import get_settings
 
 __all__ = ["Storage", "open_storage", "stream_digest", "HASH_CHUNK_BYTES"]
+
+_CREATE_LOCK = threading.Lock()
+"""Makes an exists-then-write one step on stores with no create-once write of their own
+(fsspec's in-memory store of tests, which lives in one process)."""
 
 HASH_CHUNK_BYTES = 8 << 20
 """Read size of a hashing pass (one buffer, reused)."""
@@ -108,7 +133,7 @@ class Storage:
 
     def staging_path(self, name: str) -> str:
         """A local path to build file `name` in before `publish_file`: beside its target on
-        local disk (so publishing is a rename), else under `HARVEST_STAGING_DIR`."""
+        local disk (so publishing is a hard link), else under `HARVEST_STAGING_DIR`."""
         if self.is_local:
             target = self.path(name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -118,21 +143,33 @@ class Storage:
         return str(folder / f"{uuid.uuid4().hex}-{posixpath.basename(name)}.partial")
 
     def publish_file(self, name: str, local_path: str) -> None:
-        """Make the staged file at `local_path` the file `name`, atomically, and remove the
-        staged copy: on local disk a rename, the file's data flushed before it and the folder
-        after (see the module docstring); on S3 one multipart upload read from the file part
-        by part (s3fs's `put_file`, `HARVEST_S3_PART_BYTES` per part), so memory holds parts,
-        never the file; elsewhere (in-memory stores of tests) an ordinary `write_bytes`."""
+        """Make the staged file at `local_path` the file `name`, atomically and only if `name`
+        does not exist yet, and remove the staged copy. If it exists (another write of it came
+        first: see the module docstring) raise `FileExistsError`, the stored file untouched
+        and the staged copy removed all the same.
+
+        On local disk a hard link, the file's data flushed before it and the folder after; on
+        S3 one multipart upload read from the file part by part (s3fs's `put_file`,
+        `HARVEST_S3_PART_BYTES` per part), so memory holds parts, never the file, completed
+        only if the key is free; elsewhere (in-memory stores of tests) `write_bytes` after an
+        existence check, the two under one lock."""
         target = self.path(name)
-        if self.is_local:
-            _fsync_path(local_path)
-            _rename_durably(local_path, target)
-            return
-        if self._is_s3:
-            self.fs.put_file(local_path, target, chunksize=get_settings().s3_part_bytes)
-        else:
-            with open(local_path, "rb") as handle:
-                self.write_bytes(name, handle.read())
+        try:
+            if self.is_local:
+                _fsync_path(local_path)
+                os.link(local_path, target)  # never replaces: FileExistsError if taken
+                _fsync_path(os.path.dirname(target) or ".")
+            elif self._is_s3:
+                self.fs.put_file(local_path, target, chunksize=get_settings().s3_part_bytes, mode="create")
+            else:
+                with _CREATE_LOCK:
+                    if self.exists(name):
+                        raise FileExistsError(f"{target} exists")
+                    with open(local_path, "rb") as handle:
+                        self.write_bytes(name, handle.read())
+        except FileExistsError:
+            os.unlink(local_path)  # the name is settled; this copy will never be published
+            raise
         os.unlink(local_path)
 
     def read_bytes(self, name: str) -> bytes:

@@ -92,8 +92,9 @@ def forward_shard(work: ShardWork, k: int) -> Captured:
 )
 def write_shard_task(work: ShardWork, k: int, captured: Captured) -> tuple[ShardRecord, Timings]:
     """Hash and publish shard k's staged file and write its record, behind the next shard's
-    forward pass (`harvest.pipeline.ShardWriter`). Retried twice on a storage error: each write
-    is an atomic replacement of the same bytes, and a retry redoes only what did not finish."""
+    forward pass (`harvest.pipeline.ShardWriter`). Retried twice on a storage error: the file
+    is created once and a retry redoes only what did not finish (one whose earlier upload
+    landed unanswered finds its own file there and keeps it: `harvest.pipeline.write_shard`)."""
     return write_shard(work.job, work.storage, work.tokenized, k, captured.capture)
 
 
