@@ -41,7 +41,7 @@ from api.lease import Lease, replica_id
 from api.harvest import router as harvest_router
 from api.models import router as models_router
 from api.fairshare import FairShare
-from api.ratelimit import AddressLimiter, EmptyBuckets
+from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
 from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
 from harvest.cpu_share import respond_quickly
@@ -190,8 +190,12 @@ def create_app(
     app.include_router(models_router)
 
     @app.get("/health", include_in_schema=False)
-    def health(request: Request) -> dict:
-        """Liveness for a load balancer; `watcher` says whether this replica follows Prefect."""
+    async def health(request: Request) -> dict:
+        """Liveness for a load balancer: `{"status": "ok"}` to anyone. A valid key (one read of
+        its rate) also learns `replica` (host name and pid) and `watcher` (whether this replica
+        follows Prefect); without one, nothing about the host."""
+        if await key_or_none(request) is None:
+            return {"status": "ok"}
         watcher = getattr(request.app.state, "watcher", None)
         return {"status": "ok", "replica": REPLICA, "watcher": bool(watcher and watcher.lease.held)}
 

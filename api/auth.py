@@ -22,7 +22,7 @@ from sqlalchemy import insert, select, update
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from api.db import api_keys, aware, key_lane_limits, locked, transaction, usage, utcnow
+from api.db import api_keys, aware, key_lane_limits, locked, reading, transaction, usage, utcnow
 from harvest.errors import ActivationQuotaExceeded, Unauthorized
 from harvest.lanes import load_lanes
 
@@ -32,6 +32,8 @@ __all__ = [
     "list_keys",
     "revoke_key",
     "bearer_hash",
+    "looks_like_key",
+    "key_hashes",
     "authenticate",
     "key_of",
     "current_key",
@@ -87,6 +89,9 @@ class ApiKey:
 
 RATE_FIELDS = ("rate_submit_per_s", "rate_submit_burst", "rate_read_per_s", "rate_read_burst")
 
+KEY_PREFIX = "acs_"
+KEY_LENGTH = len(KEY_PREFIX) + 43  # token_urlsafe(32): 43 characters
+
 
 def _hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
@@ -133,7 +138,7 @@ def create_key(
     for field_name, value in rates.items():
         if value is not None and not value > 0:
             raise ValueError(f"{field_name.removeprefix('rate_').replace('_', ' ')} must be more than 0, not {value}")
-    key = "acs_" + secrets.token_urlsafe(32)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
     row = {
         "id": "key_" + uuid.uuid4().hex[:20],
         "name": name,
@@ -176,6 +181,14 @@ def revoke_key(key_id_or_name: str, engine=None) -> int:
         return result.rowcount
 
 
+def looks_like_key(authorization: str | None) -> bool:
+    """Whether the header holds something of a key's shape (`acs_` + 43 characters): only
+    those are worth asking the store about."""
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    return scheme.lower() == "bearer" and key.startswith(KEY_PREFIX) and len(key) == KEY_LENGTH
+
+
 def bearer_hash(authorization: str | None) -> str:
     """The SHA-256 of the key in an `Authorization: Bearer …` header (as the job store keeps
     it), without asking the store; 401 when there is no key."""
@@ -185,6 +198,14 @@ def bearer_hash(authorization: str | None) -> str:
             "You didn't provide an API key. Send it in the Authorization header as 'Bearer YOUR_KEY'."
         )
     return _hash(key.strip())
+
+
+def key_hashes(engine=None) -> set[str]:
+    """The hashes of every key not revoked: one read of the keys table, however many callers
+    wait on it (`api.ratelimit.KnownKeys` keeps it, so a request with a key the store
+    holds is never refused by its address's limit)."""
+    with reading(engine) as conn:
+        return set(conn.execute(select(api_keys.c.key_hash).where(api_keys.c.revoked_at.is_(None))).scalars())
 
 
 def authenticate(authorization: str | None, engine=None) -> ApiKey:

@@ -20,11 +20,27 @@ behind never refills a bucket backwards.
 
 Requests with no valid key (missing, unknown, revoked) have no key's bucket to drain, and
 each unknown key costs a job-store lookup. They are limited per client address instead, in
-the replica's memory (`AddressLimiter`, `HARVEST_RATE_ANONYMOUS_{PER_S,BURST}`): every
-request takes a token of its address before the store is asked, and a valid key gives it back,
-so only requests without a valid key spend them; an address with none left gets 429
-`rate_limit_exceeded` (Retry-After) without a query. Per replica is enough here: what it
-protects is this replica's time and the store's, and no key's quota is at stake.
+the replica's memory (`AddressLimiter`, `HARVEST_RATE_ANONYMOUS_{PER_S,BURST}`); an address
+with no token left gets 429 `rate_limit_exceeded` (Retry-After) without a lookup. Per replica
+is enough here: what it protects is this replica's time and the store's, and no key's quota is
+at stake. A request with a valid key is never charged to its address nor refused by it, so
+keyless callers behind the same NAT, load balancer or loopback cannot lock a key out
+(measured before: 100 keyless requests, then the address's valid key answered 429):
+
+- The replica keeps the hashes of the keys the store holds (`KnownKeys`, read from the keys
+  table). A key among them skips the address's bucket; the store still checks it, so a key
+  revoked since is answered 401 and its address charged then.
+- Any other request takes a token of its address before the store is asked; a key the store
+  then accepts gives it back (and joins `KnownKeys`).
+- An address with no token left: a request without a key, or with something not shaped like a
+  key, is refused at once; one with a key-shaped value this replica does not know waits for a
+  read of the keys table begun after it arrived (at most one per `KEY_LIST_EVERY_S`, shared by
+  every request waiting), and passes if its key is there (a key made a moment ago on another
+  host). A flood of made-up keys therefore costs one small read a second, never one per request.
+
+The address is the connection's peer, unless the peer is a proxy named in
+`HARVEST_TRUSTED_PROXIES`: then uvicorn takes it from `X-Forwarded-For` (`fleet.proxies`).
+Believing the header from anyone would let a keyless client name a fresh address per request.
 
 A refusal costs the replica almost nothing, so that a key sending far over its rate cannot
 slow the others by being refused:
@@ -41,16 +57,19 @@ slow the others by being refused:
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Annotated, AsyncIterator
 
 from fastapi import Depends, Request
 from sqlalchemy import Float, case, literal, select, update
+from starlette.concurrency import run_in_threadpool
 
-from api.auth import ApiKey, bearer_hash, key_of
+from api.auth import ApiKey, bearer_hash, key_hashes, key_of, looks_like_key
 from api.db import ensure_row, get_rates_engine, rate_buckets, transaction
 from api.fairshare import KeyShare
 from harvest.errors import RateLimited, Unauthorized
@@ -62,6 +81,8 @@ __all__ = [
     "KeyOverRate",
     "authenticate_within_rate",
     "EmptyBuckets",
+    "KnownKeys",
+    "KEY_LIST_EVERY_S",
     "AddressLimiter",
     "read_share",
     "submit_share",
@@ -70,6 +91,7 @@ __all__ = [
     "read_key",
     "SubmitKey",
     "ReadKey",
+    "key_or_none",
 ]
 
 
@@ -172,18 +194,70 @@ class EmptyBuckets:
         raise KeyOverRate(kind, refusal.per_s, refusal.burst, until - now)
 
 
+KEY_LIST_EVERY_S = 1.0
+"""At most one read of the keys table per this many seconds, for requests whose address has no
+token left (module docstring)."""
+
+
+class KnownKeys:
+    """The hashes of the keys the job store holds (not revoked), as this replica last read them
+    or saw them accepted (see the module docstring). Used on the event loop only.
+
+    `load` reads the whole list (`api.auth.key_hashes`: a few bytes a key); `holds` reads it
+    again at most once per `every_s`; `reads` counts those reads.
+    """
+
+    def __init__(self, load: Callable[[], set[str]] = key_hashes, every_s: float = KEY_LIST_EVERY_S):
+        self.load = load
+        self.every_s = every_s
+        self.reads = 0
+        self._hashes: set[str] = set()
+        self._read_started = -math.inf
+        self._lock: asyncio.Lock | None = None
+
+    def __contains__(self, caller: str) -> bool:
+        return caller in self._hashes
+
+    def add(self, caller: str) -> None:
+        """A key the store has just accepted."""
+        self._hashes.add(caller)
+
+    def discard(self, caller: str) -> None:
+        """A key the store has just refused (revoked since it was read)."""
+        self._hashes.discard(caller)
+
+    async def holds(self, caller: str) -> bool:
+        """Whether the store holds the key `caller`: at once when known, else after a read of
+        the list begun after this call, waiting (not refusing) until the last read is
+        `every_s` old; every caller waiting meanwhile shares that one read."""
+        if caller in self._hashes:
+            return True
+        asked = time.monotonic()
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._read_started < asked:  # no read begun since this caller asked
+                await asyncio.sleep(max(0.0, self._read_started + self.every_s - time.monotonic()))
+                self._read_started = time.monotonic()  # before the read: a failing store is not asked again at once
+                self.reads += 1
+                self._hashes = set(await run_in_threadpool(self.load))
+        return caller in self._hashes
+
+
 class AddressLimiter:
-    """Token buckets per client address, in this process (see the module docstring).
+    """Token buckets per client address, in this process, for requests without a valid key;
+    `known` says which keys are valid (see the module docstring).
 
     At most `max_addresses` buckets are kept, least recently used dropped first: a dropped
     bucket is a full one again, which only a flood from that many addresses at once could
     exploit, and memory stays bounded whatever the addresses.
     """
 
-    def __init__(self, per_s: float, burst: int, max_addresses: int = 65536):
+    def __init__(self, per_s: float, burst: int, max_addresses: int = 65536, known: KnownKeys | None = None):
         self.per_s = per_s
         self.burst = burst
         self.max_addresses = max_addresses
+        self.known = known if known is not None else KnownKeys()
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # address → [tokens, at]
         self._lock = threading.Lock()
 
@@ -214,28 +288,66 @@ class AddressLimiter:
             if bucket is not None:
                 bucket[0] = min(float(self.burst), bucket[0] + 1.0)
 
+    def charge(self, address: str, now: float | None = None) -> None:
+        """Take a token of `address` after the fact, refusing nothing (a key this replica knew
+        that the store refused): the bucket empties, never goes below empty."""
+        try:
+            self.take(address, now)
+        except RateLimited:
+            pass
+
 
 def _address(request: Request) -> str:
+    """The client's address: the connection's peer, or what a trusted proxy forwarded (uvicorn
+    rewrites the peer for HARVEST_TRUSTED_PROXIES only, `fleet.proxies`)."""
     return request.client.host if request.client is not None else ""
 
 
-def _caller(request: Request) -> str:
-    """The caller, as the hash of the key it presents, after its address's token for requests
-    without a valid key (429 when none is left, 401 without a key: both before the job store
-    is asked; the token stays spent)."""
-    request.app.state.anonymous_limiter.take(_address(request))
-    return bearer_hash(request.headers.get("authorization"))
+async def _caller(request: Request) -> str:
+    """The caller, as the hash of the key it presents. A key this replica knows the store holds
+    pays nothing; any other request takes a token of its address before the store is asked
+    (429 when none is left, 401 without a key: the token stays spent), unless its key, looked
+    for in the store's list, is there after all (see the module docstring). The address whose
+    token a request took is `request.state.address_token`, for `_give_back`."""
+    limiter: AddressLimiter = request.app.state.anonymous_limiter
+    authorization = request.headers.get("authorization")
+    address = _address(request)
+    request.state.address_token = None
+    try:
+        caller = bearer_hash(authorization)
+    except Unauthorized:
+        limiter.take(address)
+        raise
+    if caller in limiter.known:
+        return caller
+    try:
+        limiter.take(address)
+    except RateLimited:
+        if looks_like_key(authorization) and await limiter.known.holds(caller):
+            return caller
+        raise
+    request.state.address_token = address
+    return caller
+
+
+def _give_back(request: Request) -> None:
+    """Return the address's token this request took, if it took one (its key proved valid, or
+    the store was not asked)."""
+    address = getattr(request.state, "address_token", None)
+    if address is not None:
+        request.state.address_token = None
+        request.app.state.anonymous_limiter.give_back(address)
 
 
 async def read_share(request: Request) -> AsyncIterator[KeyShare]:
     """FastAPI dependency (function scope: it ends when the route answers): a read's place
     among its key's reads in flight on this replica; 429 at once when the key already has its
     share of them (the address's token given back: the store was not asked)."""
-    caller = _caller(request)
+    caller = await _caller(request)
     try:
         share = request.app.state.fair_share.enter(caller)
     except RateLimited:
-        request.app.state.anonymous_limiter.give_back(_address(request))
+        _give_back(request)
         raise
     try:
         yield share
@@ -247,7 +359,7 @@ async def submit_share(request: Request) -> KeyShare:
     """FastAPI dependency: a submit's turns on this replica, not counted in flight: submits
     have their own per-key shares (`api.admission`'s for harvests; the inline response budget
     and the engines' batches for completions), and a completion waits on its engine for long."""
-    return request.app.state.fair_share.uncounted(_caller(request))
+    return request.app.state.fair_share.uncounted(await _caller(request))
 
 
 ReadShare = Annotated[KeyShare, Depends(read_share, scope="function")]
@@ -260,24 +372,28 @@ async def _key_within_rate(request: Request, share: KeyShare, kind: str) -> ApiK
     known empty, else one worker-thread call in the key's turn."""
     limiter: AddressLimiter = request.app.state.anonymous_limiter
     empty: EmptyBuckets = request.app.state.empty_buckets
-    address = _address(request)
     try:
         empty.check(share.caller, kind)
     except RateLimited:
-        limiter.give_back(address)  # a key the store knew, refused without asking it
+        _give_back(request)  # a key the store knew, refused without asking it
         raise
     try:
         key = await share.run(authenticate_within_rate, request.headers.get("authorization"), kind)
     except Unauthorized:
+        limiter.known.discard(share.caller)
+        if getattr(request.state, "address_token", None) is None:
+            limiter.charge(_address(request))  # a key thought valid, revoked since: its address pays now
         raise  # the token stays spent
     except KeyOverRate as refused:
-        limiter.give_back(address)
+        limiter.known.add(share.caller)
+        _give_back(request)
         empty.remember(share.caller, kind, refused)
         raise
     except BaseException:
-        limiter.give_back(address)  # the store failed, not the caller
+        _give_back(request)  # the store failed, not the caller
         raise
-    limiter.give_back(address)
+    limiter.known.add(share.caller)
+    _give_back(request)
     return key
 
 
@@ -290,6 +406,18 @@ async def read_key(request: Request, share: ReadShare) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), within its read rate and its share
     of the replica (429 otherwise)."""
     return await _key_within_rate(request, share, "read")
+
+
+async def key_or_none(request: Request) -> ApiKey | None:
+    """The caller's key within its read rate, or None when it sends none or one that is refused
+    (401, 429): for a route that answers everyone and tells a key more (`/health`)."""
+    if request.headers.get("authorization") is None:
+        return None
+    try:
+        share = request.app.state.fair_share.uncounted(await _caller(request))
+        return await _key_within_rate(request, share, "read")
+    except (Unauthorized, RateLimited):
+        return None
 
 
 SubmitKey = Annotated[ApiKey, Depends(submit_key)]

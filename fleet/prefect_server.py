@@ -72,12 +72,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4200)
     args = parser.parse_args(argv)
+    from fleet.proxies import uvicorn_proxy_options
+    from harvest.settings import get_settings
+
     setup_logging()
     server = get_current_settings().server
     uvicorn.run(
         RetryAfterOn503(create_app(final=True)),
         host=args.host,
         port=args.port,
+        **uvicorn_proxy_options(get_settings().trusted_proxies),  # never uvicorn's loopback default
         timeout_keep_alive=server.api.keepalive_timeout,
         ws_ping_interval=server.api.websocket_ping_interval,
         ws_ping_timeout=server.api.websocket_ping_timeout,

@@ -32,11 +32,13 @@ import time
 from pathlib import Path
 
 from fleet.processes import RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
+from fleet.proxies import uvicorn_proxy_args
 from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
 from harvest.addresses import advertised, local_address
 
 __all__ = [
     "start_control_plane",
+    "API_APP",
     "start_api_replica",
     "start_worker_host",
     "server_main",
@@ -76,11 +78,22 @@ def apply_control_plane(api_url: str) -> list[str]:
     return names
 
 
-def start_api_replica(home: Path, host: str, port: int, env: dict[str, str] | None = None, timeout: float = 90) -> tuple[Managed, str]:
-    """One uvicorn API process on host:port; returns it and its `ACS_API_BASE` once it answers."""
+API_APP = "api.app:create_app"
+"""The app factory an API replica runs (`uvicorn --factory`)."""
+
+
+def start_api_replica(
+    home: Path, host: str, port: int, env: dict[str, str] | None = None, timeout: float = 90, *, app: str = API_APP,
+) -> tuple[Managed, str]:
+    """One uvicorn API process on host:port running the factory `app`; returns it and its
+    `ACS_API_BASE` once it answers. Proxy headers are believed only from
+    HARVEST_TRUSTED_PROXIES (`fleet.proxies`)."""
+    from harvest.settings import get_settings
+
     api = Managed(
         "api",
-        [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port)],
+        [sys.executable, "-m", "uvicorn", "--factory", app, "--host", host, "--port", str(port),
+         *uvicorn_proxy_args(get_settings().trusted_proxies)],
         {**os.environ, **(env or {}), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port)},
         home / "logs" / f"api-{port}.log",
         cwd=str(home),

@@ -274,10 +274,35 @@ class Settings(BaseSettings):
     rate_anonymous_per_s: float = Field(default=2.0, gt=0)
     """Per client address, per replica: sustained requests that carry no valid key (a missing,
     unknown or revoked key) per second; over it 429 `rate_limit_exceeded` before the job store
-    is asked. The address is the connection's (uvicorn's `--proxy-headers` behind a proxy)."""
+    is asked. A request with a valid key never spends or waits on these. The address is the
+    connection's peer, or what `trusted_proxies` forward."""
 
     rate_anonymous_burst: int = Field(default=100, ge=1)
     """Per client address, per replica: requests without a valid key allowed at once."""
+
+    trusted_proxies: str = ""
+    """Comma-separated addresses or networks (`10.0.0.5,10.1.0.0/16`) of the proxies or load
+    balancers in front of the API whose `X-Forwarded-For` / `X-Forwarded-Proto` are believed
+    (uvicorn's `forwarded_allow_ips`, set by every role that starts uvicorn: `fleet.proxies`).
+    Empty (default): no header is believed, the client address is the connection's peer; else
+    a client could name a fresh address per request and never be limited."""
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_addresses(cls, value: str) -> str:
+        import ipaddress
+
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        for item in items:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.5 or 10.0.0.0/8)") from None
+        return ",".join(items)
+
+    idempotency_window_s: float = Field(default=24 * 3600, gt=0)
+    """How long an `Idempotency-Key` of POST /v1/harvest keeps answering its job (a day, as
+    Stripe's); after it the key is free for a new job, and its record is deleted."""
 
 
 @lru_cache(maxsize=1)

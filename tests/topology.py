@@ -113,10 +113,15 @@ class Replica:
     base_url: str
     port: int
 
+    key: str | None = None
+    """The fleet's key, once it has one: `/health` tells only a valid key which replica holds
+    the watcher lease."""
+
     def health(self) -> dict:
         import httpx
 
-        return httpx.get(self.base_url.removesuffix("/v1") + "/health", timeout=5).json()
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        return httpx.get(self.base_url.removesuffix("/v1") + "/health", headers=headers, timeout=5).json()
 
 
 @dataclass
@@ -254,6 +259,8 @@ class Fleet:
                 future.result()
         self.timings["fleet_s"] = time.monotonic() - started
         self.key = self.create_key("fleet")
+        for replica in self.replicas:
+            replica.key = self.key
 
     def _role(self, name: str, argv: list[str], host: Host | None = None, **env: str) -> Role:
         home = self.root / name
@@ -268,7 +275,7 @@ class Fleet:
             PREFECT_API_URL=self.prefect_api_url, PREFECT_API_AUTH_STRING=self.prefect_auth, HARVEST_DATABASE_URL=self.jobs_url,
             **self._storage_env(), **self.replica_env,
         )
-        replica = Replica(role, role.wait_ready("ACS_API_BASE="), port)
+        replica = Replica(role, role.wait_ready("ACS_API_BASE="), port, getattr(self, "key", None))
         self.replicas.append(replica)
         return replica
 
