@@ -29,6 +29,8 @@ import psutil
 
 from harvest.addresses import local_address
 from harvest.cpu_share import with_passive_waits
+from harvest.metrics import MULTIPROC_ENV
+from harvest.metrics_export import fresh_directory
 
 __all__ = [
     "Managed", "Supervisor", "serve", "say", "WORKER_QUERY_S", "STARTER_MODULE", "RUN_COMMAND", "free_port", "start_server", "start_worker", "wait_http",
@@ -238,6 +240,7 @@ def start_server(
 def start_worker(
     pool: str, api_url: str, log: Path, env: dict[str, str] | None = None, name: str | None = None, *,
     healthcheck: bool = False, cwd: str | None = None, limit: int | None = None, run_starter: Path | None = None,
+    metrics_dir: Path | None = None,
 ) -> Managed:
     """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_ENGINE=hf).
 
@@ -247,6 +250,8 @@ def start_worker(
     process's whole life), e.g. the host's slots.
     run_starter: a Unix socket path: the worker runs under `fleet.run_starter`, which forks its
     flow runs from a preloaded process listening there (a worker host's runs start in ms).
+    metrics_dir: the host's counts directory, emptied and given to the whole tree (its runs
+    and engine servers) as PROMETHEUS_MULTIPROC_DIR, for `fleet.metrics` to read.
     """
     # The harvest deployments' run command (RUN_COMMAND) says `python`: this interpreter's.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
@@ -255,6 +260,8 @@ def start_worker(
     # with OpenMP's idle threads sleeping (`harvest.cpu_share.with_passive_waits`).
     env = with_passive_waits({"PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_S), **os.environ, **(env or {}),
                               "PREFECT_API_URL": api_url, "PATH": path})
+    if metrics_dir is not None:
+        env[MULTIPROC_ENV] = str(fresh_directory(metrics_dir))
     argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
     if name:
         argv += ["--name", name]

@@ -56,6 +56,7 @@ sed -e "s|^POSTGRES_PASSWORD=.*|POSTGRES_PASSWORD=$(secret)|" \
     -e "s|^MINIO_ROOT_PASSWORD=.*|MINIO_ROOT_PASSWORD=$(secret)|" \
     -e "s|^S3_SECRET_KEY=.*|S3_SECRET_KEY=$(secret)|" \
     -e "s|^PREFECT_AUTH_STRING=.*|PREFECT_AUTH_STRING=harvest:$(secret)|" \
+    -e "s|^METRICS_TOKEN=.*|METRICS_TOKEN=$(secret)|" \
     -e "s/^\(API_\|PREFECT_\|S3_\)PUBLISH_ADDR=.*/\1PUBLISH_ADDR=$PUBLISH/" \
     -e "s|^HARVEST_IMAGE_PREFIX=.*|HARVEST_IMAGE_PREFIX=$PREFIX|" \
     -e "s|^HARVEST_TAG=.*|HARVEST_TAG=$TAG|" \

@@ -19,7 +19,9 @@ Fixtures (all session-scoped; the server and workers start only when a test asks
 ``lane_workers`` → ``LaneWorkers``
     one ``prefect worker`` per lane (``.small``, ``.large``), with ``HARVEST_ENGINE=hf`` so
     flow runs use the HF reference engine, and a slot table, so they use the host's warm
-    engine server (`harvest.warm`). ``.start(lane)`` adds a worker, ``.kill(worker)``
+    engine server (`harvest.warm`), and the worker host's ``/metrics`` as its role serves it
+    (``.exporters[worker]``, a `fleet.metrics.Exporter`; the token is the session home's
+    ``metrics-token``). ``.start(lane)`` adds a worker, ``.kill(worker)``
     SIGKILLs a worker *and its flow-run processes* (a lost machine). All stopped at session end,
     leaving no process behind.
 
@@ -152,6 +154,7 @@ class LaneWorkers:
     workers: list = field(default_factory=list)
     small: object = None
     large: object = None
+    exporters: dict = field(default_factory=dict)
 
     def start(self, lane: str, env: dict[str, str] | None = None):
         from fleet.processes import start_worker
@@ -169,8 +172,11 @@ class LaneWorkers:
             # engine themselves.
             env["HARVEST_SLOTS"] = json.dumps([[] for _ in range(declared.pool_limit or 1)])
             starter = unix_socket_path(self.log_dir, f"runs-{name}")
-        worker = start_worker(lane, self.api_url, self.log_dir / f"worker-{name}.log", env, name=name, run_starter=starter)
+        metrics_dir = self.log_dir / "metrics" / name
+        worker = start_worker(lane, self.api_url, self.log_dir / f"worker-{name}.log", env, name=name, run_starter=starter,
+                              metrics_dir=metrics_dir)
         self.workers.append(worker)
+        self.exporters[worker] = _serve_metrics(worker, metrics_dir)
         return worker
 
     def kill(self, worker) -> None:
@@ -180,6 +186,18 @@ class LaneWorkers:
         for worker in self.workers:
             if worker.alive():
                 worker.stop()
+        for exporter in self.exporters.values():
+            exporter.close()
+
+
+def _serve_metrics(worker, metrics_dir: Path):
+    """The worker host's /metrics, as `harvest worker` serves it (`fleet.roles.start_worker_host`)."""
+    from fleet.metrics import serve_worker_metrics
+    from harvest.metrics_export import metrics_token
+    from harvest.settings import get_settings
+
+    settings = get_settings()
+    return serve_worker_metrics(lambda: worker.pid, settings.home, metrics_dir, metrics_token(settings))
 
 
 @pytest.fixture(scope="session")
