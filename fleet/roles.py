@@ -32,9 +32,12 @@ import time
 from pathlib import Path
 
 from fleet.processes import RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
+from fleet.placeholders import refuse_placeholder_secrets
 from fleet.proxies import uvicorn_proxy_args
 from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
 from harvest.addresses import advertised, local_address
+from harvest.metrics import MULTIPROC_ENV
+from harvest.metrics_export import fresh_directory
 
 __all__ = [
     "start_control_plane",
@@ -94,7 +97,9 @@ def start_api_replica(
         "api",
         [sys.executable, "-m", "uvicorn", "--factory", app, "--host", host, "--port", str(port),
          *uvicorn_proxy_args(get_settings().trusted_proxies)],
-        {**os.environ, **(env or {}), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port)},
+        {**os.environ, **(env or {}), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port),
+         # its counts directory, its children's too (`api.metrics`, `harvest.metrics`)
+         MULTIPROC_ENV: str(fresh_directory(home / "metrics" / f"api-{port}"))},
         home / "logs" / f"api-{port}.log",
         cwd=str(home),
     )
@@ -105,7 +110,7 @@ def start_api_replica(
 def start_worker_host(
     home: Path, lane: str, api_url: str, *, env: dict[str, str] | None = None, health_port: int | None = None,
     name: str | None = None, timeout: float = 90, gpus: list[str] | None = None, gpus_per_run: int | None = None,
-    slots: int | None = None,
+    slots: int | None = None, metrics: tuple[str, int] | None = None,
 ) -> Managed:
     """This host's Prefect worker on the lane's pool, with heartbeats on (`flows.liveness`);
     returns once its health check says it polls.
@@ -116,6 +121,9 @@ def start_worker_host(
     more flow runs at once than the host has slots; its flow runs get the table in
     HARVEST_SLOTS and each claims one; the count is published for the lane's automatic
     scale-out (`flows.placement.publish_host`).
+
+    `metrics` (host, port; port 0: a free one): this process serves the host's `/metrics`
+    there (`fleet.metrics`), over the counts its worker, runs and engine servers write.
     """
     from flows.liveness import HEARTBEAT_ENV
     from flows.placement import publish_host
@@ -136,10 +144,19 @@ def start_worker_host(
     worker = start_worker(
         lane, api_url, home / "logs" / f"worker-{lane}.log", worker_env, name=name, healthcheck=True, cwd=str(home), limit=len(table),
         run_starter=unix_socket_path(home / "engines", f"runs-{lane}-{secrets.token_hex(4)}"),
+        metrics_dir=home / "metrics" / f"worker-{lane}" if metrics else None,
     )
     wait_http(f"http://127.0.0.1:{health_port}/health", timeout, worker, ok_only=True)
     publish_host(lane, name, table, api_url)
     say("harvest worker", f"{name} on lane {lane}: {describe_slots(table)}")
+    if metrics:
+        from fleet.metrics import serve_worker_metrics
+        from harvest.metrics_export import metrics_token
+        from harvest.settings import get_settings
+
+        exporter = serve_worker_metrics(lambda: worker.pid, home, home / "metrics" / f"worker-{lane}", metrics_token(get_settings()),
+                                        host=metrics[0], port=metrics[1], supervisor=True)
+        say("harvest worker", f"metrics of lane {lane} at {exporter.url} (bound to {exporter.host}; the metrics token required)")
     return worker
 
 
@@ -220,13 +237,20 @@ def worker_main(argv: list[str]) -> int:
                          "CUDA_VISIBLE_DEVICES, else nvidia-smi -L)")
     devices.add_argument("--slots", type=int, help="runs at once on a host without GPUs (default 1)")
     parser.add_argument("--gpus-per-run", type=int, help="GPUs in one run's slot (default: the lane's gpus_per_run)")
+    parser.add_argument("--metrics-host", help="address of the host's /metrics (default HARVEST_METRICS_HOST, 127.0.0.1)")
+    parser.add_argument("--metrics-port", type=int, help="port of the host's /metrics (default HARVEST_METRICS_PORT, 9464; 0: none)")
     args = parser.parse_args(argv[1:])
+    from harvest.settings import get_settings
+
+    settings = get_settings()
+    metrics_port = settings.metrics_port if args.metrics_port is None else args.metrics_port
     api_url = _prefect_api_url("harvest worker")
     name = args.name or f"{socket.gethostname()}-{args.lane}-{os.getpid()}"
 
     def start() -> list[str]:
         start_worker_host(_home(), args.lane, api_url, health_port=args.health_port, name=name,
-                          gpus=parse_gpus(args.gpus), gpus_per_run=args.gpus_per_run, slots=args.slots)
+                          gpus=parse_gpus(args.gpus), gpus_per_run=args.gpus_per_run, slots=args.slots,
+                          metrics=(args.metrics_host or settings.metrics_host, metrics_port) if metrics_port else None)
         return [f"WORKER_READY lane={args.lane}"]
 
     def stop() -> None:
@@ -243,5 +267,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`harvest server|api|worker …` (the CLI hands over the whole argv)."""
+    """`harvest server|api|worker …` (the CLI hands over the whole argv); a secret still holding
+    the example's placeholder is refused before anything starts (`fleet.placeholders`)."""
+    refuse_placeholder_secrets(f"harvest {argv[0]}")
     return {"server": server_main, "api": api_main, "worker": worker_main}[argv[0]](argv)

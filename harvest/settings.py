@@ -87,6 +87,18 @@ class Settings(BaseSettings):
     inline_preload: str | None = None
     """Comma-separated served names whose inline engines the API loads at start-up."""
 
+    # --- metrics: `/metrics` of API replicas and worker hosts (harvest/metrics_export.py) ---
+    metrics_token: str | None = None
+    """Bearer token every `/metrics` requires (Prometheus' `authorization`); default a random
+    one kept in `<home>/metrics-token`. Researchers' API keys never open `/metrics`."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address a worker host's metrics exporter binds (`harvest worker --metrics-host`): this
+    host only, unless a scraper elsewhere must reach it (the token is required either way)."""
+
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    """Port of a worker host's metrics exporter (`harvest worker --metrics-port`); 0: none."""
+
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str) -> str:
