@@ -38,9 +38,9 @@ from api.files import router as files_router
 from api.guard import RequestGuard
 from api.openapi import install as install_openapi
 from api.lease import Lease, replica_id
-from api.harvest import router as harvest_router
 from api.metrics import ReplicaMetrics, RequestMetrics
 from api.metrics import router as metrics_router
+from api.harvest import router as harvest_router
 from api.models import router as models_router
 from api.fairshare import FairShare
 from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
@@ -182,19 +182,19 @@ def create_app(
     app.state.anonymous_limiter = anonymous_limiter
     app.state.fair_share = fair_share if fair_share is not None else FairShare.from_settings(settings)
     app.state.empty_buckets = EmptyBuckets()  # keys' buckets known empty (`api.ratelimit`)
-    app.add_exception_handler(HarvestError, harvest_error)
     app.state.metrics = ReplicaMetrics.from_settings(settings)  # `/metrics` (`api.metrics`)
+    app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(RequestGuard)
-    app.include_router(harvest_router)
     app.add_middleware(RequestMetrics)  # outermost: counts every answer, the guard's own included
+    app.include_router(harvest_router)
     app.include_router(files_router)
     app.include_router(completions_router)
     app.include_router(models_router)
+    app.include_router(metrics_router)
 
     @app.get("/health", include_in_schema=False)
-    app.include_router(metrics_router)
     async def health(request: Request) -> dict:
         """Liveness for a load balancer: `{"status": "ok"}` to anyone. A valid key (one read of
         its rate) also learns `replica` (host name and pid) and `watcher` (whether this replica
