@@ -11,6 +11,7 @@ All times are stored as naive UTC (SQLite keeps no zone) and made aware on the w
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -35,6 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine
 
+from harvest.private_files import open_private
 from harvest.settings import Settings, get_settings
 
 __all__ = [
@@ -216,9 +218,11 @@ def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Eng
     """An engine whose transactions lock the way admission needs (module docstring); on
     PostgreSQL a pool of `pool_size` connections, `max_overflow` more at a peak."""
     if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
+        path = url.split("///", 1)[-1] if "///" in url else ""
         if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # Owner-only before SQLite opens it (its journal takes the file's mode): the store
+            # holds key hashes, prompts' requests and who submitted what.
+            os.close(open_private(path, os.O_RDWR | os.O_CREAT))
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -125,7 +126,8 @@ async def submit_harvest(
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(
-            submit_once, key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job, storage, runs)
+            partial(submit_once, window_s=get_settings().idempotency_window_s),
+            key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job, storage, runs),
         )
     watcher.kick()
     return JSONResponse(render(row, storage, links), status_code=202)

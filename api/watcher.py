@@ -15,6 +15,8 @@ jobs, exactly once) and counts written shards for progress. It also finishes wha
 - a job whose start failed (`stop_run`) may still have a run its backend created before the
   failure: the watcher cancels the job's runs by their `job:<id>` tag until that succeeds,
   so no run goes on unfollowed and uncharged.
+- `Idempotency-Key` records past their window are deleted every `PRUNE_EVERY_S`
+  (`api.idempotency.prune_expired`).
 
 A `?wait=` reader never talks to Prefect: it sleeps on an asyncio event that is set when its
 job changes, announced by whichever replica changed it (`api.notify`). A replica holds at most
@@ -32,6 +34,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from api.idempotency import PRUNE_EVERY_S, prune_expired
 from api.lease import Lease
 from api.notify import JobChanges
 from api.runs import RunState, RunStore
@@ -64,6 +67,7 @@ class Watcher:
     def __init__(
         self, runs: RunStore, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
         max_restarts: int = 3, orphan_after_s: float = 30.0, per_key: int | None = None,
+        idempotency_window_s: float | None = None,
     ):
         self.runs = runs
         self.storage = storage
@@ -76,6 +80,10 @@ class Watcher:
         if per_key is None:  # a share of the slots, at least one (`longpoll_key_share`)
             per_key = max(1, int(max_waiters * get_settings().longpoll_key_share))
         self.per_key = per_key
+        if idempotency_window_s is None:  # `HARVEST_IDEMPOTENCY_WINDOW_S`
+            idempotency_window_s = get_settings().idempotency_window_s
+        self.idempotency_window_s = idempotency_window_s
+        self._next_prune = 0.0  # monotonic time of the next `prune_expired`
         self._held: dict[str, int] = defaultdict(int)  # waiter slots held, by key id
         self.ticks = 0
         self.run_reads = 0
@@ -146,6 +154,9 @@ class Watcher:
         """Read every active job's run once; returns the jobs whose status changed."""
         self.ticks += 1
         changed: list[str] = []
+        if time.monotonic() >= self._next_prune:  # expired Idempotency-Keys, every PRUNE_EVERY_S
+            self._next_prune = time.monotonic() + PRUNE_EVERY_S
+            prune_expired(self.idempotency_window_s)
         for row in unstarted_jobs(self.orphan_after_s):
             changed += self._start_orphan(row)
         for job_id in runs_to_stop():

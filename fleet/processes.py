@@ -29,6 +29,7 @@ import psutil
 
 from harvest.addresses import local_address
 from harvest.cpu_share import with_passive_waits
+from harvest.private_files import open_private_log
 from harvest.metrics import MULTIPROC_ENV
 from harvest.metrics_export import fresh_directory
 
@@ -81,8 +82,7 @@ class Managed:
         self.signals = signals
         self.log_path = log
         self._command = (argv, env, cwd)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log, "ab")
+        self._log = open_private_log(log)  # owner-only from the first byte (`harvest.private_files`)
         self.proc = self._popen()
         Managed.started.append(self)
 
@@ -103,7 +103,7 @@ class Managed:
         except (ProcessLookupError, PermissionError):
             pass
         if self._log.closed:
-            self._log = open(self.log_path, "ab")
+            self._log = open_private_log(self.log_path)
         self.proc = self._popen()
 
     @property

@@ -31,11 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-from fleet.processes import RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
 from fleet.placeholders import refuse_placeholder_secrets
+from fleet.processes import RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
 from fleet.proxies import uvicorn_proxy_args
 from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
 from harvest.addresses import advertised, local_address
+from harvest.private_files import private_dirs
 from harvest.metrics import MULTIPROC_ENV
 from harvest.metrics_export import fresh_directory
 
@@ -172,7 +173,7 @@ def _home() -> Path:
     from harvest.settings import get_settings
 
     home = get_settings().home
-    (home / "logs").mkdir(parents=True, exist_ok=True)
+    private_dirs(home / "logs")  # new folders 0700: logs are the service's alone
     return home
 
 

@@ -42,7 +42,7 @@ from fleet.roles import apply_control_plane, start_api_replica, start_worker_hos
 from flows.prefect_auth import SERVER_ENV, server_auth, use_client_auth
 from harvest.lanes import load_lanes
 from harvest.placement import visible_gpus
-from harvest.private_files import write_private
+from harvest.private_files import private_dirs, write_private
 
 __all__ = ["main", "dev_key"]
 
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[1:])
     settings = get_settings()
     home = settings.home
-    (home / "logs").mkdir(parents=True, exist_ok=True)
+    private_dirs(home / "logs")  # new folders 0700: logs are the service's alone
     stack_file = home / "stack.json"
 
     def start() -> dict[str, str]:

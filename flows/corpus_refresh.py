@@ -21,6 +21,7 @@ model's lane.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -35,6 +36,7 @@ from flows.scale_out import COLLECT, POLL_S, WAIT, HelperWatch
 from flows.placement import lane_free_slots
 from flows.submit import cancel_harvest_run
 from harvest.corpus import read_prompts
+from harvest.errors import InvalidRequest
 from harvest.jobfiles import JobFiles
 from harvest.lanes import deployment_name
 from harvest.registry import load_registry
@@ -42,14 +44,29 @@ from harvest.request import MAX_PROMPTS, HarvestRequest
 from harvest.settings import get_settings
 from harvest.storage import open_storage
 
-__all__ = ["corpus_refresh", "refresh_prefix"]
+__all__ = ["corpus_refresh", "refresh_prefix", "check_refresh_name", "REFRESH_NAME"]
 
 PART_TAG = "corpus-part"
+
+REFRESH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+"""A refresh's (a schedule's) name: one folder of the storage root's `corpus/`, so letters,
+digits, `-` and `_` only (no `/`, no `..`: `--name ../../x` would write outside the root)."""
+
+
+def check_refresh_name(name: str) -> str:
+    """`name` when it is a safe refresh name (`REFRESH_NAME`), else 400 `invalid_request`."""
+    if not isinstance(name, str) or not REFRESH_NAME.fullmatch(name):
+        raise InvalidRequest(
+            f"The name {name!r} cannot name a corpus refresh: use 1 to 64 letters, digits, '-' or '_', "
+            "starting with a letter or digit (it becomes the folder corpus/<name>/ of the storage).",
+            param="name",
+        )
+    return name
 
 
 def refresh_prefix(name: str, day: datetime | None = None) -> str:
     day = day or datetime.now(timezone.utc)
-    return f"corpus/{name}/{day:%Y-%m-%d}"
+    return f"corpus/{check_refresh_name(name)}/{day:%Y-%m-%d}"
 
 
 @dataclass(frozen=True)

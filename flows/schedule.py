@@ -44,7 +44,7 @@ def use_stack_api() -> str | None:
 
 def _name_from(url: str) -> str:
     stem = url.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
-    return re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-") or "corpus"
+    return re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")[:64].strip("-") or "corpus"
 
 
 async def create_schedule(corpus: str, model: str, cron: str, *, column="text", layers=None, shard_size=32, name=None, timezone="UTC") -> str:
@@ -53,9 +53,11 @@ async def create_schedule(corpus: str, model: str, cron: str, *, column="text", 
     from harvest.corpus import read_prompts
     from harvest.registry import load_registry
 
+    from flows.corpus_refresh import check_refresh_name
+
+    name = check_refresh_name(name or _name_from(corpus))  # a folder of the storage root: never `..` or `/`
     info = load_registry().for_harvest(model)
     read_prompts(corpus, column=column)  # refuse a corpus that cannot be read now, not at 3 a.m.
-    name = name or _name_from(corpus)
     flow = load_flow_from_entrypoint(ENTRYPOINT)
     async with get_client() as client:
         flow_id = await client.create_flow_from_name(flow.name)
@@ -98,6 +100,17 @@ def _layers(text: str | None):
     return [int(p) for p in text.split(",") if p.strip()]
 
 
+def _refresh_name(value: str) -> str:
+    """argparse's check of `--name`, before any Prefect call (`flows.corpus_refresh.check_refresh_name`)."""
+    from flows.corpus_refresh import check_refresh_name
+    from harvest.errors import InvalidRequest
+
+    try:
+        return check_refresh_name(value)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="harvest schedule", description="Scheduled corpus refreshes.")
     sub = parser.add_subparsers(dest="action", required=True)
@@ -109,7 +122,7 @@ def main(argv: list[str]) -> int:
     create.add_argument("--shard-size", type=int, default=32)
     create.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *"')
     create.add_argument("--timezone", default="UTC")
-    create.add_argument("--name", help="schedule name (default: the corpus file's stem)")
+    create.add_argument("--name", type=_refresh_name, help="schedule name: letters, digits, '-', '_' (default: the corpus file's stem)")
     sub.add_parser("list", help="list scheduled refreshes")
     delete = sub.add_parser("delete", help="delete a scheduled refresh")
     delete.add_argument("name")

@@ -1,10 +1,15 @@
 """Files that hold secrets on a host's disk: the link-signing key, the dev API key, the stack's
-state file. They are created readable by their owner only (0600) from the first byte, never
-written first and chmodded after: in between any local user could read them.
+state file; and files that hold what researchers sent or got back, or who did what: job files on
+local storage, logs, the SQLite job store. They are created readable by their owner only (0600)
+from the first byte, never written first and chmodded after: in between any local user could
+read them. Folders made for them are 0700.
 
     write_private(path, text)                  atomically create or replace `path`, mode 0600
     write_private(path, text, replace=False)   create it only if absent (the first writer wins)
     private_dir(path)                          a folder only we can enter (made 0700, or checked)
+    private_dirs(path)                         `mkdir -p` whose new folders are 0700 (existing ones kept)
+    open_private(path, flags)                  `os.open` creating the file 0600; one of ours is narrowed to 0600
+    open_private_log(path)                     a log opened for appending, the same way
 
 A folder in a place every user can write (`/tmp`) may have been made by someone else before
 us: `private_dir` uses it only when it is a real folder (not a link), ours, and 0700.
@@ -17,7 +22,7 @@ import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["write_private", "private_dir", "NotPrivate"]
+__all__ = ["write_private", "private_dir", "private_dirs", "open_private", "open_private_log", "NotPrivate"]
 
 
 class NotPrivate(PermissionError):
@@ -64,3 +69,40 @@ def private_dir(path: Path) -> Path:
     if stat.S_IMODE(info.st_mode) != 0o700:
         raise NotPrivate(f"{path} has mode {stat.S_IMODE(info.st_mode):o}, not 700: refusing to use it; remove it")
     return path
+
+
+def private_dirs(path: str | os.PathLike) -> None:
+    """Make `path` and its missing parents, each new one 0700 (`os.makedirs` gives its mode to
+    the last folder only); folders that exist are left as they are (the operator's)."""
+    path = Path(path)
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by another writer
+            pass
+
+
+def open_private(path: str | os.PathLike, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
+    """`os.open(path, flags)` with the file created 0600 and its missing folders 0700; an
+    existing file of ours with a wider mode (written by an earlier version) is narrowed."""
+    private_dirs(Path(path).parent)
+    fd = os.open(path, flags, 0o600)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_private_log(path: str | os.PathLike, mode: str = "ab"):
+    """A log file opened for appending (`"ab"` or `"a"`), owner-only (`open_private`)."""
+    return os.fdopen(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), mode)

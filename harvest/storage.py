@@ -9,6 +9,9 @@ it can reach the disk before the data, leaving a complete-looking name over an e
 partial file) and its folder after (else the new name itself can be lost, and a manifest
 written after it survive without it).
 What goes where inside a job's folder is `harvest.jobfiles`; this module knows no file names.
+On local disk, files are created 0600 and new folders 0700 (`harvest.private_files`): they hold
+researchers' prompts and activations, for the service's user alone (researchers download them
+through the API's links).
 
 A shard is published create-once (`publish_file`): the first write of a name makes it, and
 every later one fails with `FileExistsError` and changes nothing. That is what fences a writer
@@ -49,6 +52,7 @@ import uuid
 import fsspec
 from fsspec.core import url_to_fs
 
+from harvest.private_files import open_private, private_dirs
 from harvest.settings import get_settings
 
 __all__ = ["Storage", "open_storage", "stream_digest", "HASH_CHUNK_BYTES"]
@@ -102,10 +106,10 @@ class Storage:
         """Write a whole file atomically, replacing any earlier version; returns its size."""
         target = self.path(name)
         if self.is_local:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            private_dirs(os.path.dirname(target))
             staging = f"{target}.{uuid.uuid4().hex}.partial"
             try:
-                with open(staging, "wb") as handle:
+                with os.fdopen(open_private(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as handle:
                     handle.write(data)
                     handle.flush()
                     os.fsync(handle.fileno())
@@ -136,10 +140,10 @@ class Storage:
         local disk (so publishing is a hard link), else under `HARVEST_STAGING_DIR`."""
         if self.is_local:
             target = self.path(name)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            private_dirs(os.path.dirname(target))
             return f"{target}.{uuid.uuid4().hex}.partial"
         folder = get_settings().resolved_staging_dir
-        folder.mkdir(parents=True, exist_ok=True)
+        private_dirs(folder)
         return str(folder / f"{uuid.uuid4().hex}-{posixpath.basename(name)}.partial")
 
     def publish_file(self, name: str, local_path: str) -> None:

@@ -13,6 +13,7 @@ from harvest.capture import CaptureSpec, ShardCapture
 from harvest.cpu_share import with_passive_waits
 from harvest.engines.base import Engine, EngineLoad, ValueSink
 from harvest.engines.choice import choose_engine, load_engine
+from harvest.private_files import open_private_log
 from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
 from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send
@@ -31,8 +32,7 @@ class EngineLost(ConnectionError):
 def _start_server(files: GroupFiles, settings: Settings) -> None:
     """Start the group's engine server in its own session, so it outlives the run that
     started it (a cancel signals the run's process group, not the server's)."""
-    files.log.parent.mkdir(parents=True, exist_ok=True)
-    log = open(files.log, "a")
+    log = open_private_log(files.log, "a")  # owner-only, as every log (`harvest.private_files`)
     # Not the run's own identity (`PREFECT__FLOW_RUN_ID` and the rest of Prefect's per-run
     # context): the server serves every later run of the host, and a process carrying one run's
     # id after it ended would pass for that run to whoever looks (an operator, a test).
