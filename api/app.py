@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.admission import TOKENIZE_ON_CALLER, AdmissionBudget
 from api.completions import ResponseBudget
 from api.completions import router as completions_router
+from api.chat import router as chat_router
 from api.db import get_engine
 from api.files import router as files_router
 from api.guard import RequestGuard
@@ -191,6 +192,7 @@ def create_app(
     app.include_router(harvest_router)
     app.include_router(files_router)
     app.include_router(completions_router)
+    app.include_router(chat_router)
     app.include_router(models_router)
     app.include_router(metrics_router)
 

@@ -33,6 +33,11 @@ Where the user docs are silent, this is what the endpoint does:
   request fails). `GET /v1/models` needs a key, like every route.
 - Fields OpenAI has and we do not implement are refused unless at their neutral value; any
   other unknown field is a 400 naming it in `param`.
+- `stream: true` answers with server-sent events (`harvest.inline_stream`), sent once the
+  completion is generated, the activations in the final chunk.
+
+`serve_inline` is the one path of both inline routes (this one and `api.chat`): the response
+budget, the activation quota and the engines apply to a chat exactly as to a completion.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -54,18 +60,21 @@ from api.openapi import errors, request_body
 from api.ratelimit import SubmitKey
 from harvest.errors import InvalidRequest, ReplicaBusy
 from harvest.inline import (
-    NULL_IS_DEFAULT,
     CompletionBody,
     CompletionRequest,
+    InlineRequest,
+    PreparedCompletion,
     completion_response,
     parse_completion_request,
     prepare_completion,
 )
+from harvest.inline_stream import completion_events
 from harvest.registry import Registry
 from harvest.settings import get_settings
 from harvest.warm.inline import InlineEngines
 
-__all__ = ["router", "inline_engines", "registry_of", "ResponseBudget", "response_budget"]
+__all__ = ["router", "inline_engines", "registry_of", "ResponseBudget", "response_budget", "accepted_schema",
+           "parse_json_body", "serve_inline", "INLINE_RESPONSES"]
 
 # transformers resolves its top-level names lazily on first access, and that is not
 # thread-safe: a request tokenizing in one thread while an engine loads in another got
@@ -113,19 +122,25 @@ async def _warm(engines: InlineEngines, app: FastAPI, name: str) -> None:
 router = APIRouter(lifespan=_lifespan)
 
 
-def _as_accepted(schema: dict) -> dict:
-    """The body the route accepts, which pydantic's schema of the model does not quite say:
-    OpenAI clients send null for "the default", and a batch of exactly one prompt."""
-    props = schema["properties"]
-    for name in NULL_IS_DEFAULT:
-        field = props[name]
-        if not any(branch.get("type") == "null" for branch in field.get("anyOf", [])):
-            props[name] = {"anyOf": [{k: v for k, v in field.items() if k not in ("default", "title")}, {"type": "null"}],
-                           **{k: field[k] for k in ("default", "title") if k in field}}
-    prompt = props["prompt"]
-    one = {"anyOf": [b for b in prompt["anyOf"]]}
-    prompt["anyOf"] = [*prompt["anyOf"], {"type": "array", "items": one, "minItems": 1, "maxItems": 1}]
-    return schema
+def accepted_schema(model: type[InlineRequest]) -> Callable[[dict], dict]:
+    """The body a route accepts, which pydantic's schema of the model does not quite say:
+    OpenAI clients send null for "the default" (and, to /v1/completions, a batch of exactly
+    one prompt)."""
+
+    def patch(schema: dict) -> dict:
+        props = schema["properties"]
+        for name in model.NULL_IS_DEFAULT:
+            field = props[name]
+            if not any(branch.get("type") == "null" for branch in field.get("anyOf", [])):
+                props[name] = {"anyOf": [{k: v for k, v in field.items() if k not in ("default", "title")}, {"type": "null"}],
+                               **{k: field[k] for k in ("default", "title") if k in field}}
+        if "prompt" in props:
+            prompt = props["prompt"]
+            one = {"anyOf": [b for b in prompt["anyOf"]]}
+            prompt["anyOf"] = [*prompt["anyOf"], {"type": "array", "items": one, "minItems": 1, "maxItems": 1}]
+        return schema
+
+    return patch
 
 
 class ResponseBudget:
@@ -185,12 +200,12 @@ def response_budget(app: FastAPI) -> ResponseBudget:
 
 
 class _HeldStream(StreamingResponse):
-    """The completion's JSON, encoded piece by piece in worker threads while it is sent; its
-    budget hold is released when the response ends, however it ends (a client that leaves
-    mid-body included)."""
+    """The completion's JSON (or its events), encoded piece by piece in worker threads while it
+    is sent; its budget hold is released when the response ends, however it ends (a client
+    that leaves mid-body included)."""
 
-    def __init__(self, body: CompletionBody, hold: Hold):
-        super().__init__(iter(body), media_type="application/json")
+    def __init__(self, body: CompletionBody, hold: Hold, media_type: str):
+        super().__init__(iter(body), media_type=media_type)
         self._body = body
         self._hold = hold
 
@@ -202,17 +217,23 @@ class _HeldStream(StreamingResponse):
             self._hold.release()
 
 
-@router.post("/v1/completions", responses=errors(400, 401, 429, 503), openapi_extra=request_body(CompletionRequest, patch=_as_accepted))
-async def create_completion(request: Request, registry: Models, key: SubmitKey) -> StreamingResponse:
-    """A completion; with `output_residual_stream`, the residual stream at every position that ran."""
+Respond = Callable[..., CompletionBody]
+"""Renders a generation: `respond(prepared, generation, zstd_threads=…)`."""
+
+
+async def parse_json_body(request: Request) -> object:
+    """The inline route's body, capped and decoded off the event loop."""
     raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
     try:
-        body = await run_in_threadpool(json.loads, raw)  # a large body would stall the loop
+        return await run_in_threadpool(json.loads, raw)  # a large body would stall the loop
     except (ValueError, RecursionError):  # RecursionError: arrays nested too deep (`[[[[…`)
         raise InvalidRequest("The request body is not valid JSON.") from None
-    parsed = parse_completion_request(body)
-    # Tokenizing (and, the first time, reading the model's files) is blocking work.
-    prepared = await run_in_threadpool(prepare_completion, parsed, registry)
+
+
+async def serve_inline(request: Request, key: SubmitKey, prepared: PreparedCompletion, respond: Respond) -> StreamingResponse:
+    """Run a checked inline request under the replica's response budget and the key's
+    activation quota, and stream what `respond` renders: the one path of every inline route,
+    so the budget and the quota apply to each exactly alike."""
     hold = response_budget(request.app).hold(prepared.max_residual_bytes)
     try:
         month = None
@@ -223,7 +244,7 @@ async def create_completion(request: Request, registry: Models, key: SubmitKey) 
                                                                     prepared.layers)
             raw_bytes = 0 if generation.residual is None else generation.residual.numel() * 2
             threads = -1 if raw_bytes > _THREADED_ZSTD_BYTES else 0  # -1: zstd uses every core
-            answer = await run_in_threadpool(completion_response, prepared, generation, zstd_threads=threads)
+            answer = await run_in_threadpool(respond, prepared, generation, zstd_threads=threads)
         except BaseException:
             if month is not None:  # shielded: a client that left cancels the request, not this
                 with anyio.CancelScope(shield=True):
@@ -236,4 +257,25 @@ async def create_completion(request: Request, registry: Models, key: SubmitKey) 
     except BaseException:
         hold.release()
         raise
-    return _HeldStream(answer, hold)
+    media_type = "text/event-stream" if prepared.request.stream else "application/json"
+    return _HeldStream(answer, hold, media_type)
+
+
+INLINE_RESPONSES = {
+    200: {"description": "The completion as JSON, or with `stream: true` as server-sent events (`data: <chunk>`, "
+                         "then `data: [DONE]`).",
+          "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
+    **errors(400, 401, 429, 503),
+}
+"""The inline routes' answers: JSON, or events when streamed, and their refusals."""
+
+
+@router.post("/v1/completions", responses=INLINE_RESPONSES,
+             openapi_extra=request_body(CompletionRequest, patch=accepted_schema(CompletionRequest)))
+async def create_completion(request: Request, registry: Models, key: SubmitKey) -> StreamingResponse:
+    """A completion; with `output_residual_stream`, the residual stream at every position that
+    ran; with `stream`, server-sent events (`harvest.inline_stream`)."""
+    parsed = parse_completion_request(await parse_json_body(request))
+    # Tokenizing (and, the first time, reading the model's files) is blocking work.
+    prepared = await run_in_threadpool(prepare_completion, parsed, registry)
+    return await serve_inline(request, key, prepared, completion_events if parsed.stream else completion_response)

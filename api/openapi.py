@@ -84,7 +84,8 @@ def _constrain_models(schemas: dict, registry) -> None:
     harvestable = [m for m in models if m.harvest]
     schemas["HarvestRequest"]["properties"]["model"]["enum"] = [m.name for m in harvestable]
     schemas["HarvestRequest"]["properties"]["prompts"]["items"]["minLength"] = 1  # its validator's rule
-    schemas["CompletionRequest"]["properties"]["model"]["enum"] = [m.name for m in models]
+    for inline in ("CompletionRequest", "ChatRequest"):
+        schemas[inline]["properties"]["model"]["enum"] = [m.name for m in models]
     deepest = max((m.n_layers for m in harvestable), default=1) - 1
     for branch in schemas["HarvestRequest"]["properties"]["layers"]["anyOf"]:
         if branch.get("type") == "array":

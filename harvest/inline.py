@@ -1,4 +1,6 @@
-"""Inline activations: the `POST /v1/completions` request, its checks, and its response body.
+"""Inline activations: the `POST /v1/completions` request, its checks, and its response body;
+what a chat completion shares with it (`InlineRequest`, `plan_completion`, `body_with_residual`,
+used by `harvest.chat`), streamed or not (`harvest.inline_stream`).
 
 The HTTP layer only parses JSON, authenticates and awaits the model's batcher
 (`harvest.warm.inline`); everything a user can be refused for is decided here, before any
@@ -13,7 +15,8 @@ A text prompt is tokenized with the model's tokenizer, BOS included (as OpenAI-c
 servers do); a token-id prompt runs verbatim. Fields are the OpenAI completions fields we
 honour; any other field is refused naming it, so a client never silently gets something it
 did not ask for. Parameters OpenAI has but we do not implement are accepted only at their
-neutral values (n 1, stream false, echo false, penalties 0).
+neutral values (n 1, echo false, penalties 0). `seed` is a signed 64-bit integer, stated in the
+schema, so a larger one is a 400 naming it, never an engine's overflow in a shared batch.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
@@ -46,13 +49,20 @@ from harvest.residual_codec import encode_residual_chunks
 from harvest.tokenize import load_tokenizer
 
 __all__ = [
+    "StreamOptions",
+    "InlineRequest",
     "CompletionRequest",
     "PreparedCompletion",
+    "validate_request",
     "parse_completion_request",
-    "NULL_IS_DEFAULT",
     "activation_prompt_cap",
+    "requested_layers",
+    "plan_completion",
     "prepare_completion",
     "completion_response",
+    "body_with_residual",
+    "usage_of",
+    "render_json",
     "CompletionBody",
 ]
 
@@ -61,67 +71,74 @@ _UNION_HELP = {
     "prompt": "send a non-empty string or a list of token ids (integers)",
     "output_residual_stream": "send true, false, or a list of layer indices (integers)",
     "stop": f"send a string or a list of at most {MAX_STOP} strings",
+    "messages": "send a list of {role, content} objects",
 }
-NULL_IS_DEFAULT = ("max_tokens", "temperature", "top_p", "n", "stream", "echo", "presence_penalty", "frequency_penalty", "output_residual_stream")
 MAX_LOGPROBS = 5
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""A seed is a signed 64-bit integer (what the engines' generators take)."""
 
 
-class CompletionRequest(BaseModel):
-    """An OpenAI-style completion, optionally with the residual stream."""
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
 
     model_config = ConfigDict(extra="forbid")
 
+    include_usage: StrictBool = False
+    """One more event before `[DONE]`: no choices, the request's `usage`."""
+
+
+class InlineRequest(BaseModel):
+    """What a completion and a chat completion share: the model, sampling, streaming, and the
+    residual stream. OpenAI fields we do not implement are accepted at their neutral values
+    only, and any other field is refused naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (
+        "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "presence_penalty",
+        "frequency_penalty", "output_residual_stream")
+    """Fields an OpenAI client may send as null, meaning "the default"."""
+
     model: str
     """Served model name, as listed by `GET /v1/models`."""
-    prompt: str | list[WholeInt]
-    """Text (tokenized with BOS) or token ids (run verbatim)."""
-    max_tokens: WholeInt = Field(default=16, ge=1)
-    """Tokens to generate; prompt + max_tokens must fit in max_model_len."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """0 is greedy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    seed: WholeInt | None = None
-    """The same seed on the same engine reproduces the same draw."""
+    seed: Annotated[WholeInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    """A signed 64-bit integer; the same seed on the same engine reproduces the same draw."""
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     """Up to 4 strings; the completion ends before the first of them and leaves it out."""
-    logprobs: WholeInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    """Log-probabilities of the sampled tokens plus this many most likely alternatives."""
     output_residual_stream: StrictBool | list[WholeInt] = False
     """true: every decoder layer; a list: those layers (returned ascending, deduplicated)."""
+    stream: StrictBool = False
+    """true: server-sent events, one per generated token, then `data: [DONE]`."""
+    stream_options: StreamOptions | None = None
+    """Only with `stream`."""
     # OpenAI fields accepted at their neutral values only.
     n: WholeInt = 1
-    stream: StrictBool = False
-    echo: StrictBool = False
-    best_of: WholeInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _openai_spellings(cls, body: Any) -> Any:
-        """What OpenAI clients also send: null for "the default", and a batch of one prompt."""
+    def _nulls_are_defaults(cls, body: Any) -> Any:
         if not isinstance(body, dict):
             return body
-        body = {k: v for k, v in body.items() if not (v is None and k in NULL_IS_DEFAULT)}
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            body["prompt"] = prompt[0]
-        return body
+        return {k: v for k, v in body.items() if not (v is None and k in cls.NULL_IS_DEFAULT)}
 
-    @field_validator("n", "best_of")
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @field_validator("n")
     @classmethod
     def _one(cls, value: int | None, info) -> int | None:
         if value not in (None, 1):
             raise ValueError(f"{info.field_name} must be 1: each request returns one completion")
-        return value
-
-    @field_validator("stream", "echo")
-    @classmethod
-    def _false(cls, value: bool, info) -> bool:
-        if value:
-            raise ValueError(f"{info.field_name} is not supported; send false or leave it out")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -137,32 +154,88 @@ class CompletionRequest(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def sampling(self) -> SamplingSpec:
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per sampled token to return log-probabilities for, or None for none."""
+        raise NotImplementedError
+
+    def sampling(self, max_tokens: int) -> SamplingSpec:
         return SamplingSpec(
-            max_tokens=self.max_tokens,
+            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
             stop=self.stops,
-            logprobs=self.logprobs,
+            logprobs=self.top_logprobs_asked(),
         )
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
+class CompletionRequest(InlineRequest):
+    """An OpenAI-style completion, optionally with the residual stream."""
+
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*InlineRequest.NULL_IS_DEFAULT, "echo")
+
+    prompt: str | list[WholeInt]
+    """Text (tokenized with BOS) or token ids (run verbatim)."""
+    max_tokens: WholeInt = Field(default=16, ge=1)
+    """Tokens to generate; prompt + max_tokens must fit in max_model_len."""
+    logprobs: WholeInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Log-probabilities of the sampled tokens plus this many most likely alternatives."""
+    # OpenAI fields accepted at their neutral values only.
+    echo: StrictBool = False
+    best_of: WholeInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _batch_of_one(cls, body: Any) -> Any:
+        """What OpenAI clients also send: a batch of one prompt."""
+        if isinstance(body, dict):
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                body = {**body, "prompt": prompt[0]}
+        return body
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("best_of must be 1: each request returns one completion")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _false(cls, value: bool, info) -> bool:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported; send false or leave it out")
+        return value
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+def validate_request(model_class: type[InlineRequest], body: Any) -> InlineRequest:
     """A decoded JSON body → the request, or a 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
-    prompt = body.get("prompt")
+    try:
+        return model_class.model_validate(body, strict=True)
+    except ValidationError as exc:
+        raise invalid_from_pydantic(exc.errors(), hints=_UNION_HELP) from None
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """A decoded JSON body → the completion request, or a 400 naming the first bad field."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise InvalidRequest(
             "prompt must be one text or one list of token ids: send one request per prompt "
             "(each response carries one prompt's activations).",
             param="prompt",
         )
-    try:
-        return CompletionRequest.model_validate(body, strict=True)
-    except ValidationError as exc:
-        raise invalid_from_pydantic(exc.errors(), hints=_UNION_HELP) from None
+    return validate_request(CompletionRequest, body)
 
 
 def activation_prompt_cap(model: ModelInfo, n_layers_asked: int) -> int:
@@ -184,20 +257,19 @@ def _vocab_size(path: Path) -> int:
 class PreparedCompletion:
     """A request checked against its model: what the engine runs and what the response says."""
 
-    request: CompletionRequest
+    request: InlineRequest
     model: ModelInfo
     prompt_ids: list[int]
     layers: list[int] | None
     """Blocks to capture, ascending; None when no activations were asked."""
-
-    @property
-    def sampling(self) -> SamplingSpec:
-        return self.request.sampling()
+    sampling: SamplingSpec
+    extra_activations: dict = field(default_factory=dict)
+    """Fields the route adds to `activations.residual_stream` (a chat's message spans)."""
 
     @property
     def max_positions(self) -> int:
         """Residual-stream positions the response holds at most (every max_tokens sampled)."""
-        return len(self.prompt_ids) + self.request.max_tokens - 1
+        return len(self.prompt_ids) + self.sampling.max_tokens - 1
 
     @property
     def max_residual_bytes(self) -> int:
@@ -225,23 +297,27 @@ def _prompt_ids(request: CompletionRequest, model: ModelInfo) -> list[int]:
     return list(request.prompt)
 
 
-def prepare_completion(request: CompletionRequest, registry: Registry) -> PreparedCompletion:
-    """Check the request against its model; raise the 400 a user must see, or return the plan."""
-    model = registry.get(request.model)
-    layers = None
+def requested_layers(request: InlineRequest, model: ModelInfo) -> list[int] | None:
+    """The blocks `output_residual_stream` asks for, ascending, or None; a 400 for a model
+    that serves no inline activations or a layer it lacks."""
     asked = request.output_residual_stream
-    if asked is not False:
-        if not model.inline:
-            raise ActivationsUnsupported(
-                f"{model.name} does not serve inline activations; use a bulk harvest.",
-                param="output_residual_stream",
-            )
-        if isinstance(asked, list) and not asked:
-            raise InvalidRequest(
-                "output_residual_stream must be true or a non-empty list of layers.", param="output_residual_stream"
-            )
-        layers = resolve_layers(model, asked, param="output_residual_stream")
-    prompt_ids = _prompt_ids(request, model)
+    if asked is False:
+        return None
+    if not model.inline:
+        raise ActivationsUnsupported(
+            f"{model.name} does not serve inline activations; use a bulk harvest.", param="output_residual_stream",
+        )
+    if isinstance(asked, list) and not asked:
+        raise InvalidRequest(
+            "output_residual_stream must be true or a non-empty list of layers.", param="output_residual_stream"
+        )
+    return resolve_layers(model, asked, param="output_residual_stream")
+
+
+def plan_completion(request: InlineRequest, model: ModelInfo, prompt_ids: list[int], layers: list[int] | None,
+                    max_tokens: int, **extra_activations) -> PreparedCompletion:
+    """The checks every inline request passes once its prompt is tokens: the activation prompt
+    cap, and the context window."""
     n_prompt = len(prompt_ids)
     if layers is not None:
         cap = activation_prompt_cap(model, len(layers))
@@ -253,14 +329,22 @@ def prepare_completion(request: CompletionRequest, registry: Registry) -> Prepar
                 f"max_model_len {model.max_model_len}). Shorten the prompt, ask for fewer layers, or use a bulk harvest.",
                 param="prompt",
             )
-    if n_prompt + request.max_tokens > model.max_model_len:
+    if n_prompt + max_tokens > model.max_model_len:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
-            f"{n_prompt + request.max_tokens} tokens ({n_prompt} in the prompt, {request.max_tokens} for the "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
             "completion). Please reduce the prompt or max_tokens.",
             param="max_tokens",
         )
-    return PreparedCompletion(request=request, model=model, prompt_ids=prompt_ids, layers=layers)
+    return PreparedCompletion(request=request, model=model, prompt_ids=prompt_ids, layers=layers,
+                              sampling=request.sampling(max_tokens), extra_activations=extra_activations)
+
+
+def prepare_completion(request: CompletionRequest, registry: Registry) -> PreparedCompletion:
+    """Check the request against its model; raise the 400 a user must see, or return the plan."""
+    model = registry.get(request.model)
+    layers = requested_layers(request, model)
+    return plan_completion(request, model, _prompt_ids(request, model), layers, request.max_tokens)
 
 
 def _logprobs_body(generation: Generation, tokenizer) -> dict:
@@ -283,7 +367,7 @@ _DATA_MARK = "\u0000residual-data\u0000"
 string no engine output can hold (a NUL inside a key's value we set ourselves)."""
 
 
-def _render(body: dict) -> bytes:
+def render_json(body: dict) -> bytes:
     """JSON exactly as the API's JSONResponse renders it (Starlette's own settings)."""
     return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
@@ -294,9 +378,10 @@ class CompletionBody:
 
     Without activations it is one piece. With them, the body around the residual stream's
     `data` is rendered once, and `data` is encoded while it is sent (`encode_residual_chunks`),
-    so the replica never holds the whole payload as text; the bytes are those of
-    `completion_response`'s dict rendered by a JSONResponse. Iterating is blocking work (zstd):
-    a streaming response runs it in worker threads, off the event loop.
+    so the replica never holds the whole payload as text; the bytes are those of the body's
+    dict rendered by a JSONResponse. Iterating is blocking work (zstd): a streaming response
+    runs it in worker threads, off the event loop. A stream of server-sent events is the same
+    thing: `head` holds the events before the residual stream's, `tail` those after.
     """
 
     head: bytes
@@ -315,24 +400,14 @@ class CompletionBody:
         yield self.tail
 
 
-def completion_response(prepared: PreparedCompletion, generation: Generation, *, zstd_threads: int = 0) -> CompletionBody:
-    """The response body: OpenAI's text_completion, plus `activations` when they were asked."""
-    n_prompt, n_generated = len(generation.prompt_ids), len(generation.token_ids)
-    logprobs = None
-    if prepared.request.logprobs is not None:
-        logprobs = _logprobs_body(generation, load_tokenizer(prepared.model.require_path()))
-    body = {
-        "id": "cmpl-" + uuid.uuid4().hex,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": prepared.model.name,
-        "choices": [{"index": 0, "text": generation.text, "logprobs": logprobs, "finish_reason": generation.finish_reason}],
-        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated},
-    }
+def body_with_residual(body: dict, prepared: PreparedCompletion, generation: Generation, *, zstd_threads: int = 0,
+                       before: bytes = b"", after: bytes = b"") -> CompletionBody:
+    """`body` rendered, with `activations` added when they were asked (their `data` encoded as
+    it is sent), between the bytes `before` and `after`."""
     if prepared.layers is None:
-        return CompletionBody(head=_render(body))
+        return CompletionBody(head=before + render_json(body) + after)
     residual = generation.residual
-    expected = [len(prepared.layers), n_prompt + n_generated - 1, prepared.model.hidden_size]
+    expected = [len(prepared.layers), len(generation.prompt_ids) + len(generation.token_ids) - 1, prepared.model.hidden_size]
     if residual is None or list(residual.shape) != expected:
         got = None if residual is None else list(residual.shape)
         raise CaptureFailed(f"The engine returned a residual stream of shape {got}, expected {expected}.")
@@ -345,8 +420,31 @@ def completion_response(prepared: PreparedCompletion, generation: Generation, *,
         "shape": expected,
         "compression": "zstd",
         "layers": list(prepared.layers),  # which blocks shape[0] holds, ascending
+        **prepared.extra_activations,
     }}
-    head, mark, tail = _render(body).rpartition(json.dumps(_DATA_MARK, ensure_ascii=False).encode("utf-8")[1:-1])
+    head, mark, tail = render_json(body).rpartition(json.dumps(_DATA_MARK, ensure_ascii=False).encode("utf-8")[1:-1])
     if not mark:
         raise AssertionError("the residual stream's place in the body was lost")
-    return CompletionBody(head=head, tail=tail, residual=residual, zstd_threads=zstd_threads, positions=expected[1])
+    return CompletionBody(head=before + head, tail=tail + after, residual=residual, zstd_threads=zstd_threads,
+                          positions=expected[1])
+
+
+def usage_of(generation: Generation) -> dict:
+    n_prompt, n_generated = len(generation.prompt_ids), len(generation.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated}
+
+
+def completion_response(prepared: PreparedCompletion, generation: Generation, *, zstd_threads: int = 0) -> CompletionBody:
+    """The response body: OpenAI's text_completion, plus `activations` when they were asked."""
+    logprobs = None
+    if prepared.request.logprobs is not None:
+        logprobs = _logprobs_body(generation, load_tokenizer(prepared.model.require_path()))
+    body = {
+        "id": "cmpl-" + uuid.uuid4().hex,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": prepared.model.name,
+        "choices": [{"index": 0, "text": generation.text, "logprobs": logprobs, "finish_reason": generation.finish_reason}],
+        "usage": usage_of(generation),
+    }
+    return body_with_residual(body, prepared, generation, zstd_threads=zstd_threads)

@@ -20,6 +20,13 @@ BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 CORPUS = Path(__file__).with_name("data") / "tokenizer_corpus.txt"
 SEED = 20261130
+# A chat template in Llama 3's manner: it writes BOS itself, while the tokenizer also prepends
+# BOS to plain text. Chat requests to the tiny model thus meet the trap a real Llama chat
+# template sets (a client-side render sent as text carries two BOS); the server must not.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 TINY_CONFIG = dict(
     hidden_size=256,
@@ -67,6 +74,7 @@ def write_tiny_model(folder: Path, *, config_overrides: dict | None = None, voca
     staging = Path(folder)
     tokenizer = _train_tokenizer(vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(staging)
     plain_tokenizer_config(staging, TINY_CONFIG["max_position_embeddings"])
 

@@ -205,8 +205,8 @@ def test_encoding_a_response_holds_one_piece_at_a_time():
     n_tokens = 2000
     residual = torch.randn(8, n_tokens, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     raw_bytes = residual.numel() * 2  # 8 MiB
-    prepared = PreparedCompletion(CompletionRequest(model="llama-tiny", prompt=[1], max_tokens=n_tokens, output_residual_stream=True),
-                                  model, [1], list(range(8)))
+    request = CompletionRequest(model="llama-tiny", prompt=[1], max_tokens=n_tokens, output_residual_stream=True)
+    prepared = PreparedCompletion(request, model, [1], list(range(8)), request.sampling(n_tokens))
     generation = Generation(prompt_ids=[1], token_ids=[2] * n_tokens, text="x", finish_reason="length", residual=residual)
     tracemalloc.start()
     try:

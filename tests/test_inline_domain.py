@@ -32,7 +32,7 @@ def test_cap_formula(tiny, n_layers, published, max_model_len, asked, cap):
 
 def test_parse_accepts_text_ids_and_openai_neutral_fields():
     request = parse_completion_request(_body(n=1, stream=False, stop="\n", output_residual_stream=[3, 1, 3]))
-    assert request.stops == ("\n",) and request.sampling().max_tokens == 16
+    assert request.stops == ("\n",) and request.max_tokens == 16
     assert parse_completion_request(_body(prompt=[1, 2, 3])).prompt == [1, 2, 3]
     # OpenAI clients may send null for a default, and a batch of one prompt
     nulls = parse_completion_request(_body(max_tokens=None, temperature=None, prompt=[[4, 5]]))
@@ -45,7 +45,10 @@ def test_parse_accepts_text_ids_and_openai_neutral_fields():
     [
         ({"bogus": 1}, "bogus"),
         ({"n": 2}, "n"),
-        ({"stream": True}, "stream"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # only with stream
+        ({"seed": 2**63}, "seed"),  # past a signed 64-bit integer: a 400, not the engine's overflow
+        ({"echo": True}, "echo"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 KEYED = {"POST /v1/harvest", "GET /v1/harvest", "GET /v1/harvest/{job_id}", "DELETE /v1/harvest/{job_id}",
-         "POST /v1/completions", "GET /v1/models"}
+         "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}
 REFUSALS = {
     "POST /v1/harvest": {400, 401, 408, 409, 413, 429, 500, 503},  # 409: an Idempotency-Key reused for another request
     "GET /v1/harvest": {400, 401, 404, 413, 429, 500},
@@ -16,6 +16,7 @@ REFUSALS = {
     "DELETE /v1/harvest/{job_id}": {401, 404, 409, 413, 429, 500},
     "GET /v1/files/{job_id}/{name}": {403, 404, 413, 500},
     "POST /v1/completions": {400, 401, 413, 429, 500, 503},
+    "POST /v1/chat/completions": {400, 401, 413, 429, 500, 503},
     "GET /v1/models": {401, 413, 429, 500},
 }
 
@@ -62,7 +63,8 @@ def test_every_reference_resolves(document):
 def test_request_bodies_are_declared_also_where_the_route_reads_the_raw_body(document):
     """Before: POST /v1/completions declared no body at all."""
     for name, fields in (("POST /v1/harvest", {"model", "prompts", "layers", "shard_size", "project_onto"}),
-                         ("POST /v1/completions", {"model", "prompt", "max_tokens", "output_residual_stream"})):
+                         ("POST /v1/completions", {"model", "prompt", "max_tokens", "output_residual_stream", "stream"}),
+                         ("POST /v1/chat/completions", {"model", "messages", "max_tokens", "output_residual_stream", "stream"})):
         operation = dict(_operations(document))[name]
         body = operation["requestBody"]
         assert body["required"] is True

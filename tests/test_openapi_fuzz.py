@@ -13,7 +13,8 @@ from tests.api_fixtures import ApiServer
 
 ROUTES = {
     "POST /v1/harvest", "GET /v1/harvest", "GET /v1/harvest/{job_id}", "DELETE /v1/harvest/{job_id}",
-    "GET /v1/files/{job_id}/{name}", "POST /v1/completions", "GET /v1/models",
+    "GET /v1/files/{job_id}/{name}", "POST /v1/completions", "POST /v1/chat/completions",
+    "GET /v1/models",
 }
 
 

@@ -1,0 +1,32 @@
+"""`POST /v1/chat/completions`: OpenAI-style chat completions, rendered with the model's chat
+template on the server (`harvest.chat`), then served exactly as a completion of those tokens:
+the same engines, response budget and activation quota (`api.completions.serve_inline`).
+With `stream`, server-sent events (`harvest.inline_stream`)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.completions import INLINE_RESPONSES, accepted_schema, parse_json_body, serve_inline
+from api.deps import Models
+from api.openapi import request_body
+from api.ratelimit import SubmitKey
+from harvest.chat import ChatRequest, chat_response, parse_chat_request, prepare_chat
+from harvest.inline_stream import chat_events
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", responses=INLINE_RESPONSES,
+             openapi_extra=request_body(ChatRequest, patch=accepted_schema(ChatRequest)))
+async def create_chat_completion(request: Request, registry: Models, key: SubmitKey) -> StreamingResponse:
+    """A chat completion; with `output_residual_stream`, the residual stream at every position
+    that ran and where each message's tokens lie (`message_spans`)."""
+    parsed = parse_chat_request(await parse_json_body(request))
+    # Rendering and tokenizing (and, the first time, reading the model's files) is blocking work.
+    prepared = await run_in_threadpool(prepare_chat, parsed, registry)
+    return await serve_inline(request, key, prepared, chat_events if parsed.stream else chat_response)
