@@ -21,16 +21,17 @@ that hashed it can never be contradicted by a write landing after it. On local d
 file is hard-linked to its name (`os.link` fails if the name exists; a rename would replace
 it), on S3 the PUT or the multipart upload's completion carries `If-None-Match: *` (s3fs's
 `mode="create"`; AWS S3, MinIO and moto's server answer 412 when the key exists, s3fs raises
-`FileExistsError`, and aborts the upload). The loser hands the name to the winner's file
-(`harvest.pipeline.write_shard` lists the stored bytes, never its own), and a retry whose
-earlier try landed finds its own bytes there. Per-attempt names with the manifest naming the
-winner would fence as well, but change the shard names that the SPEC, the client's downloads,
-the links and the resume all read, and leave the losers' copies to sweep; here nothing is
-renamed and nothing is left over. A store that ignores the condition (an old S3-compatible
-server) replaces instead: the manifest's re-hash of each shard is still there for it
-(`harvest.pipeline.stored_records`). A shard damaged in place is deleted before
-it is written again (`harvest.pipeline.run_shards`): that delete, then create, is the one
-replacement, and only a resume does it.
+`FileExistsError`, and aborts the upload; AWS may answer two creates at the same moment 409
+`ConditionalRequestConflict`, an `OSError` the write task retries into a 412). The loser
+hands the name to the winner's file (`harvest.pipeline.write_shard` lists the stored bytes,
+never its own), and a retry whose earlier try landed finds its own bytes there. Per-attempt
+names with the manifest naming the winner would fence as well, but change the shard names
+that the SPEC, the client's downloads, the links and the resume all read, and leave the
+losers' copies to sweep; here nothing is renamed and nothing is left over. A store that
+ignores the condition (an old S3-compatible server) replaces instead: the manifest's re-hash
+of each shard is still there for it (`harvest.pipeline.stored_records`). A shard damaged in
+place is deleted before it is written again (`harvest.pipeline.run_shards`): that delete,
+then create, is the one replacement, and only a resume does it.
 
 Every read sees the store as it is now. s3fs answers `ls` (and `exists`, `info`) from a
 listings cache once a folder was listed, and fsspec hands one filesystem object to every caller
