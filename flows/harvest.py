@@ -55,7 +55,7 @@ from harvest.shards import shard_ranges
 from harvest.warm.client import open_engine
 from tasks.shards import ShardWork, finalize_job, run_shard_range
 
-__all__ = ["harvest", "ending"]
+__all__ = ["harvest", "ending", "observe_run_start"]
 
 
 def observe_run_start(lane: str, entered: float) -> None:
