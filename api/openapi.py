@@ -47,7 +47,28 @@ KEYED = {"security": [{"bearer": []}]}
 """openapi_extra of a route that needs `Authorization: Bearer <key>`."""
 
 
+_JSON_SCHEMA_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _bounds_as_keywords(node):
+    """pydantic writes a bound it cannot place on a type of its own (an integer field that
+    also takes `514.0`, inside an optional) under its own name (`ge`, `le`), which JSON Schema
+    ignores: a client or a fuzzer would think `-232` valid. The bound under JSON Schema's
+    name, so that the document states every range the server enforces."""
+    if isinstance(node, dict):
+        for ours, theirs in _JSON_SCHEMA_BOUNDS.items():
+            if ours in node and isinstance(node[ours], (int, float)) and "type" in node:
+                node[theirs] = node.pop(ours)
+        for value in node.values():
+            _bounds_as_keywords(value)
+    elif isinstance(node, list):
+        for value in node:
+            _bounds_as_keywords(value)
+    return node
+
+
 def _register(schema: dict) -> dict:
+    _bounds_as_keywords(schema)
     for name, definition in schema.pop("$defs", {}).items():
         _components[name] = definition
     return schema
@@ -86,11 +107,32 @@ def _constrain_models(schemas: dict, registry) -> None:
     schemas["HarvestRequest"]["properties"]["prompts"]["items"]["minLength"] = 1  # its validator's rule
     for inline in ("CompletionRequest", "ChatRequest"):
         schemas[inline]["properties"]["model"]["enum"] = [m.name for m in models]
-    deepest = max((m.n_layers for m in harvestable), default=1) - 1
-    for branch in schemas["HarvestRequest"]["properties"]["layers"]["anyOf"]:
+    _bound_layers(schemas["HarvestRequest"]["properties"]["layers"], harvestable)
+    inline_models = [m for m in models if m.inline]
+    for inline in ("CompletionRequest", "ChatRequest"):
+        _bound_layers(schemas[inline]["properties"]["output_residual_stream"], inline_models)
+    for branch in _branches(schemas["CompletionRequest"]["properties"]["prompt"]):
+        if branch.get("type") == "array" and branch.get("items", {}).get("type") == "integer":
+            branch["items"] = {**branch["items"], "minimum": 0}  # below each model's vocabulary: a 400 past it
+
+
+def _bound_layers(field: dict, models) -> None:
+    """A list of layers: non-empty, each within the deepest of these models (a layer beyond the
+    chosen model's own depth stays a 400 naming its range)."""
+    deepest = max((m.n_layers for m in models), default=1) - 1
+    for branch in _branches(field):
         if branch.get("type") == "array":
             branch["items"] = {**branch["items"], "minimum": 0, "maximum": deepest}
             branch["minItems"] = 1
+
+
+def _branches(field: dict):
+    """The alternatives of a field, nested `anyOf`s flattened (a null-is-default wraps one)."""
+    for branch in field.get("anyOf", [field]):
+        if "anyOf" in branch:
+            yield from _branches(branch)
+        else:
+            yield branch
 
 
 def install(app: FastAPI) -> None:

@@ -115,9 +115,9 @@ class InlineRequest(BaseModel):
     stream_options: StreamOptions | None = None
     """Only with `stream`."""
     # OpenAI fields accepted at their neutral values only.
-    n: WholeInt = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: WholeInt = Field(default=1, json_schema_extra={"minimum": 1, "maximum": 1})
+    presence_penalty: float = Field(default=0.0, json_schema_extra={"minimum": 0, "maximum": 0})
+    frequency_penalty: float = Field(default=0.0, json_schema_extra={"minimum": 0, "maximum": 0})
     user: str | None = None
 
     @model_validator(mode="before")
@@ -185,8 +185,8 @@ class CompletionRequest(InlineRequest):
     logprobs: WholeInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Log-probabilities of the sampled tokens plus this many most likely alternatives."""
     # OpenAI fields accepted at their neutral values only.
-    echo: StrictBool = False
-    best_of: WholeInt | None = None
+    echo: StrictBool = Field(default=False, json_schema_extra={"const": False})
+    best_of: Annotated[WholeInt, Field(json_schema_extra={"minimum": 1, "maximum": 1})] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -96,3 +96,55 @@ def test_a_submit_links_to_reading_and_cancelling_its_job(document):
     links = dict(_operations(document))["POST /v1/harvest"]["responses"]["202"]["links"]
     ids = {operation["operationId"] for _, operation in _operations(document)}
     assert {link["operationId"] for link in links.values()} == {"readHarvest", "cancelHarvest"} <= ids
+
+
+def _pydantic_bounds(node, at="#"):
+    """Where the document still carries pydantic's own names for a bound (`ge`, `le`, …),
+    which JSON Schema ignores."""
+    if isinstance(node, dict):
+        for key in ("ge", "le", "gt", "lt"):
+            if isinstance(node.get(key), (int, float)):
+                yield f"{at}/{key}"
+        for name, value in node.items():
+            yield from _pydantic_bounds(value, f"{at}/{name}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _pydantic_bounds(value, f"{at}/{index}")
+
+
+def _branch(field: dict, type_: str) -> dict:
+    """The field's alternative of this type, through nested `anyOf`s."""
+    for branch in field.get("anyOf", [field]):
+        found = _branch(branch, type_) if "anyOf" in branch else branch if branch.get("type") == type_ else None
+        if found is not None:
+            return found
+    return None
+
+
+def test_every_range_the_server_enforces_is_stated_as_json_schema(document):
+    """Before: `batch_size`, `logprobs` and `seed` carried `ge`/`le` (or nothing), so
+    `batch_size: -232` was schema-valid, and `seed: 2**64` reached the engine (a 500)."""
+    assert list(_pydantic_bounds(document)) == []
+    schemas = document["components"]["schemas"]
+    completion, chat, harvest = (schemas[n]["properties"] for n in ("CompletionRequest", "ChatRequest", "HarvestRequest"))
+    stated = lambda field, type_="integer": {k: v for k, v in _branch(field, type_).items()  # noqa: E731
+                                             if k in ("minimum", "maximum", "exclusiveMinimum")}
+    assert stated(harvest["batch_size"]) == stated(harvest["shard_size"]) == {"minimum": 1, "maximum": 4096}
+    for inline in (completion, chat):
+        assert stated(inline["seed"]) == {"minimum": -(2**63), "maximum": 2**63 - 1}
+        assert stated(inline["n"]) == {"minimum": 1, "maximum": 1}
+        assert stated(inline["temperature"], "number") == {"minimum": 0.0, "maximum": 2.0}
+        assert stated(inline["top_p"], "number") == {"exclusiveMinimum": 0.0, "maximum": 1.0}
+        assert _branch(inline["output_residual_stream"], "array")["items"]["minimum"] == 0
+    assert stated(completion["logprobs"]) == stated(chat["top_logprobs"]) == {"minimum": 0, "maximum": 5}
+    assert stated(completion["max_tokens"]) == stated(chat["max_tokens"]) == {"minimum": 1}
+    assert stated(completion["best_of"]) == {"minimum": 1, "maximum": 1}
+
+
+def test_a_seed_past_64_bits_is_a_400_naming_it(harvest_api):
+    """Before: 500 (the engine's generator overflowed), failing the whole shared batch."""
+    key = harvest_api.make_key()
+    for route, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        answer = httpx.post(f"{harvest_api.root}/v1/{route}", headers={"Authorization": f"Bearer {key}"},
+                            json={"model": "llama-tiny", "max_tokens": 1, "seed": 2**64, **body}, timeout=60)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "seed", answer.text
