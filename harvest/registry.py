@@ -13,14 +13,16 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harvest.built_checkpoints import ensure_builtin, is_built
+from harvest.built_checkpoints import Writer, ensure_built, is_built
 from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable
+from harvest.gguf_checkpoint import GGUFSource
 from harvest.lanes import load_lanes
 from harvest.settings import Settings, get_settings
+from harvest.tiny_model import write_tiny_model
 
 log = logging.getLogger("harvest.registry")
 
-__all__ = ["ModelInfo", "Registry", "load_registry"]
+__all__ = ["ModelInfo", "Registry", "load_registry", "builder_for", "ensure_builtin"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,26 @@ class ModelInfo:
             "inline": self.inline,
             "lane": self.lane,
         }
+
+
+def builder_for(name: str, entry: dict) -> Writer | None:
+    """The writer of a registry entry with `builtin = true`: from its `gguf` source when it
+    names one (None when that package is not installed here), else the embedded tiny model."""
+    source = entry.get("gguf")
+    if source is None:
+        return write_tiny_model
+    gguf = GGUFSource.parse(source, name)
+    return gguf.writer() if gguf.present() else None
+
+
+def ensure_builtin(target: Path, name: str, entry: dict) -> Path | None:
+    """The folder of a `builtin = true` registry entry, built on first use; None when it is
+    not built and its source is not on this host."""
+    target = Path(target)
+    if is_built(target):
+        return target
+    write = builder_for(name, entry)
+    return None if write is None else ensure_built(target, write)
 
 
 def _candidate_dirs(weights: str, settings: Settings) -> list[Path]:

@@ -165,3 +165,75 @@ def test_every_layer_is_scanned():
     packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "client", "bench", "notebooks"}
     assert packages == set(LAYERS), packages
     assert set(FORBIDDEN) | {"fleet"} == set(LAYERS)
+
+
+def _module_of(root: Path, name: str) -> str | None:
+    """The service module a name refers to (`harvest.registry.ModelInfo` → `harvest.registry`)."""
+    parts = name.split(".")
+    while parts:
+        base = root.joinpath(*parts)
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module → the service modules it imports, at the top or inside a function (a lazy
+    import is still a dependency; strings that name modules are not imports)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(p for top in LAYERS for p in (root / top).rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        edges = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                found = _module_of(root, target) if target.split(".")[0] in LAYERS else None
+                if found and found != module and not module.startswith(found + "."):  # a package's own __init__
+                    edges.add(found)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, ()):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    """Before: harvest.engines.base imported hf and vllm (its children), and
+    built_checkpoints named the builders that import it (gguf_checkpoint, tiny_model)."""
+    graph = import_graph(REPO)
+    assert {"harvest.registry", "harvest.engines.hf"} <= set(graph)  # the scan sees the tree
+    assert "harvest.built_checkpoints" in graph["harvest.registry"]
+    assert circles(graph) == []

@@ -19,7 +19,7 @@ import torch
 from safetensors.numpy import load as load_numpy
 from safetensors.torch import load as load_torch
 
-from harvest.built_checkpoints import ensure_builtin
+from harvest.registry import ensure_builtin
 from harvest.errors import ModelUnavailable
 from harvest.gguf_checkpoint import GGUFSource
 from harvest.jobfiles import MANIFEST, STATS, shard_name
