@@ -1,9 +1,11 @@
 """Who wrote what, in what order, into a job's folder, seen from outside the writing process.
 
     DiskWrites(folder)   Linux inotify on a local folder and its sub-folders (created later too):
-                         every file closed after writing or renamed into place, in the order
-                         the kernel saw them. The service's writes are a `.partial` file
-                         renamed into place, so each shows as a close then a rename. A
+                         every file closed after writing, renamed or linked into place, in
+                         the order the kernel saw them. The service's writes are a `.partial`
+                         file renamed into place, so each shows as a close then a rename; a
+                         shard's is linked (created once: `harvest.storage`), a close then a
+                         link (a new name that is no `.partial`, with no write of its own). A
                          sub-folder is watched only once its creation is seen, so files that
                          land in it before that show as "found" at that point (create the
                          folders you care about beforehand for an exact order).
@@ -35,7 +37,7 @@ _EVENT = struct.Struct("iIII")
 
 class DiskWrites:
     """inotify on `folder` (and every sub-folder, as it appears); `.events` is the list of
-    (relative path, "close" | "rename" | "found") in order. Use as a context manager."""
+    (relative path, "close" | "rename" | "link" | "found") in order. Use as a context manager."""
 
     def __init__(self, folder: Path):
         self.root = Path(folder)
@@ -87,6 +89,8 @@ class DiskWrites:
                         self._watch(found)
                     elif not found.name.endswith(".partial"):
                         self.events.append((str(found.relative_to(self.root)), "found"))
+            elif mask & _IN_CREATE and not mask & _IN_ISDIR and not name.endswith(".partial"):
+                self.events.append((str(path.relative_to(self.root)), "link"))
             elif mask & (_IN_CLOSE_WRITE | _IN_MOVED_TO):
                 self.events.append((str(path.relative_to(self.root)), "close" if mask & _IN_CLOSE_WRITE else "rename"))
 
