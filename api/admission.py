@@ -1,5 +1,11 @@
 """The admission budget of one API replica: the submits it reads, parses and tokenizes at once.
 
+The inline routes' bodies (`api.completions.admit_inline`) pass through the same budget, the
+same way: their bytes held, a place in their key's share, parsed and tokenized on one of the
+working places (on the budget's threads: the checks are quick once a prompt's length has
+refused what cannot run, and what is kept is the prompt's ids), so a burst of them neither
+fills the thread pool every key's reads need nor costs memory beside the submits' budget.
+
 A submit's cost is known only once its body is read and its prompts counted (`harvest.cost`);
 until then this budget is what bounds the replica's memory and CPU, whatever the requests
 say. Three limits (settings `HARVEST_ADMISSION_*`):
@@ -157,7 +163,8 @@ class AdmissionBudget:
         return await self.call(self._assessors.assess, body, registry)
 
     async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        """`fn(*args, **kwargs)` on one of the budget's threads (from inside `work`). Awaited to
+        """`fn(*args, **kwargs)` on one of the budget's threads (from inside `work`): an inline
+        body's parse and checks, an assessing child's answer awaited. Awaited to
         its end even when the request is cancelled (its client hung up): the place it holds
         is given back only once its thread is free, so the threads never have more to do than
         the places allow."""
@@ -181,10 +188,11 @@ def declared_bytes(request: Request, cap: int) -> int:
     return min(int(declared), cap) if declared.isascii() and declared.isdigit() else cap
 
 
-async def read_body_within(request: Request, seconds: float) -> bytes:
-    """The body (capped as `api.deps.read_body` caps it), or 408 when it takes over `seconds`."""
+async def read_body_within(request: Request, seconds: float, *caps) -> bytes:
+    """The body (capped as `api.deps.read_body` caps it, `caps` its limit and advice), or 408
+    when it takes over `seconds`."""
     try:
-        return await asyncio.wait_for(deps.read_body(request), seconds)
+        return await asyncio.wait_for(deps.read_body(request, *caps), seconds)
     except asyncio.TimeoutError:
         raise RequestTimeout(
             f"The request body did not arrive within {seconds:g} seconds. Send it again, or split the prompts "

@@ -39,6 +39,7 @@ from api.files import router as files_router
 from api.guard import RequestGuard
 from api.openapi import install as install_openapi
 from api.lease import Lease, replica_id
+from api.links import LinkCache
 from api.metrics import ReplicaMetrics, RequestMetrics
 from api.metrics import router as metrics_router
 from api.harvest import router as harvest_router
@@ -146,6 +147,7 @@ def create_app(
     admission: AdmissionBudget | None = None,
     anonymous_limiter: AddressLimiter | None = None,
     fair_share: FairShare | None = None,
+    link_cache: LinkCache | None = None,
 ) -> FastAPI:
     """The API app with these parts; each one not given is built from the settings:
 
@@ -156,7 +158,8 @@ def create_app(
     - `inline_budget`: the bytes of inline responses held at once (`api.completions.ResponseBudget`);
     - `admission`: the harvest submits' admission budget (`api.admission`);
     - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`);
-    - `fair_share`: each key's share of the replica, in flight and in turn (`api.fairshare`).
+    - `fair_share`: each key's share of the replica, in flight and in turn (`api.fairshare`);
+    - `link_cache`: the done jobs' links this replica signed, reused a while (`api.links`).
     """
     settings = get_settings()
     app = FastAPI(
@@ -182,6 +185,7 @@ def create_app(
     app.state.admission = admission
     app.state.anonymous_limiter = anonymous_limiter
     app.state.fair_share = fair_share if fair_share is not None else FairShare.from_settings(settings)
+    app.state.link_cache = link_cache if link_cache is not None else LinkCache.from_settings(settings)
     app.state.empty_buckets = EmptyBuckets()  # keys' buckets known empty (`api.ratelimit`)
     app.state.metrics = ReplicaMetrics.from_settings(settings)  # `/metrics` (`api.metrics`)
     app.add_exception_handler(HarvestError, harvest_error)

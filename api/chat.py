@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
-from api.completions import INLINE_RESPONSES, accepted_schema, parse_json_body, serve_inline
+from api.admission import Admission
+from api.completions import INLINE_RESPONSES, accepted_schema, admit_inline, decode_json, serve_inline
 from api.deps import Models
 from api.openapi import request_body
 from api.ratelimit import SubmitKey
@@ -23,10 +23,11 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", responses=INLINE_RESPONSES,
              openapi_extra=request_body(ChatRequest, patch=accepted_schema(ChatRequest)))
-async def create_chat_completion(request: Request, registry: Models, key: SubmitKey) -> StreamingResponse:
+async def create_chat_completion(request: Request, budget: Admission, registry: Models, key: SubmitKey) -> StreamingResponse:
     """A chat completion; with `output_residual_stream`, the residual stream at every position
     that ran and where each message's tokens lie (`message_spans`)."""
-    parsed = parse_chat_request(await parse_json_body(request))
-    # Rendering and tokenizing (and, the first time, reading the model's files) is blocking work.
-    prepared = await run_in_threadpool(prepare_chat, parsed, registry)
-    return await serve_inline(request, key, prepared, chat_events if parsed.stream else chat_response)
+    # Rendering and tokenizing (and, the first time, reading the model's files) is blocking
+    # work, done inside the admission budget as a completion's is.
+    prepared = await admit_inline(request, budget, key,
+                                  lambda raw: prepare_chat(parse_chat_request(decode_json(raw)), registry))
+    return await serve_inline(request, key, prepared, chat_events if prepared.request.stream else chat_response)

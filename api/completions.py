@@ -1,6 +1,7 @@
 """`POST /v1/completions`: OpenAI-style completions with inline residual-stream activations.
 
-The route is thin: parse and check the request (`harvest.inline`), hold the response's bytes
+The route is thin: read, parse and check the request (`harvest.inline`) inside the replica's
+admission budget and its key's share, as a submit's body (`admit_inline`), hold the response's bytes
 in the replica's budget (`ResponseBudget`: 503 `replica_busy` with Retry-After over it), hold
 the activation quota, await the model's batcher (`harvest.warm.inline`), and stream the response:
 the body around the residual stream is rendered once, and the stream's `data` is compressed
@@ -54,8 +55,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import reserve_activations, settle_activations
-from api.deps import INLINE_MAX_BODY_BYTES, Models, read_body
+from api.admission import Admission, AdmissionBudget, declared_bytes, read_body_within
+from api.auth import ApiKey, reserve_activations, settle_activations
+from api.deps import INLINE_MAX_BODY_BYTES, Models
 from api.openapi import errors, request_body
 from api.ratelimit import SubmitKey
 from harvest.errors import InvalidRequest, ReplicaBusy
@@ -74,7 +76,7 @@ from harvest.settings import get_settings
 from harvest.warm.inline import InlineEngines
 
 __all__ = ["router", "inline_engines", "registry_of", "ResponseBudget", "response_budget", "accepted_schema",
-           "parse_json_body", "serve_inline", "INLINE_RESPONSES"]
+           "decode_json", "admit_inline", "serve_inline", "INLINE_RESPONSES"]
 
 # transformers resolves its top-level names lazily on first access, and that is not
 # thread-safe: a request tokenizing in one thread while an engine loads in another got
@@ -221,13 +223,27 @@ Respond = Callable[..., CompletionBody]
 """Renders a generation: `respond(prepared, generation, zstd_threads=…)`."""
 
 
-async def parse_json_body(request: Request) -> object:
-    """The inline route's body, capped and decoded off the event loop."""
-    raw = await read_body(request, INLINE_MAX_BODY_BYTES, "Send a shorter prompt, or several requests.")
+def decode_json(raw: bytes) -> object:
+    """An inline body's JSON, or the 400."""
     try:
-        return await run_in_threadpool(json.loads, raw)  # a large body would stall the loop
+        return json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: arrays nested too deep (`[[[[…`)
         raise InvalidRequest("The request body is not valid JSON.") from None
+
+
+async def admit_inline(request: Request, budget: AdmissionBudget, key: ApiKey,
+                       prepare: Callable[[bytes], PreparedCompletion]) -> PreparedCompletion:
+    """An inline body read, parsed and checked (`prepare`, given its raw bytes) inside the
+    replica's admission budget, as a submit's is (`api.admission`): its bytes held and a place in
+    its key's share from before it is read until it is checked, the parse and tokenizing on one
+    of the budget's working places and threads, never the shared pool every key's reads need.
+    Over the budget: 503 `replica_busy` with Retry-After, as a submit. Only the checked request
+    (its prompt's ids, at most the model's context) is kept past the hold."""
+    async with budget.hold(key.id, declared_bytes(request, INLINE_MAX_BODY_BYTES)):
+        raw = await read_body_within(request, get_settings().admission_read_s, INLINE_MAX_BODY_BYTES,
+                                     "Send a shorter prompt, or several requests.")
+        async with budget.work():
+            return await budget.call(prepare, raw)
 
 
 async def serve_inline(request: Request, key: SubmitKey, prepared: PreparedCompletion, respond: Respond) -> StreamingResponse:
@@ -265,17 +281,18 @@ INLINE_RESPONSES = {
     200: {"description": "The completion as JSON, or with `stream: true` as server-sent events (`data: <chunk>`, "
                          "then `data: [DONE]`).",
           "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
-    **errors(400, 401, 429, 503),
+    **errors(400, 401, 408, 429, 503),  # 408: a body that did not arrive within the admission's time
 }
 """The inline routes' answers: JSON, or events when streamed, and their refusals."""
 
 
 @router.post("/v1/completions", responses=INLINE_RESPONSES,
              openapi_extra=request_body(CompletionRequest, patch=accepted_schema(CompletionRequest)))
-async def create_completion(request: Request, registry: Models, key: SubmitKey) -> StreamingResponse:
+async def create_completion(request: Request, budget: Admission, registry: Models, key: SubmitKey) -> StreamingResponse:
     """A completion; with `output_residual_stream`, the residual stream at every position that
     ran; with `stream`, server-sent events (`harvest.inline_stream`)."""
-    parsed = parse_completion_request(await parse_json_body(request))
     # Tokenizing (and, the first time, reading the model's files) is blocking work.
-    prepared = await run_in_threadpool(prepare_completion, parsed, registry)
-    return await serve_inline(request, key, prepared, completion_events if parsed.stream else completion_response)
+    prepared = await admit_inline(request, budget, key,
+                                  lambda raw: prepare_completion(parse_completion_request(decode_json(raw)), registry))
+    stream = prepared.request.stream
+    return await serve_inline(request, key, prepared, completion_events if stream else completion_response)

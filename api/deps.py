@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 from pydantic import ValidationError
 
 from api.guard import INLINE_MAX_BODY_BYTES, MAX_HARVEST_BODY_BYTES, too_large
+from api.links import LinkCache
 from api.runs import RunStore
 from api.watcher import Watcher
 from harvest.errors import invalid_from_pydantic
@@ -31,6 +32,7 @@ __all__ = [
     "Runs",
     "JobWatcher",
     "LinkBase",
+    "SignedLinks",
     "registry",
     "storage",
     "runs",
@@ -65,6 +67,11 @@ async def watcher(request: Request) -> Watcher:
     return request.app.state.watcher
 
 
+async def link_cache(request: Request) -> LinkCache:
+    """The links this replica signed for done jobs (`api.links.LinkCache`)."""
+    return request.app.state.link_cache
+
+
 async def link_base(request: Request) -> str:
     """Where this request's links point (`base_url`)."""
     return base_url(request)
@@ -75,6 +82,7 @@ Files = Annotated[Storage, Depends(storage)]
 Runs = Annotated[RunStore, Depends(runs)]
 JobWatcher = Annotated[Watcher, Depends(watcher)]
 LinkBase = Annotated[str, Depends(link_base)]
+SignedLinks = Annotated[LinkCache, Depends(link_cache)]
 
 
 def base_url(request: Request) -> str:

@@ -39,6 +39,7 @@ NO_BODY_BYTES = 64 * 1024
 BODY_LIMITS = {
     ("POST", "/v1/harvest"): MAX_HARVEST_BODY_BYTES,
     ("POST", "/v1/completions"): INLINE_MAX_BODY_BYTES,
+    ("POST", "/v1/chat/completions"): INLINE_MAX_BODY_BYTES,
 }
 
 

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import MAX_BODY_BYTES, Files, JobWatcher, LinkBase, Models, Runs
+from api.deps import MAX_BODY_BYTES, Files, JobWatcher, LinkBase, Models, Runs, SignedLinks
 from api.admission import Admission, declared_bytes, read_body_within
 from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
@@ -142,6 +142,7 @@ async def read_harvest(
     storage: Files,
     watcher: JobWatcher,
     links: LinkBase,
+    cache: SignedLinks,
     share: ReadShare,
     key: ReadKey,
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to hold the request until the status changes.")] = 0,
@@ -169,7 +170,8 @@ async def read_harvest(
                         row = await share.run(get_job, job_id, key.id)
             finally:
                 watcher.leave(key.id)
-    body = await share.run(render, row, storage, links, check_files=True)
+    # The row was read under this key: only then may the replica's signed links be reused.
+    body = await share.run(render, row, storage, links, check_files=True, cache=cache)
     return JSONResponse(body, headers=headers)
 
 

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 from pydantic import BaseModel
 
 from api.db import aware
-from api.links import presign
+from api.links import LinkCache, Signed, presign
 from harvest.jobfiles import JobFiles
 from harvest.settings import get_settings
 from harvest.storage import Storage
@@ -79,6 +79,8 @@ class Harvest(BaseModel):
     """The Prefect flow run of the job."""
     result: Result | None = None
     urls_expire_at: datetime | None = None
+    """When the links stop working: at least nine tenths of `url_expiry_s` after this read (a
+    read may hand out links signed a little earlier), or at the end of retention."""
     urls_expired: bool | None = None
 
 
@@ -105,11 +107,14 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else aware(value).isoformat()
 
 
-def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = False, links: bool = True) -> dict:
+def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = False, links: bool = True,
+           cache: LinkCache | None = None) -> dict:
     """The harvest object of a job row, with fresh links when it is done (`links=False`: the
-    result's numbers only, as the list gives them).
+    result's numbers only, as the list gives them); with `cache`, links signed for an earlier
+    read of it are handed out again while fresh enough (`api.links.LinkCache`). The row must be
+    one the caller's key may read (`api.store.get_job` with its key).
 
-    Links expire `url_expiry_s` after this read, and never after the files' retention ends.
+    Links expire `url_expiry_s` after they are signed, and never after the files' retention ends.
     Past retention (or when the sweep already removed the manifest) the result keeps its
     numbers, drops its links, and the job says `urls_expired: true`.
     """
@@ -145,13 +150,22 @@ def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = Fa
     purge_at = aware(row["completed_at"]) + timedelta(days=settings.retention_days)
     files = JobFiles.for_job(row["id"], storage)
     if now >= purge_at or (check_files and not files.has_manifest()):
+        if cache is not None:
+            cache.forget(row["id"])
         body["urls_expired"] = True
         return body
-    expires = min(int(time.time()) + settings.url_expiry_s, int(purge_at.timestamp()))
-    link = lambda name: presign(storage, row["id"], name, expires, base_url)  # noqa: E731
-    result["shard_urls"] = [link(name) for name in files.shard_names(result["n_shards"])]
-    result["manifest_url"] = link(files.MANIFEST)
-    result["stats_url"] = link(files.STATS)
+
+    def sign() -> Signed:
+        expires = min(int(time.time()) + settings.url_expiry_s, int(purge_at.timestamp()))
+        link = lambda name: presign(storage, row["id"], name, expires, base_url)  # noqa: E731
+        return expires, {
+            "shard_urls": [link(name) for name in files.shard_names(result["n_shards"])],
+            "manifest_url": link(files.MANIFEST),
+            "stats_url": link(files.STATS),
+        }
+
+    expires, signed = sign() if cache is None else cache.links(row["id"], base_url, sign)
+    result.update(signed)
     body["urls_expire_at"] = datetime.fromtimestamp(expires, timezone.utc).isoformat()
     body["urls_expired"] = False
     return body

@@ -39,7 +39,7 @@ from api.db import (
     transaction,
     utcnow,
 )
-from api.runs import RunState
+from api.runs import RunStatus
 from harvest.errors import (
     BudgetExceeded,
     CapacityExceeded,
@@ -48,6 +48,7 @@ from harvest.errors import (
     NotFound,
     QuotaExceeded,
     SpendCapped,
+    echo,
     safe_job_error,
 )
 
@@ -221,7 +222,7 @@ def get_job(job_id: str, key_id: str | None = None, engine=None) -> dict:
         row = _row(conn, job_id)
     if row is None or (key_id is not None and row["key_id"] != key_id):
         # Same answer for another key's job as for no job: never reveal that it exists.
-        raise NotFound(f"No harvest job with id {job_id!r}.", param="job_id")
+        raise NotFound(f"No harvest job with id {echo(job_id)}.", param="job_id")
     return dict(row)
 
 
@@ -232,7 +233,7 @@ def list_jobs(key_id: str, *, limit: int, after: str | None = None, engine=None)
         if after is not None:
             cursor = _row(conn, after)
             if cursor is None or cursor["key_id"] != key_id:
-                raise NotFound(f"No harvest job with id {after!r}.", param="after")
+                raise NotFound(f"No harvest job with id {echo(after)}.", param="after")
             query = query.where(
                 or_(
                     jobs.c.created_at < cursor["created_at"],
@@ -282,7 +283,7 @@ def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = Non
     return True
 
 
-def apply_state(job_id: str, state: RunState, *, result: dict | None = None, engine=None) -> bool:
+def apply_state(job_id: str, state: RunStatus, *, result: dict | None = None, engine=None) -> bool:
     """Record what the run says; True when the job's status changed.
 
     done → charged the tokens that ran (`result["tokens"]`); failed → 0; cancelled outside the
@@ -351,7 +352,7 @@ def cancel_job(job_id: str, key_id: str, engine=None) -> tuple[dict, bool]:
     with transaction(engine) as conn:
         row = locked(conn, jobs, jobs.c.id == job_id)  # concurrent endings queue here
         if row is None or row["key_id"] != key_id:
-            raise NotFound(f"No harvest job with id {job_id!r}.", param="job_id")
+            raise NotFound(f"No harvest job with id {echo(job_id)}.", param="job_id")
         if row["status"] == "cancelled":
             return dict(row), False
         if row["status"] in ("done", "failed"):

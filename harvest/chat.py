@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
@@ -33,6 +34,8 @@ from harvest.inline import (
     InlineRequest,
     PreparedCompletion,
     body_with_residual,
+    check_prompt_length,
+    fewest_tokens,
     plan_completion,
     requested_layers,
     usage_of,
@@ -133,11 +136,14 @@ def _token_at(offsets: list[tuple[int, int]], char: int) -> int:
     return len(offsets)
 
 
-def render_chat(tokenizer, messages: list[ChatMessage]) -> RenderedChat:
+def render_chat(tokenizer, messages: list[ChatMessage], check_text: Callable[[str], None] | None = None) -> RenderedChat:
     """The template's text for `messages` (with the generation prompt), its ids, and each
-    message's span (module docstring)."""
+    message's span (module docstring). `check_text` sees the text before it is tokenized (and
+    may refuse it)."""
     plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
     text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    if check_text is not None:
+        check_text(text)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
     bos = tokenizer.bos_token_id
@@ -169,8 +175,13 @@ def prepare_chat(request: ChatRequest, registry: Registry) -> PreparedCompletion
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest(
             f"{model.name} has no chat template: send the text to /v1/completions instead.", param="model")
-    rendered = render_chat(tokenizer, request.messages)
     max_tokens = request.max_tokens_asked
+
+    def fits(text: str) -> None:  # from the rendered text's length, before seconds of tokenizing
+        # (the template's text, not the messages': a template may trim what they hold)
+        check_prompt_length(model, layers, fewest_tokens(text, model), max_tokens or 1, at_least=True)
+
+    rendered = render_chat(tokenizer, request.messages, fits)
     if max_tokens is None:  # what is left of the window (at least one, so that the window's own 400 is said)
         max_tokens = max(1, model.max_model_len - len(rendered.ids))
     extra = {"message_spans": rendered.spans} if layers is not None else {}

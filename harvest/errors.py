@@ -41,12 +41,18 @@ handler, and `tests/test_api_errors.py` checks that this tree names every class.
 
 `invalid_from_pydantic` is the one translation of pydantic's validation errors into the 400
 that names the offending field: the API's routes, the inline route and the CLI all use it.
+
+`echo` is how any message repeats a value the request sent (a model name, a field name, a
+compression): a short printable excerpt, never the value itself. A refusal is built after the
+body's admission hold is released, so an echoed value would otherwise cost its size again
+unbudgeted (a 48 MB name came back as 132 MB: escaping made it 2.8 times longer).
 """
 
 from __future__ import annotations
 
 import errno
 import re
+import reprlib
 import secrets
 from typing import Iterable, Mapping
 
@@ -79,6 +85,8 @@ __all__ = [
     "ReplicaBusy",
     "CaptureFailed",
     "invalid_from_pydantic",
+    "echo",
+    "ECHO_CHARS",
     "EngineFailed",
     "StorageFailed",
     "StorageFull",
@@ -307,6 +315,41 @@ class CaptureFailed(HarvestError):
     code = "capture_failed"
 
 
+ECHO_CHARS = 64
+"""The most characters of a request's value a message repeats (`echo`)."""
+
+# Containers shown by their first few items, so a long list is never rendered whole first.
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxtuple, _SHORT_REPR.maxdict = 2, 4, 4, 4
+_SHORT_REPR.maxstring = _SHORT_REPR.maxlong = _SHORT_REPR.maxother = ECHO_CHARS
+
+
+def _printable(text: str, limit: int) -> tuple[str, bool]:
+    """`text` with what is not printable escaped (`\\x00`, `\\u200b`), cut to `limit`
+    characters of output; and whether anything was cut. Reads at most `limit` characters."""
+    out, size = [], 0
+    for char in text[:limit]:
+        shown = char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        if size + len(shown) > limit:
+            return "".join(out), True
+        out.append(shown)
+        size += len(shown)
+    return "".join(out), len(text) > limit
+
+
+def echo(value: object, *, quote: bool = True, limit: int = ECHO_CHARS) -> str:
+    """A request's value as a message may repeat it: at most `limit` printable characters
+    (quoted, as `repr` would, unless `quote` is false), and when it was longer, `…` and its
+    length in characters. For a field's name in `param`, `quote=False`."""
+    if not isinstance(value, str):
+        shown, cut = _printable(_SHORT_REPR.repr(value), limit)
+        return f"{shown}…" if cut else shown
+    shown, cut = _printable(value, limit)
+    if quote:
+        shown = "'" + shown.replace("'", "\\'") + "'"
+    return f"{shown}… ({len(value):,} characters)" if cut else shown
+
+
 _LOCATIONS = ("body", "query", "path", "header", "cookie")
 
 
@@ -321,7 +364,8 @@ def invalid_from_pydantic(errors: list[dict], *, hints: Mapping[str, str] | None
         return InvalidRequest("The request is not valid.")
     first = errors[0]
     kind = first.get("type", "")
-    loc = [str(p) for p in first.get("loc", ()) if p not in _LOCATIONS]
+    # A location holds the body's own keys where a field is unknown: cut like any echoed value.
+    loc = [echo(str(p), quote=False) for p in first.get("loc", ()) if p not in _LOCATIONS]
     if kind == "json_invalid":
         return InvalidRequest("We could not parse the JSON body of your request. Send a JSON object.")
     if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):
@@ -334,7 +378,8 @@ def invalid_from_pydantic(errors: list[dict], *, hints: Mapping[str, str] | None
         return InvalidRequest(f"Missing required parameter: {param!r}.", param=param)
     if hints and param in hints:
         return InvalidRequest(f"Invalid value for {param!r}: {hints[param]}.", param=param)
-    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    # A validator's own message may quote the value it refused.
+    message = echo(str(first.get("msg", "invalid")).removeprefix("Value error, "), quote=False, limit=400)
     return InvalidRequest(f"Invalid value for {'.'.join(loc)!r}: {message}.", param=param)
 
 

@@ -11,6 +11,10 @@ engine work:
   at most `max_model_len` → 400 `activation_prompt_too_long` stating that effective cap;
 - prompt + max_tokens over `max_model_len` → 400 `context_length_exceeded`.
 
+Both are checked from the prompt's length before it is tokenized (a text has at least
+len ÷ the tokenizer's longest entry tokens), then exactly: tokenizing megabytes of a prompt that
+can never run costs seconds of a replica's CPU.
+
 A text prompt is tokenized with the model's tokenizer, BOS included (as OpenAI-compatible
 servers do); a token-id prompt runs verbatim. Fields are the OpenAI completions fields we
 honour; any other field is refused naming it, so a client never silently gets something it
@@ -40,13 +44,14 @@ from harvest.errors import (
     CaptureFailed,
     ContextLengthExceeded,
     InvalidRequest,
+    echo,
     invalid_from_pydantic,
 )
 from harvest.layers import resolve_layers
 from harvest.registry import ModelInfo, Registry
 from harvest.request import WholeInt
 from harvest.residual_codec import encode_residual_chunks
-from harvest.tokenize import load_tokenizer
+from harvest.tokenize import load_tokenizer, max_token_chars
 
 __all__ = [
     "StreamOptions",
@@ -57,6 +62,8 @@ __all__ = [
     "parse_completion_request",
     "activation_prompt_cap",
     "requested_layers",
+    "check_prompt_length",
+    "fewest_tokens",
     "plan_completion",
     "prepare_completion",
     "completion_response",
@@ -292,7 +299,7 @@ def _prompt_ids(request: CompletionRequest, model: ModelInfo) -> list[int]:
     bad = [t for t in request.prompt if not 0 <= t < vocab]
     if bad:
         raise InvalidRequest(
-            f"Token id {bad[0]} is out of range: {model.name} has token ids 0 to {vocab - 1}.", param="prompt"
+            f"Token id {echo(bad[0])} is out of range: {model.name} has token ids 0 to {vocab - 1}.", param="prompt"
         )
     return list(request.prompt)
 
@@ -314,16 +321,16 @@ def requested_layers(request: InlineRequest, model: ModelInfo) -> list[int] | No
     return resolve_layers(model, asked, param="output_residual_stream")
 
 
-def plan_completion(request: InlineRequest, model: ModelInfo, prompt_ids: list[int], layers: list[int] | None,
-                    max_tokens: int, **extra_activations) -> PreparedCompletion:
-    """The checks every inline request passes once its prompt is tokens: the activation prompt
-    cap, and the context window."""
-    n_prompt = len(prompt_ids)
+def check_prompt_length(model: ModelInfo, layers: list[int] | None, n_prompt: int, max_tokens: int, *,
+                        at_least: bool = False) -> None:
+    """The activation prompt cap and the context window, for a prompt of `n_prompt` tokens
+    (`at_least`: a lower bound, known before tokenizing, `fewest_tokens`)."""
+    some = "at least " if at_least else ""
     if layers is not None:
         cap = activation_prompt_cap(model, len(layers))
         if n_prompt > cap:
             raise ActivationPromptTooLong(
-                f"The prompt has {n_prompt} tokens, over the activation prompt cap of {cap} tokens for "
+                f"The prompt has {some}{n_prompt} tokens, over the activation prompt cap of {cap} tokens for "
                 f"capturing {len(layers)} of {model.name}'s {model.n_layers} layers "
                 f"(floor({model.max_activation_prompt_tokens} × {model.n_layers} ÷ {len(layers)}), at most "
                 f"max_model_len {model.max_model_len}). Shorten the prompt, ask for fewer layers, or use a bulk harvest.",
@@ -332,10 +339,23 @@ def plan_completion(request: InlineRequest, model: ModelInfo, prompt_ids: list[i
     if n_prompt + max_tokens > model.max_model_len:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
-            f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
+            f"{some}{n_prompt + max_tokens} tokens ({some}{n_prompt} in the prompt, {max_tokens} for the "
             "completion). Please reduce the prompt or max_tokens.",
             param="max_tokens",
         )
+
+
+def fewest_tokens(text: str, model: ModelInfo) -> int:
+    """The fewest tokens `text` can be (`harvest.tokenize.max_token_chars`): known from its
+    length alone, so a prompt that cannot fit is refused before seconds of tokenizing."""
+    return -(-len(text) // max_token_chars(model.require_path()))
+
+
+def plan_completion(request: InlineRequest, model: ModelInfo, prompt_ids: list[int], layers: list[int] | None,
+                    max_tokens: int, **extra_activations) -> PreparedCompletion:
+    """The checks every inline request passes once its prompt is tokens: the activation prompt
+    cap, and the context window."""
+    check_prompt_length(model, layers, len(prompt_ids), max_tokens)
     return PreparedCompletion(request=request, model=model, prompt_ids=prompt_ids, layers=layers,
                               sampling=request.sampling(max_tokens), extra_activations=extra_activations)
 
@@ -344,6 +364,10 @@ def prepare_completion(request: CompletionRequest, registry: Registry) -> Prepar
     """Check the request against its model; raise the 400 a user must see, or return the plan."""
     model = registry.get(request.model)
     layers = requested_layers(request, model)
+    # From the prompt's length first: a list's is exact, a text's is a lower bound.
+    text = isinstance(request.prompt, str)
+    fewest = fewest_tokens(request.prompt, model) if text else len(request.prompt)
+    check_prompt_length(model, layers, fewest, request.max_tokens, at_least=text)
     return plan_completion(request, model, _prompt_ids(request, model), layers, request.max_tokens)
 
 

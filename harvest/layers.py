@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harvest.errors import InvalidRequest
+from harvest.errors import InvalidRequest, echo
 from harvest.registry import ModelInfo
 
 __all__ = ["RESIDUAL_STREAM_CONVENTION", "default_layers", "resolve_layers"]
@@ -37,14 +37,14 @@ def resolve_layers(model: ModelInfo, layers: Sequence[int] | str | bool | None, 
     if layers is True or layers == "all":
         return list(range(n))
     if isinstance(layers, (str, bool)) or not isinstance(layers, Sequence):
-        raise InvalidRequest(f'{param} must be a list of layer indices or "all", not {layers!r}.', param=param)
+        raise InvalidRequest(f'{param} must be a list of layer indices or "all", not {echo(layers)}.', param=param)
     if not layers:
         raise InvalidRequest(f"{param} must name at least one layer.", param=param)
     for layer in layers:
         if isinstance(layer, bool) or not isinstance(layer, int):
-            raise InvalidRequest(f"{param} must hold integers; got {layer!r}.", param=param)
+            raise InvalidRequest(f"{param} must hold integers; got {echo(layer)}.", param=param)
         if not 0 <= layer < n:
             raise InvalidRequest(
-                f"{model.display_name} has layers 0 to {n - 1}: it has no layer {layer}.", param=param
+                f"{model.display_name} has layers 0 to {n - 1}: it has no layer {echo(layer)}.", param=param
             )
     return sorted(set(layers))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from harvest.errors import InvalidRequest
+from harvest.errors import InvalidRequest, echo
 
 __all__ = ["MAX_DIRECTIONS", "DTYPES", "Directions", "decode_directions"]
 
@@ -46,11 +46,11 @@ def _fail(message: str) -> InvalidRequest:
 def decode_directions(data: str, dtype: str, shape: list[int], hidden_size: int, compression: str | None = "none") -> Directions:
     """Check a `project_onto` payload against the model and return unit directions."""
     if compression not in (None, "none"):
-        raise _fail(f'project_onto.compression must be "none"; {compression!r} is not supported.')
+        raise _fail(f'project_onto.compression must be "none"; {echo(compression)} is not supported.')
     if dtype not in DTYPES:
-        raise _fail(f"project_onto.dtype must be one of {', '.join(DTYPES)}; got {dtype!r}.")
+        raise _fail(f"project_onto.dtype must be one of {', '.join(DTYPES)}; got {echo(dtype)}.")
     if len(shape) != 2 or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape):
-        raise _fail(f"project_onto.shape must be [n_directions, hidden_size] with positive sizes; got {shape!r}.")
+        raise _fail(f"project_onto.shape must be [n_directions, hidden_size] with positive sizes; got {echo(shape)}.")
     n_directions, hidden = shape
     if hidden != hidden_size:
         raise _fail(f"project_onto.shape gives hidden size {hidden}, but the model's hidden_size is {hidden_size}.")

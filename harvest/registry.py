@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harvest.built_checkpoints import Writer, ensure_built, is_built
-from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable
+from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable, echo
 from harvest.gguf_checkpoint import GGUFSource
 from harvest.lanes import load_lanes
 from harvest.settings import Settings, get_settings
@@ -171,7 +171,7 @@ class Registry:
     def get(self, name: str) -> ModelInfo:
         if name not in self._entries:
             raise ModelNotFound(
-                f"The model {name!r} does not exist. Served models: {', '.join(self._entries)}.", param="model"
+                f"The model {echo(name)} does not exist. Served models: {', '.join(self._entries)}.", param="model"
             )
         if name not in self._cache:
             self._cache[name] = self._resolve(name, self._entries[name])

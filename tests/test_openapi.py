@@ -15,8 +15,8 @@ REFUSALS = {
     "GET /v1/harvest/{job_id}": {400, 401, 404, 413, 429, 500},
     "DELETE /v1/harvest/{job_id}": {401, 404, 409, 413, 429, 500},
     "GET /v1/files/{job_id}/{name}": {403, 404, 413, 500},
-    "POST /v1/completions": {400, 401, 413, 429, 500, 503},
-    "POST /v1/chat/completions": {400, 401, 413, 429, 500, 503},
+    "POST /v1/completions": {400, 401, 408, 413, 429, 500, 503},  # 408: admitted as a submit's body
+    "POST /v1/chat/completions": {400, 401, 408, 413, 429, 500, 503},
     "GET /v1/models": {401, 413, 429, 500},
 }
 
