@@ -20,7 +20,7 @@ pytest_plugins = ["tests.client_fixtures"]
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 # name → figures it draws
-FIGURES = {"quickstart": 2, "train_sae": 1, "probe_projection": 2}
+FIGURES = {"quickstart": 2, "train_sae": 2, "probe_projection": 2}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
