@@ -45,7 +45,7 @@ that names the offending field: the API's routes, the inline route and the CLI a
 `echo` is how any message repeats a value the request sent (a model name, a field name, a
 compression): a short printable excerpt, never the value itself. A refusal is built after the
 body's admission hold is released, so an echoed value would otherwise cost its size again
-unbudgeted (a 48 MB name came back as 132 MB: escaping made it 2.8 times longer).
+unbudgeted (a 48 MB name came back 2.8 times as long, escaped).
 """
 
 from __future__ import annotations
