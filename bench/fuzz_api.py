@@ -1,6 +1,6 @@
 """Fuzz the API with schemathesis `--checks all` against its own `/openapi.json`, on loopback.
 
-    .venv/bin/python bench/fuzz_api.py [--examples 150] [--seed 1] [--min-cases 1000]
+    .venv/bin/python bench/fuzz_api.py [--examples 150] [--seed 1] [--min-cases 1000] [--min-per-route N]
 
 Starts the real app under uvicorn (the test fixtures' `ApiServer`: SQLite job store, local
 files, runs as files, the real tiny model for inline completions) in a fresh HARVEST_HOME,
@@ -8,6 +8,12 @@ makes a valid key, and runs schemathesis over every route with that key. Prints 
 generated, the failures per check and the responses by status, and exits non-zero on any
 failure, any 5xx response, or fewer than `--min-cases` cases. CI runs a smaller pass of the
 same (`tests/test_openapi_fuzz.py`; ~450 cases, where 1,000 take minutes on a CI box).
+
+Boundary values: schemathesis's coverage phase (run by default, with `--mode all`) sends, for
+every documented range of every route, the values at its minimum and maximum and one past
+each (min-1, max+1, and lengths likewise), valid and invalid, besides missing and wrongly
+typed fields; the report counts the cases per route and phase (`by_phase`), and
+`--min-per-route N` fails a run in which a route that takes input had fewer than N cases.
 
 Two settings differ from schemathesis's defaults, and why:
 - `use_after_free` is excluded: it expects a resource to be gone after its DELETE, but here
@@ -94,7 +100,8 @@ def fuzz_env(home: Path) -> dict[str, str]:
     }
 
 
-def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: Path, timeout: float = 900) -> dict:
+def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: Path, timeout: float = 900,
+                     phases: str | None = None) -> dict:
     """schemathesis run over every route; returns {"cases", "failures", "by_check", "checks", "operations" (cases
     per route), "output", "returncode", "seconds", "command"}."""
     config = workdir / "schemathesis.toml"
@@ -107,6 +114,7 @@ def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: 
         "--max-examples", str(examples), "--seed", str(seed), "--no-shrink",
         "--request-timeout", "70", "--max-response-time", "61", "--workers", "1",
         "--report", "ndjson", "--report-ndjson-path", str(report),
+        *(["--phases", phases] if phases else []),
     ]
     started = time.monotonic()
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "NO_COLOR": "1"})
@@ -119,7 +127,7 @@ def _count(report: Path) -> dict:
     """Cases, failures per check, the checks that ran, the operations, and the responses by
     status (`server_errors`: how many were 5xx), from schemathesis's NDJSON event log (one
     ScenarioFinished per scenario, with each case's checks and its request and response)."""
-    cases, by_check, checks, operations, statuses = 0, {}, set(), {}, {}
+    cases, by_check, checks, operations, statuses, by_phase = 0, {}, set(), {}, {}, {}
     for line in report.read_text().splitlines():
         event = json.loads(line)
         body = event.get("ScenarioFinished")
@@ -133,13 +141,16 @@ def _count(report: Path) -> dict:
                 statuses[str(status)] = statuses.get(str(status), 0) + 1
         if recorder.get("cases"):
             operations[recorder["label"]] = operations.get(recorder["label"], 0) + len(recorder["cases"])
+            phase = by_phase.setdefault(str(body.get("phase", "?")), {})
+            phase[recorder["label"]] = phase.get(recorder["label"], 0) + len(recorder["cases"])
         for case_checks in (recorder.get("checks") or {}).values():
             for check in case_checks:
                 checks.add(check["name"])
                 if check["status"] == "failure":
                     by_check[check["name"]] = by_check.get(check["name"], 0) + 1
     return {"cases": cases, "failures": sum(by_check.values()), "by_check": by_check, "checks": sorted(checks),
-            "operations": dict(sorted(operations.items())), "statuses": dict(sorted(statuses.items())),
+            "operations": dict(sorted(operations.items())), "by_phase": {k: dict(sorted(v.items())) for k, v in by_phase.items()},
+            "statuses": dict(sorted(statuses.items())),
             "server_errors": sum(n for status, n in statuses.items() if status.startswith("5"))}
 
 
@@ -148,6 +159,9 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=150, help="schemathesis --max-examples (per operation and phase)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--min-cases", type=int, default=1000, help="fail when fewer cases were generated")
+    parser.add_argument("--min-per-route", type=int, default=0, help="fail when a route that takes input (parameters "
+                        "or a body) had fewer cases (GET /v1/models takes none: a handful of cases is all it has)")
+    parser.add_argument("--phases", default=None, help="schemathesis --phases (default: all four)")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="harvest-fuzz-"))
     os.environ["HARVEST_HOME"] = str(home)
@@ -156,15 +170,20 @@ def main() -> int:
     server = ApiServer(home, "fuzz", fuzz_env(home)).start()
     try:
         key = server.make_key(name="fuzz", small=1000000, large=1000000)
-        result = run_schemathesis(server.root, key, examples=args.examples, seed=args.seed, workdir=home)
+        result = run_schemathesis(server.root, key, examples=args.examples, seed=args.seed, workdir=home,
+                                  timeout=max(900, args.examples * 60), phases=args.phases)
     finally:
         server.stop()
         shutil.rmtree(home, ignore_errors=True)
     print(result["output"][-4000:])
-    print(json.dumps({k: result[k] for k in ("cases", "failures", "by_check", "checks", "operations", "statuses",
+    print(json.dumps({k: result[k] for k in ("cases", "failures", "by_check", "checks", "operations", "by_phase", "statuses",
                                              "server_errors", "seconds", "returncode")}, indent=2))
     ok = result["failures"] == 0 and result["returncode"] == 0 and result["server_errors"] == 0
-    return 0 if ok and result["cases"] >= args.min_cases else 1
+    short = {route: n for route, n in result["operations"].items()
+             if route != "GET /v1/models" and route.split(" ")[0] in ("GET", "POST", "DELETE") and n < args.min_per_route}
+    if short:
+        print(f"routes under --min-per-route {args.min_per_route}: {short}")
+    return 0 if ok and result["cases"] >= args.min_cases and not short else 1
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from harvest.capture import CaptureSpec, ShardCapture
 from harvest.cpu_share import lower_priority, with_passive_waits
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
 from harvest.errors import ReplicaBusy
+from harvest.heap import give_back_free_memory
 from harvest.registry import ModelInfo
 from harvest.warm.protocol import (
     child_main, error_reply, raise_error, receive, receive_value, send, send_value, start_child, stop_child,
@@ -164,6 +165,7 @@ def _serve(conn: Connection) -> int:
                 if residual is not None:
                     send_value(conn, position, residual)
             del generations, residuals
+            give_back_free_memory()  # the batch's KV cache and captures, freed but kept by malloc (harvest.heap)
     except (EOFError, OSError):  # the replica went away
         pass
     finally:

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, Listener
 
 from harvest.capture import CaptureSpec
 from harvest.engines.choice import EngineChoice, choose_engine, load_engine
+from harvest.heap import give_back_free_memory
 from harvest.registry import load_registry
 from harvest.settings import get_settings
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
@@ -126,6 +127,9 @@ class EngineServer:
                     send(conn, answer)
                 except (OSError, EOFError):
                     return  # cancelled while its shard ran: the answer has nobody to go to
+                finally:
+                    if op == "capture":
+                        give_back_free_memory()  # the shard's buffers, freed but kept by malloc (harvest.heap)
         finally:
             if held is not None:
                 self.cache.release(held)

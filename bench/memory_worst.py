@@ -1,0 +1,265 @@
+"""Peak RSS of each process of `make run` under the legal request that costs it most.
+
+    .venv/bin/python bench/memory_worst.py [--prompts 64] [--inline 64] [--bodies 8]
+
+Starts `harvest up` as shipped (`bench.stack.harvest_up`: the roles and their defaults, a home
+of its own, SQLite job store, local storage, llama-tiny) and sends, one phase at a time so each
+peak belongs to its request, the worst legal request of each process kind, derived from the
+documented limits (README, "Bounds"):
+
+1. engine server and flow run: one harvest of `--prompts` prompts at the model's context
+   (`max_model_len`, 2,048 tokens for llama-tiny; each prompt 16,384 characters, cut to it),
+   `layers: "all"`, `shard_size` 4096: every prompt in ONE shard, the largest shard bytes a
+   prompt count gives (at 976 prompts, 2,000,000 tokens, the per-job cap: ~8 GB). The server's
+   peak is one forward pass of `HARVEST_ENGINE_BATCH_TOKENS` and its captures, whatever the
+   shard's length: the bench prints the server's RSS after every eighth of the job, so a
+   growth with the prompts shows (issue 36 saw 2,390 MiB at 244 prompts, 2,040-3,287 at 488);
+2. inline engine and API replica: `--inline` concurrent completions of one token generating
+   2,047 (prompt + generation = `max_model_len`) with every layer's residual stream: 8 MiB a
+   response as counted by `HARVEST_INLINE_RESPONSE_BUDGET_BYTES` (512 MiB: 64 in flight), in
+   batches of the inline batcher's 65,536 tokens (32 rows); spread over keys to stay within
+   each key's submit burst;
+3. API replica and its assessing children: `--bodies` concurrent 48 MiB submits (4,000 prompts
+   of 12,000 characters, under the 50 MB body cap, refused for their tokens), two per key.
+
+Every process of the stack (its tree, plus detached ones whose HARVEST_HOME is the stack's) is
+sampled every 0.1 s with psutil (RSS of each process by itself, children counted as processes
+of their own role, as the README's table does). Prints a table per phase and overall, and the
+engine server's RSS a few seconds after its shard ended. Runs in 5-10 minutes on the 2-core
+dev box with the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.noisy_neighbour import POSTGRES, _role, _text  # noqa: E402 - after the path
+from bench.stack import harvest_up  # noqa: E402
+
+MiB = 1 << 20
+TERMINAL = {"done", "failed", "cancelled"}
+
+
+class Sampler(threading.Thread):
+    """Peak RSS per process of the stack, per phase; the engine server's RSS over time."""
+
+    def __init__(self, home: Path, interval: float = 0.1):
+        super().__init__(daemon=True)
+        self.home = str(home)
+        self.interval = interval
+        self.phase = "start"
+        self.peaks: dict[str, dict[int, tuple[str, int]]] = defaultdict(dict)  # phase -> pid -> (role, peak)
+        self.latest: dict[int, tuple[str, int]] = {}
+        self.stop = threading.Event()
+        self._ours: dict[int, bool] = {}
+        self._roles: dict[int, str] = {}
+
+    def members(self) -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter():
+            if process.pid not in self._ours:
+                try:
+                    self._ours[process.pid] = process.environ().get("HARVEST_HOME") == self.home
+                except psutil.Error:
+                    self._ours[process.pid] = False
+            if self._ours[process.pid]:
+                found.append(process)
+        return found
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            latest = {}
+            for process in self.members():
+                try:
+                    rss = process.memory_info().rss
+                except psutil.Error:
+                    continue
+                role = self._roles.setdefault(process.pid, _role(process))
+                if role in ("gone", POSTGRES):
+                    continue
+                latest[process.pid] = (role, rss)
+                peaks = self.peaks[self.phase]
+                peaks[process.pid] = (role, max(peaks.get(process.pid, (role, 0))[1], rss))
+            self.latest = latest
+            self.stop.wait(self.interval)
+
+    def now(self, role: str) -> int:
+        """The largest current RSS of a process of `role` (0 when none runs)."""
+        return max((rss for r, rss in self.latest.values() if r == role), default=0)
+
+    def by_role(self, phase: str | None = None) -> dict[str, tuple[int, int]]:
+        """role -> (processes seen, largest peak of one), in `phase` or over all phases."""
+        roles: dict[str, tuple[int, int]] = {}
+        for name, pids in self.peaks.items():
+            if phase is not None and name != phase:
+                continue
+            for role, peak in pids.values():
+                seen, top = roles.get(role, (0, 0))
+                roles[role] = (seen + 1, max(top, peak))
+        return roles
+
+
+def _keys(home: Path, count: int) -> list[str]:
+    from api.auth import create_key
+    from api.db import make_engine
+
+    engine = make_engine(f"sqlite:///{home / 'harvest.db'}")
+    keys = [create_key(f"memory-{k}", engine=engine)[0] for k in range(count)]
+    engine.dispose()
+    return keys
+
+
+def _wait_job(client: httpx.Client, base: str, job_id: str, sampler: Sampler, marks: list[tuple[float, int]]) -> dict:
+    while True:
+        answer = client.get(f"{base}/harvest/{job_id}", params={"wait": 5})
+        if answer.status_code == 429:
+            time.sleep(float(answer.headers.get("retry-after", 1)))
+            continue
+        body = answer.json()
+        marks.append((time.monotonic(), sampler.now("engine-server")))
+        if body["status"] in TERMINAL:
+            return body
+
+
+def phase_shard(base: str, key: str, prompts: int, sampler: Sampler) -> list[str]:
+    sampler.phase = "shard"
+    rng = random.Random(0)
+    at_context = _text(2048 * 8, rng)  # past the context: cut to max_model_len tokens
+    body = {"model": "llama-tiny", "prompts": [f"{k} {at_context}" for k in range(prompts)], "layers": "all", "shard_size": 4096}
+    lines = []
+    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=120) as client:
+        started = time.monotonic()
+        answer = client.post(f"{base}/harvest", json=body)
+        if answer.status_code != 202:
+            raise RuntimeError(f"the shard's submit: {answer.status_code} {answer.text[:300]}")
+        marks: list[tuple[float, int]] = []
+        job = _wait_job(client, base, answer.json()["job_id"], sampler, marks)
+        wall = time.monotonic() - started
+        peak_server = sampler.by_role("shard").get("engine-server", (0, 0))[1]
+        time.sleep(3)
+        after = sampler.now("engine-server")
+        if job["status"] != "done":
+            raise RuntimeError(f"the shard's job ended {job['status']}: {json.dumps(job)[:500]}")
+        shards = job["result"]["shard_urls"] if job.get("result") else []
+        manifest = json.loads((Path(sampler.home) / "storage" / "jobs" / job["job_id"] / "manifest.json").read_text())
+        (record,) = manifest["shards"]
+        tokens = sum(record["token_counts"])
+        lines.append(f"shard: {prompts} prompts, {tokens:,} tokens, {record['bytes'] / 1e9:.2f} GB in {len(shards)} shard, "
+                     f"{wall:.0f} s; engine server peak {peak_server / MiB:,.0f} MiB, RSS 3 s after the shard "
+                     f"{after / MiB:,.0f} MiB")
+        # The server's RSS as the job went, at eighths of its time: flat means no growth with the prompts.
+        points = [marks[min(len(marks) - 1, int(len(marks) * k / 8))] for k in range(1, 9)]
+        lines.append("engine server RSS at eighths of the job (MiB): " + ", ".join(f"{rss / MiB:,.0f}" for _, rss in points))
+    return lines
+
+
+async def _inline(base: str, keys: list[str], count: int, tokens: int) -> list[str]:
+    body = {"model": "llama-tiny", "prompt": [7], "max_tokens": tokens, "temperature": 0, "output_residual_stream": True}
+    statuses: dict[str, int] = defaultdict(int)
+
+    async def one(client: httpx.AsyncClient, key: str) -> None:
+        answer = await client.post(f"{base}/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        label = str(answer.status_code)
+        if answer.status_code != 200:
+            try:
+                label += " " + answer.json()["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                pass
+        statuses[label] += 1
+
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=count + 4)) as client:
+        await asyncio.gather(*(one(client, keys[k % len(keys)]) for k in range(count)))
+    return [f"inline: {count} completions of 1 + {tokens:,} tokens, every layer: " +
+            ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))]
+
+
+async def _bodies(base: str, keys: list[str], count: int) -> list[str]:
+    rng = random.Random(1)
+    raw = json.dumps({"model": "llama-tiny", "prompts": [_text(12_000, rng)] * 4000, "layers": "all"}).encode()
+    statuses: dict[str, int] = defaultdict(int)
+
+    async def one(client: httpx.AsyncClient, key: str) -> None:
+        answer = await client.post(f"{base}/harvest", content=raw,
+                                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        label = str(answer.status_code)
+        try:
+            label += " " + answer.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        statuses[label] += 1
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(one(client, keys[k // 2 % len(keys)]) for k in range(count)))
+    return [f"bodies: {count} submits of {len(raw) / MiB:.1f} MiB, two per key: " +
+            ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))]
+
+
+def _table(sampler: Sampler, phase: str | None) -> list[str]:
+    lines = ["| process (role) | processes | peak RSS of one |", "|---|---:|---:|"]
+    for role, (seen, peak) in sorted(sampler.by_role(phase).items()):
+        lines.append(f"| {role} | {seen} | {peak / MiB:,.0f} MiB |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64, help="prompts of 2,048 tokens in the one shard (976 reach the token cap)")
+    parser.add_argument("--inline", type=int, default=64, help="concurrent inline completions (64: the replica's budget)")
+    parser.add_argument("--inline-tokens", type=int, default=2047, help="tokens each completion generates (2,047: the context)")
+    parser.add_argument("--bodies", type=int, default=8, help="concurrent 48 MiB submits")
+    parser.add_argument("--only", default="shard,inline,bodies", help="phases to run (comma-separated)")
+    args = parser.parse_args(argv)
+    phases = {name.strip() for name in args.only.split(",")}
+    home = Path(tempfile.mkdtemp(prefix="harvest-memory-"))
+    report: list[str] = []
+    started = time.monotonic()
+    with harvest_up(home) as (base, dev_key):
+        sampler = Sampler(home)
+        sampler.start()
+        keys = [dev_key, *_keys(home, 4)]
+        time.sleep(2)
+        sampler.phase = "idle"
+        time.sleep(2)
+        report += [f"idle stack: {args.only}", *_table(sampler, "idle"), ""]
+        if "shard" in phases:
+            report += phase_shard(base, dev_key, args.prompts, sampler)
+            print("\n".join(report[-2:]), flush=True)
+        if "inline" in phases:
+            sampler.phase = "inline"
+            report += asyncio.run(_inline(base, keys, args.inline, args.inline_tokens))
+            print(report[-1], flush=True)
+        if "bodies" in phases:
+            sampler.phase = "bodies"
+            report += asyncio.run(_bodies(base, keys[1:], args.bodies))
+            print(report[-1], flush=True)
+        sampler.phase = "end"
+        time.sleep(1)
+        sampler.stop.set()
+        sampler.join()
+        for phase in ("shard", "inline", "bodies"):
+            if phase in phases:
+                report += ["", f"phase {phase}:", *_table(sampler, phase)]
+        report += ["", "all phases:", *_table(sampler, None)]
+    report.append(f"\n{time.monotonic() - started:.0f} s in all; llama-tiny, `harvest up` defaults, 2-core box")
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
