@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Callable, Protocol
 
-__all__ = ["RunState", "RunStore", "PrefectRuns"]
+from flows.run_status import RunStatus  # the one mapping of a run to a job's status
+
+__all__ = ["RunStatus", "RunStore", "PrefectRuns"]
 
 log = logging.getLogger("harvest.api.runs")
 
@@ -27,20 +26,6 @@ FOLLOWED_STATES = ("Running", "Completed", "Failed", "Crashed", "Cancelled", "Ti
 """Prefect flow-run states whose event wakes the watcher: every change a job's status shows."""
 FOLLOW_RETRY_S = 5.0
 """Pause before subscribing again after the event stream broke (the ticks go on meanwhile)."""
-
-
-@dataclass(frozen=True)
-class RunState:
-    """A run as the API sees it."""
-
-    status: str
-    """pending | running | done | failed | cancelled."""
-    message: str | None = None
-    """Why it failed (the run's state message)."""
-    started_at: datetime | None = None
-    """When the run started running (aware UTC), if it did."""
-    crashed: bool = False
-    """Its host died under it (Prefect's Crashed); the watcher reschedules it (`status` failed)."""
 
 
 class RunStore(Protocol):
@@ -54,7 +39,7 @@ class RunStore(Protocol):
         """Stop every run of the job, found by the job (not a run id): what a start that failed
         after the backend created the run leaves behind. No run: nothing to do."""
 
-    def read(self, run_ids: list[str]) -> dict[str, RunState]:
+    def read(self, run_ids: list[str]) -> dict[str, RunStatus]:
         """States of these runs (runs unknown to the backend are left out)."""
 
     def reschedule(self, run_id: str) -> None:
@@ -112,30 +97,7 @@ class PrefectRuns:
                 log.warning("Prefect's event stream broke (%s); subscribing again in %g s", exc, FOLLOW_RETRY_S)
             await asyncio.sleep(FOLLOW_RETRY_S)
 
-    def read(self, run_ids: list[str]) -> dict[str, RunState]:
-        if not run_ids:
-            return {}
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    def read(self, run_ids: list[str]) -> dict[str, RunStatus]:
+        from flows.submit import read_harvest_runs
 
-        from prefect.client.schemas.objects import StateType
-
-        from flows.submit import job_status, run_started_at
-
-        states: dict[str, RunState] = {}
-        with get_client(sync_client=True) as client:
-            # One request for all active runs, in pages of 200 (the server's page limit).
-            for start in range(0, len(run_ids), 200):
-                page = [uuid.UUID(r) for r in run_ids[start : start + 200]]
-                runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=page)), limit=200)
-                for run in runs:
-                    status = job_status(run)  # the orchestration layer's mapping (flows.submit)
-                    message = run.state.message if run.state is not None else None
-                    states[str(run.id)] = RunState(
-                        status=status,
-                        message=(message or "The harvest run failed.") if status == "failed" else None,
-                        # Prefect stamps start_time on a run cancelled before it ran, too.
-                        started_at=run_started_at(run),
-                        crashed=run.state is not None and run.state.type == StateType.CRASHED,
-                    )
-        return states
+        return read_harvest_runs(run_ids) if run_ids else {}

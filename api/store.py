@@ -39,7 +39,7 @@ from api.db import (
     transaction,
     utcnow,
 )
-from api.runs import RunState
+from api.runs import RunStatus
 from harvest.errors import (
     BudgetExceeded,
     CapacityExceeded,
@@ -283,7 +283,7 @@ def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = Non
     return True
 
 
-def apply_state(job_id: str, state: RunState, *, result: dict | None = None, engine=None) -> bool:
+def apply_state(job_id: str, state: RunStatus, *, result: dict | None = None, engine=None) -> bool:
     """Record what the run says; True when the job's status changed.
 
     done → charged the tokens that ran (`result["tokens"]`); failed → 0; cancelled outside the

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from api.idempotency import PRUNE_EVERY_S, prune_expired
 from api.lease import Lease
 from api.notify import JobChanges
-from api.runs import RunState, RunStore
+from api.runs import RunStatus, RunStore
 from api.store import (
     active_jobs,
     apply_state,
@@ -188,7 +188,7 @@ class Watcher:
                 changed.append(row["id"])
         return changed
 
-    def _restart_crashed(self, row: dict, state: RunState) -> bool:
+    def _restart_crashed(self, row: dict, state: RunStatus) -> bool:
         """Its host died (heartbeats stopped): reschedule the run onto the lane's other hosts,
         within the job's restart budget; past it the job fails, charged nothing."""
         if not record_restart(row["id"], self.max_restarts):
@@ -196,7 +196,7 @@ class Watcher:
         log.warning("job %s: its run %s crashed (%s); rescheduling it", row["id"], row["flow_run_id"], state.message)
         self.runs.reschedule(row["flow_run_id"])
         # A job that never reached `running` did run (it crashed): it is running again now.
-        return apply_state(row["id"], RunState(status="running", started_at=state.started_at))
+        return apply_state(row["id"], RunStatus(status="running", started_at=state.started_at))
 
     def _start_orphan(self, row: dict) -> list[str]:
         """A job admitted by an API replica that died before starting its run."""
@@ -223,12 +223,12 @@ class Watcher:
         """Read one job's run now (before a cancel decides what to charge); any replica may."""
         if not row["flow_run_id"]:
             return False
-        state: RunState | None = self.runs.read([row["flow_run_id"]]).get(row["flow_run_id"])
+        state: RunStatus | None = self.runs.read([row["flow_run_id"]]).get(row["flow_run_id"])
         if state is None or state.crashed:
             return False
         return self._apply(row, state)
 
-    def _apply(self, row: dict, state: RunState) -> bool:
+    def _apply(self, row: dict, state: RunStatus) -> bool:
         """Record the run's state; a done run's result numbers come from its manifest."""
         if state.status == "pending" or (state.status == "running" and row["status"] == "running"):
             return False  # nothing to record (`apply_state` would change nothing): no write transaction

@@ -34,16 +34,8 @@ or 429 from its server (an embedded SQLite server under load answers `create_flo
 A start that gave up may still have created its run: the API cancels the job's runs by the
 `job-id:` tag (`cancel_job_runs`), so nothing is left half-made.
 
-Job status from the flow-run state (`job_status`):
-
-    SCHEDULED, PENDING, PAUSED (Late, AwaitingRetry…)  → pending
-        except a run that already ran once and was rescheduled after a crash → running
-    RUNNING                                            → running
-    COMPLETED                                          → done
-    FAILED, CRASHED                                    → failed  (error: the state message;
-                                                         the API's watcher reschedules a CRASHED
-                                                         run first, within a restart budget)
-    CANCELLING, CANCELLED                              → cancelled
+A run's job status is `flows.run_status`'s one mapping (`run_status`), read here for one run
+or many (`read_harvest_runs`, a page of 200 per request).
 """
 
 from __future__ import annotations
@@ -54,13 +46,14 @@ from uuid import UUID
 
 import anyio
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterTags
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.states import AwaitingRetry, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.key_queues import aensure_key_queue
+from flows.run_status import RunStatus, job_status, run_started_at, run_status
 from flows.prefect_clients import share_tls_context
 from harvest.lanes import deployment_name, load_lanes
 
@@ -84,6 +77,9 @@ __all__ = [
     "acancel_job_runs",
     "cancel_job_runs",
     "read_harvest_run",
+    "aread_harvest_runs",
+    "read_harvest_runs",
+    "run_status",
 ]
 
 JOB_TAG = "job-id:"
@@ -101,60 +97,6 @@ start (2 retries, before, gave up on collisions of under half a second)."""
 
 class RunStartTimeout(TimeoutError):
     """Prefect did not create the run within `START_BOUND_S` (overloaded, or away)."""
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """A flow run as a job sees it."""
-
-    flow_run_id: str
-    status: str
-    """pending | running | done | failed | cancelled"""
-    message: str | None
-    """Why it failed (or was cancelled); None otherwise."""
-    state_name: str
-    """Prefect's own state name (Late, AwaitingRetry, Crashed…), for logs and operators."""
-    started_at: datetime | None
-    """When the flow run first started running (the GPU run started), or None."""
-    ended_at: datetime | None
-    run_count: int
-
-
-def job_status(run: FlowRun) -> str:
-    kind = run.state.type if run.state else StateType.SCHEDULED
-    if kind in (StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED):
-        return "running" if run.run_count > 0 else "pending"
-    return {
-        StateType.RUNNING: "running",
-        StateType.COMPLETED: "done",
-        StateType.FAILED: "failed",
-        StateType.CRASHED: "failed",
-        StateType.CANCELLING: "cancelled",
-        StateType.CANCELLED: "cancelled",
-    }[kind]
-
-
-def run_started_at(run: FlowRun) -> datetime | None:
-    """When the run first entered RUNNING, or None if it never did.
-
-    Not `run.start_time` alone: Prefect also stamps a start time on a run cancelled while
-    still Scheduled, which would make a job cancelled before its GPU run look started.
-    """
-    return run.start_time if run.run_count > 0 else None
-
-
-def _status(run: FlowRun) -> RunStatus:
-    status = job_status(run)
-    message = run.state.message if run.state and status in ("failed", "cancelled") else None
-    return RunStatus(
-        flow_run_id=str(run.id),
-        status=status,
-        message=message or ("The harvest run failed." if status == "failed" else None),
-        state_name=run.state.name if run.state else "Scheduled",
-        started_at=run_started_at(run),
-        ended_at=run.end_time,
-        run_count=run.run_count,
-    )
 
 
 async def astart_harvest_run(
@@ -248,7 +190,23 @@ async def acancel_job_runs(job_id: str) -> int:
 
 async def aread_harvest_run(flow_run_id: str | UUID) -> RunStatus:
     async with get_client() as client:
-        return _status(await client.read_flow_run(UUID(str(flow_run_id))))
+        return run_status(await client.read_flow_run(UUID(str(flow_run_id))))
+
+
+READ_PAGE = 200
+"""Runs read per request: the Prefect server's page limit."""
+
+
+async def aread_harvest_runs(flow_run_ids: list[str]) -> dict[str, RunStatus]:
+    """Many runs' statuses, one request per page of `READ_PAGE` (the API's watcher reads every
+    active run at once); runs Prefect does not know are left out."""
+    found: dict[str, RunStatus] = {}
+    async with get_client() as client:
+        for start in range(0, len(flow_run_ids), READ_PAGE):
+            page = [UUID(str(r)) for r in flow_run_ids[start:start + READ_PAGE]]
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=page)), limit=READ_PAGE)
+            found.update((str(run.id), run_status(run)) for run in runs)
+    return found
 
 
 async def areschedule_harvest_run(flow_run_id: str | UUID) -> None:
@@ -279,6 +237,10 @@ def cancel_job_runs(job_id: str) -> int:
 
 def read_harvest_run(flow_run_id: str | UUID) -> RunStatus:
     return run_coro_as_sync(aread_harvest_run(flow_run_id))
+
+
+def read_harvest_runs(flow_run_ids: list[str]) -> dict[str, RunStatus]:
+    return run_coro_as_sync(aread_harvest_runs(flow_run_ids))
 
 
 def reschedule_harvest_run(flow_run_id: str | UUID) -> None:

@@ -162,6 +162,7 @@ def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPro
     if not staged.published:
         try:
             storage.publish_file(record.file, staged.path)
+            count_shard_written(job.model.lane, record.bytes)  # bytes this writer stored: a loser's are not
         except FileExistsError:
             staged.superseded = True
         staged.published = True
@@ -247,7 +248,6 @@ def run_shards(
         record, spent = result
         timings.save_s += spent.save_s
         timings.upload_s += spent.upload_s
-        count_shard_written(job.model.lane, record.bytes)
         on_shard(record, False)
 
     writer = ShardWriter(overlap=overlap, submit_write=submit_write)

@@ -180,7 +180,7 @@ class FileRuns:
             self._write(run_id, data)
 
     def read(self, run_ids: list[str]):
-        from api.runs import RunState
+        from api.runs import RunStatus
 
         with open(self.dir / "reads.log", "a") as log:  # tests count backend reads
             log.write(f"{len(run_ids)}\n")
@@ -192,7 +192,7 @@ class FileRuns:
             if data is not None:
                 started = data.get("started_at")
                 crashed = data["status"] == "crashed"  # its host died (Prefect's Crashed)
-                states[run_id] = RunState(
+                states[run_id] = RunStatus(
                     status="failed" if crashed else data["status"],
                     message=data.get("message"),
                     started_at=datetime.fromisoformat(started) if started else None,

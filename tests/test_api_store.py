@@ -17,7 +17,7 @@ from sqlalchemy import inspect, insert, select, text
 
 from api.auth import activations_used, authenticate, create_key, reserve_activations, revoke_key, settle_activations
 from api.db import charge_ledger, jobs, make_engine, upgrade
-from api.runs import RunState
+from api.runs import RunStatus
 from api.store import (
     active_jobs,
     admit,
@@ -178,7 +178,7 @@ def test_token_budget_counts_held_and_charged_tokens(engine):
     assert refused.value.code == "budget_exceeded" and "40 of its 100" in refused.value.message
     # Done with 30 tokens charged: 70 left.
     attach_run(held["id"], "r", engine=engine)
-    apply_state(held["id"], RunState("done"), result={"tokens": 30, "n_shards": 1}, engine=engine)
+    apply_state(held["id"], RunStatus("done"), result={"tokens": 30, "n_shards": 1}, engine=engine)
     with engine.connect() as conn:
         assert tokens_used(conn, key.id) == 30
     admit(key, _job(tokens=70), capacity=10, engine=engine)
@@ -212,13 +212,13 @@ def _ledger(engine, job_id: str) -> list[tuple]:
 def test_charging_rules(engine):
     _, key = create_key("charges", small=10, engine=engine)
     done = _admitted(engine, key, tokens=50)
-    apply_state(done, RunState("running"), engine=engine)
-    apply_state(done, RunState("done"), result={"tokens": 42, "n_shards": 1}, engine=engine)
+    apply_state(done, RunStatus("running"), engine=engine)
+    apply_state(done, RunStatus("done"), result={"tokens": 42, "n_shards": 1}, engine=engine)
     assert _ledger(engine, done) == [("done", 42, key.id, "small")]  # done → the tokens that ran
 
     failed = _admitted(engine, key)
-    apply_state(failed, RunState("running"), engine=engine)
-    apply_state(failed, RunState("failed", message="CUDA out of memory"), engine=engine)
+    apply_state(failed, RunStatus("running"), engine=engine)
+    apply_state(failed, RunStatus("failed", message="CUDA out of memory"), engine=engine)
     row = get_job(failed, engine=engine)
     assert row["status"] == "failed" and row["error"].startswith("internal_error: ") and "CUDA" not in row["error"]
     assert _ledger(engine, failed) == [("failed", 0, key.id, "small")]
@@ -229,7 +229,7 @@ def test_charging_rules(engine):
     assert _ledger(engine, early) == [("cancelled", 0, key.id, "small")]
 
     late = _admitted(engine, key, tokens=33)  # cancelled after → the reserved tokens
-    apply_state(late, RunState("running"), engine=engine)
+    apply_state(late, RunStatus("running"), engine=engine)
     row, _ = cancel_job(late, key.id, engine=engine)
     assert row["status"] == "cancelled" and _ledger(engine, late) == [("cancelled", 33, key.id, "small")]
 
@@ -254,11 +254,11 @@ def test_a_job_is_charged_once_however_many_endings_race(engine):
     one wins, and the ledger holds exactly one row for the job, the winner's charge."""
     _, key = create_key("once", engine=engine)
     job = _admitted(engine, key, tokens=20)
-    apply_state(job, RunState("running"), engine=engine)
+    apply_state(job, RunStatus("running"), engine=engine)
     endings = [
-        ("done", 17, lambda: apply_state(job, RunState("done"), result={"tokens": 17, "n_shards": 1}, engine=engine)),
+        ("done", 17, lambda: apply_state(job, RunStatus("done"), result={"tokens": 17, "n_shards": 1}, engine=engine)),
         ("cancelled", 20, lambda: cancel_job(job, key.id, engine=engine)[1]),
-        ("failed", 0, lambda: apply_state(job, RunState("failed", message="x"), engine=engine)),
+        ("failed", 0, lambda: apply_state(job, RunStatus("failed", message="x"), engine=engine)),
     ] * 4
     lock = threading.Lock()
     order = iter(endings)
@@ -338,15 +338,15 @@ def test_migration_0004_records_jobs_that_ended_before_it(tmp_path):
 def test_status_comes_from_the_database_and_never_goes_back(engine):
     _, key = create_key("forward", small=10, engine=engine)
     job = _admitted(engine, key, tokens=25)
-    assert apply_state(job, RunState("pending"), engine=engine) is False
-    assert apply_state(job, RunState("running"), engine=engine) is True
+    assert apply_state(job, RunStatus("pending"), engine=engine) is False
+    assert apply_state(job, RunStatus("running"), engine=engine) is True
     # A run rescheduled after its host died reads pending again: the job stays running.
-    assert apply_state(job, RunState("pending"), engine=engine) is False
-    assert apply_state(job, RunState("running"), engine=engine) is False  # no change, no announcement
+    assert apply_state(job, RunStatus("pending"), engine=engine) is False
+    assert apply_state(job, RunStatus("running"), engine=engine) is False  # no change, no announcement
     with engine.connect() as conn:
         assert conn.execute(select(jobs.c.status).where(jobs.c.id == job)).scalar_one() == "running"
-    assert apply_state(job, RunState("done"), result={"tokens": 24, "n_shards": 1}, engine=engine) is True
-    for later in (RunState("running"), RunState("pending"), RunState("failed", message="x")):
+    assert apply_state(job, RunStatus("done"), result={"tokens": 24, "n_shards": 1}, engine=engine) is True
+    for later in (RunStatus("running"), RunStatus("pending"), RunStatus("failed", message="x")):
         assert apply_state(job, later, engine=engine) is False
     with engine.connect() as conn:
         assert conn.execute(select(jobs.c.status).where(jobs.c.id == job)).scalar_one() == "done"
@@ -356,7 +356,7 @@ def test_status_comes_from_the_database_and_never_goes_back(engine):
 def test_a_job_whose_hosts_keep_dying_fails_after_its_restart_budget_charged_nothing(engine):
     _, key = create_key("crashes", engine=engine)
     job = _admitted(engine, key, tokens=30)
-    apply_state(job, RunState("running"), engine=engine)
+    apply_state(job, RunStatus("running"), engine=engine)
     assert [record_restart(job, 2, engine=engine) for _ in range(3)] == [True, True, False]
     with engine.connect() as conn:
         status, tokens, error, restarts = conn.execute(
@@ -446,7 +446,7 @@ def test_job_changes_reach_every_replicas_listener_after_commit_only(engine):
                 raise RuntimeError("rolled back")
         time.sleep(0.5)
         assert all(job not in list(inbox.queue) for inbox in inboxes)  # nothing of a rollback
-        apply_state(job, RunState("running"), engine=engine)
+        apply_state(job, RunStatus("running"), engine=engine)
         for inbox in inboxes:
             deadline = time.monotonic() + 5
             while inbox.get(timeout=max(deadline - time.monotonic(), 0.01)) != job:

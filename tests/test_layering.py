@@ -1,6 +1,6 @@
 """The layers import only downwards, read from the source (AST; nothing imported, no server).
 
-    fleet → api, flows;   api → flows.submit (start and cancel runs), harvest;
+    fleet → api, flows;   api → flows.submit (start, cancel, read runs), flows.run_status, harvest;
     flows → tasks → harvest;   harvest → nothing of the service
 
 An edge counts whether it is an `import` or a string that names a module for the machinery to
@@ -30,8 +30,9 @@ FORBIDDEN = {
     "flows": ("api", "fleet"),
     "api": ("fleet", "flows", "tasks"),
 }
-# The facade's one door into the orchestration layer: starting and cancelling runs.
-ALLOWED = {"api": ("flows.submit",)}
+# The facade's doors into the orchestration layer: starting, cancelling and reading runs, and
+# the one mapping of a run to a job's status (a light module: naming a status imports no Prefect).
+ALLOWED = {"api": ("flows.submit", "flows.run_status")}
 
 _MODULE = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 _WHOLE = re.compile(rf"^\s*({_MODULE})(:[\w.]+)?\s*$")  # `a.b` or `a.b:attr` (or `a:attr`)

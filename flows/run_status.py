@@ -1,0 +1,90 @@
+"""The one mapping from a Prefect flow run to what a job shows: `run_status(run) -> RunStatus`.
+
+The API (its watcher, its job store), the tests and the benches all read runs through it, so a
+Prefect state means the same job status everywhere:
+
+    Scheduled / Pending / Paused   pending (running once it has run: a retry waiting its turn)
+    Running                        running
+    Completed                      done
+    Failed, Crashed                failed (Crashed also sets `crashed`: its host died, and the
+                                   API's watcher reschedules it)
+    Cancelling, Cancelled          cancelled
+
+Light on purpose: importing it imports nothing of Prefect (the mapping reads the state types
+when it first runs), so the API's modules that only name a run's status stay quick to import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+
+__all__ = ["RunStatus", "FAILED_MESSAGE", "run_status", "job_status", "run_started_at"]
+
+FAILED_MESSAGE = "The harvest run failed."
+"""A failed run's message when Prefect's state carries none."""
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A flow run as a job sees it."""
+
+    status: str
+    """pending | running | done | failed | cancelled."""
+    message: str | None = None
+    """Why it failed (or was cancelled); None otherwise."""
+    started_at: datetime | None = None
+    """When the run first started running (aware UTC), or None if it never did."""
+    crashed: bool = False
+    """Its host died under it (Prefect's Crashed; `status` failed): the watcher reschedules it."""
+    flow_run_id: str = ""
+    state_name: str = ""
+    """Prefect's own state name (Late, AwaitingRetry, Crashed…), for logs and operators."""
+    ended_at: datetime | None = None
+    run_count: int = 0
+
+
+def job_status(run: FlowRun) -> str:
+    from prefect.client.schemas.objects import StateType
+
+    kind = run.state.type if run.state else StateType.SCHEDULED
+    if kind in (StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED):
+        return "running" if run.run_count > 0 else "pending"
+    return {
+        StateType.RUNNING: "running",
+        StateType.COMPLETED: "done",
+        StateType.FAILED: "failed",
+        StateType.CRASHED: "failed",
+        StateType.CANCELLING: "cancelled",
+        StateType.CANCELLED: "cancelled",
+    }[kind]
+
+
+def run_started_at(run: FlowRun) -> datetime | None:
+    """When the run first entered RUNNING, or None if it never did.
+
+    Not `run.start_time` alone: Prefect also stamps a start time on a run cancelled while
+    still Scheduled, which would make a job cancelled before its GPU run look started.
+    """
+    return run.start_time if run.run_count > 0 else None
+
+
+def run_status(run: FlowRun) -> RunStatus:
+    from prefect.client.schemas.objects import StateType
+
+    status = job_status(run)
+    message = run.state.message if run.state and status in ("failed", "cancelled") else None
+    return RunStatus(
+        status=status,
+        message=message or (FAILED_MESSAGE if status == "failed" else None),
+        started_at=run_started_at(run),
+        crashed=run.state is not None and run.state.type == StateType.CRASHED,
+        flow_run_id=str(run.id),
+        state_name=run.state.name if run.state else "Scheduled",
+        ended_at=run.end_time,
+        run_count=run.run_count,
+    )
