@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from harvest.cpu_share import run_nice, with_passive_waits
+from tests.proc_threads import autogroup_nice, slices_supported
 from tests.test_flows_ops import _thread_nices
 
 MiB = 1 << 20
@@ -34,21 +35,22 @@ def _lowered(nice: int, how: str) -> tuple[subprocess.Popen, str]:
                              start_new_session=True)
     assert child.stdout.readline().strip() == "True"
     time.sleep(0.2)
-    with open(f"/proc/{child.pid}/autogroup") as group:
-        return child, group.read().split()[-1]
+    group = autogroup_nice(child.pid)
+    return child, None if group is None else str(group)
 
 
 def test_lowered_process_every_thread_and_with_session_its_group():
     child, group = _lowered(7, "session")
     try:
-        assert _thread_nices(child.pid) == [7] and group == "7"  # "/autogroup-N nice 7"
+        # "/autogroup-N nice 7"; on a kernel without autogroups (None) the threads are lowered all the same
+        assert _thread_nices(child.pid) == [7] and group in ("7", None)
     finally:
         child.kill()
         child.wait()
     # A run shares its worker's session: only the process is lowered, never the group.
     child, group = _lowered(5, "process")
     try:
-        assert _thread_nices(child.pid) == [5] and group == "0"
+        assert _thread_nices(child.pid) == [5] and group in ("0", None)
     finally:
         child.kill()
         child.wait()
@@ -121,6 +123,9 @@ def test_a_responsive_process_asks_every_thread_for_the_shortest_slice_and_bulk_
     out = subprocess.run([sys.executable, "-c", SLICES], capture_output=True, text=True, timeout=60, check=True,
                          start_new_session=True, cwd=str(Path(__file__).resolve().parent.parent))
     default, quick, short, lowered = json.loads(out.stdout)
+    if not slices_supported():  # before Linux 6.12 (the fallback): the call is harmless, there is nothing to read
+        assert default == short == lowered == [] and isinstance(quick, bool)
+        return
     assert quick is True
     assert len(default) == 1 and default[0] > RESPONSIVE_SLICE_NS
     assert short == [RESPONSIVE_SLICE_NS]

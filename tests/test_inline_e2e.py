@@ -13,6 +13,7 @@ import pytest
 import requests
 import torch
 
+from tests.proc_threads import autogroup_nice
 from tests.test_inline_engine import assert_within_one_bf16_rounding, hf_reference
 from tests.test_residual_codec import decode_residual_stream
 
@@ -106,8 +107,8 @@ def test_generation_runs_in_a_lower_priority_process_of_its_own(inline_server, h
     engine = _engine_process(inline_server)
     api = psutil.Process(inline_server.process.pid)
     assert os.getsid(engine.pid) == engine.pid != os.getsid(api.pid)  # a session (a scheduling group) of its own
-    with open(f"/proc/{engine.pid}/autogroup") as group:
-        assert group.read().split()[-1] == "10"  # e.g. "/autogroup-151 nice 10"
+    # its group lowered (without autogroups, the documented fallback: its threads' nice only)
+    assert autogroup_nice(engine.pid) in (10, None)
     assert engine.nice() == max(10, api.nice())  # lowered, never raised
     assert engine.environ().get("OMP_WAIT_POLICY") == "PASSIVE"  # idle OpenMP threads sleep
 
