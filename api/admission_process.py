@@ -51,7 +51,7 @@ def assess(request: HarvestRequest, registry: Registry) -> dict:
     """Check the request against its model and learn its cost, cheapest facts first (every
     400 comes from here); the job's row without its id and files (`api.harvest` adds them)."""
     from harvest.cost import check_before_tokenizing, check_counts
-    from harvest.jobfiles import n_shards
+    from harvest.jobfiles import shard_ranges
     from harvest.lanes import load_lanes
     from harvest.request import MAX_TOKENS, resolve_job
     from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
@@ -72,7 +72,7 @@ def assess(request: HarvestRequest, registry: Registry) -> dict:
         "n_prompts": len(request.prompts),
         "layers": job.layers,
         "shard_size": request.shard_size,
-        "n_shards": n_shards(len(request.prompts), request.shard_size),
+        "n_shards": len(shard_ranges(len(request.prompts), request.shard_size)),
         "add_special_tokens": request.add_special_tokens,
         "contents": job.contents,
         "reserved_tokens": cost.tokens,

@@ -189,7 +189,7 @@ def overlap(rounds: int) -> None:
     from harvest.registry import load_registry
     from harvest.request import HarvestRequest, resolve_job
     from harvest.settings import get_settings
-    from harvest.shards import shard_ranges
+    from harvest.jobfiles import shard_ranges
     from harvest.storage import Storage
 
     port = free_port()

@@ -51,7 +51,7 @@ from harvest.placement import place_run
 from harvest.registry import load_registry
 from harvest.request import resolve_job
 from harvest.settings import get_settings
-from harvest.shards import shard_ranges
+from harvest.jobfiles import shard_ranges
 from harvest.warm.client import open_engine
 from tasks.shards import ShardWork, finalize_job, run_shard_range
 

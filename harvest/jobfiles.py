@@ -25,7 +25,6 @@ that exists is complete. This module is core: no Prefect, no FastAPI.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 
@@ -43,7 +42,7 @@ __all__ = [
     "TIMING_KEYS", "TOKEN_KEYS",
     "shard_name",
     "part_name",
-    "n_shards",
+    "shard_ranges",
     "JobFiles",
 ]
 
@@ -73,9 +72,10 @@ def _timings_name(start: int, stop: int) -> str:
     return f"{PARTS}/timings-{start:05d}-{stop:05d}.json"
 
 
-def n_shards(n_prompts: int, shard_size: int) -> int:
-    """How many shard files a job of `n_prompts` writes."""
-    return math.ceil(n_prompts / shard_size)
+def shard_ranges(n_prompts: int, shard_size: int) -> list[range]:
+    """The prompts each shard file of a job of `n_prompts` holds, in order: `shard_size` each,
+    the last one the rest. The one place a shard size becomes shards."""
+    return [range(start, min(start + shard_size, n_prompts)) for start in range(0, n_prompts, shard_size)]
 
 
 class JobFiles:
@@ -163,7 +163,7 @@ class JobFiles:
         stage is "done" once the manifest exists: the flow writes nothing after the manifest,
         so the file itself last said "finalizing"."""
         request = self.read_request()
-        progress = {"shards_done": self.shards_done(), "n_shards": n_shards(len(request.prompts), request.shard_size)}
+        progress = {"shards_done": self.shards_done(), "n_shards": len(shard_ranges(len(request.prompts), request.shard_size))}
         if self.storage.exists(PROGRESS):
             try:
                 extra = json.loads(self.storage.read_bytes(PROGRESS))

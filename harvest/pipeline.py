@@ -32,7 +32,8 @@ from harvest.manifest import MANIFEST, STATS, Manifest, ModelEntry, PromptEntry,
 from harvest.metrics import count_forward, count_shard_written
 from harvest.request import ResolvedJob, check_token_total
 from harvest.shard_file import StagedShard
-from harvest.shards import ShardRecord, read_part, shard_name, shard_ranges, stored_stats, verified_part, write_part
+from harvest.jobfiles import shard_ranges
+from harvest.shards import ShardRecord, read_part, shard_name, stored_stats, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts

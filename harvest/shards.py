@@ -27,7 +27,7 @@ from harvest.shard_file import shard_layout
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 
-__all__ = ["ShardRecord", "shard_name", "shard_ranges", "write_part", "read_part", "verified_part", "stored_stats"]
+__all__ = ["ShardRecord", "shard_name", "write_part", "read_part", "verified_part", "stored_stats"]
 
 
 class ShardRecord(BaseModel):
@@ -45,10 +45,6 @@ class ShardRecord(BaseModel):
     """File size."""
     sha256: str
     """Hex digest of the file."""
-
-
-def shard_ranges(n_prompts: int, shard_size: int) -> list[range]:
-    return [range(start, min(start + shard_size, n_prompts)) for start in range(0, n_prompts, shard_size)]
 
 
 def write_part(storage: Storage, record: ShardRecord, stats: RunningStats) -> None:
