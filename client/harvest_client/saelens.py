@@ -102,7 +102,7 @@ def export_activation_cache(datasets: ActivationDataset | Sequence[ActivationDat
     `[context_size]`. Train from it with `ActivationsStore(cached_activations_path=path,
     hook_name=…, context_size=context_size, d_in=…, …)` or a runner config's
     `use_cached_activations=True`. Memory: `rows_per_read` rows at a time."""
-    from datasets import Array2D, Dataset, Features, Sequence as HFSequence, Value
+    from datasets import Array2D, Dataset, Features, Sequence as HFSequence, Value, load_from_disk
 
     datasets = [datasets] if isinstance(datasets, ActivationDataset) else list(datasets)
     _require_rows(datasets)
@@ -124,11 +124,9 @@ def export_activation_cache(datasets: ActivationDataset | Sequence[ActivationDat
         built = Dataset.from_generator(_cache_rows, features=features, cache_dir=scratch, fingerprint=uuid.uuid4().hex,
                                        gen_kwargs={"datasets": tuple(datasets), "names": tuple(names),
                                                    "context_size": context_size, "rows_per_read": rows_per_read})
-        built.save_to_disk(str(out))
+        built.save_to_disk(str(out))  # the scratch copy, moved into SAELens' layout (written twice)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    from datasets import load_from_disk
-
     return load_from_disk(str(out))
 
 
@@ -139,7 +137,8 @@ def fold_normalization(sae, dataset: ActivationDataset) -> None:
     if not dataset.normalize:
         raise ValueError("The dataset was opened with normalize=False: there is nothing to fold.")
     std = np.where(dataset.std > 0, dataset.std, 1.0)  # as ActivationDataset divides
-    sae.fold_activation_whitening(mean=torch.from_numpy(dataset.mean), whitening_matrix=torch.diag(torch.from_numpy(1.0 / std)),
+    sae.fold_activation_whitening(mean=torch.from_numpy(dataset.mean),
+                                  whitening_matrix=torch.diag(torch.from_numpy(1.0 / std)),
                                   unwhitening_matrix=torch.diag(torch.from_numpy(std)))
 
 
@@ -153,7 +152,9 @@ def sae_metadata(dataset: ActivationDataset) -> dict:
 
 # --- helpers -------------------------------------------------------------------------------
 def _tensor(vectors) -> torch.Tensor:
-    return vectors if isinstance(vectors, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+    if isinstance(vectors, torch.Tensor):
+        return vectors
+    return torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
 
 
 def _epochs(epochs: int | None) -> Iterable[int]:
@@ -240,7 +241,8 @@ def _cache_rows(datasets, names, context_size: int, rows_per_read: int):
     for first_row in range(0, n_rows, rows_per_read):
         rows = min(rows_per_read, n_rows - first_row)
         span = slice(first_row * context_size, (first_row + rows) * context_size)
-        columns = {name: np.asarray(ds[span]).reshape(rows, context_size, ds.n_features) for name, ds in zip(names, datasets)}
+        columns = {name: np.asarray(ds[span]).reshape(rows, context_size, ds.n_features)
+                   for name, ds in zip(names, datasets)}
         tokens = datasets[0].token_ids[span].reshape(rows, context_size)
         for r in range(rows):
             yield {**{name: column[r] for name, column in columns.items()}, "token_ids": tokens[r]}
