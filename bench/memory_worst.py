@@ -25,8 +25,10 @@ documented limits (README, "Bounds"):
 Every process of the stack (its tree, plus detached ones whose HARVEST_HOME is the stack's) is
 sampled every 0.1 s with psutil (RSS of each process by itself, children counted as processes
 of their own role, as the README's table does). Prints a table per phase and overall, and the
-engine server's RSS a few seconds after its shard ended. Runs in 5-10 minutes on the 2-core
-dev box with the defaults.
+engine server's RSS a few seconds after its shard ended. On the shared 2-core dev box the
+defaults take far longer than 10 minutes (the engine server and the inline engine run at a
+lower CPU priority and wait for the other suites); `--prompts 24 --inline 32 --inline-tokens
+256` took 9 minutes there (bench/RESULTS.md, "Memory of each process").
 """
 
 from __future__ import annotations
@@ -105,13 +107,16 @@ class Sampler(threading.Thread):
 
     def by_role(self, phase: str | None = None) -> dict[str, tuple[int, int]]:
         """role -> (processes seen, largest peak of one), in `phase` or over all phases."""
-        roles: dict[str, tuple[int, int]] = {}
+        merged: dict[int, tuple[str, int]] = {}
         for name, pids in self.peaks.items():
             if phase is not None and name != phase:
                 continue
-            for role, peak in pids.values():
-                seen, top = roles.get(role, (0, 0))
-                roles[role] = (seen + 1, max(top, peak))
+            for pid, (role, peak) in pids.items():
+                merged[pid] = (role, max(peak, merged.get(pid, (role, 0))[1]))
+        roles: dict[str, tuple[int, int]] = {}
+        for role, peak in merged.values():
+            seen, top = roles.get(role, (0, 0))
+            roles[role] = (seen + 1, max(top, peak))
         return roles
 
 
