@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,7 +50,7 @@ from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
 from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
 from harvest.cpu_share import respond_quickly
-from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, RouteNotFound, invalid_from_pydantic
+from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, ModelUnavailable, RouteNotFound, invalid_from_pydantic
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
@@ -104,6 +105,22 @@ async def lifespan(app: FastAPI):
 
 async def harvest_error(request: Request, exc: HarvestError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+STORE_RETRY_AFTER_S = 5
+"""Seconds a client waits after the job store could not be reached (a PostgreSQL restart or
+failover takes a few; `bench/pg_restart.py`)."""
+
+
+async def store_unreachable(request: Request, exc: OperationalError) -> JSONResponse:
+    """The job store's connection failed (its server restarting, failing over, or SQLite
+    busy past its timeout): the documented 503 with Retry-After, not a 500. Nothing was
+    recorded by the failed statement, so the request can be sent again; a submit with an
+    `Idempotency-Key` answers the same job if it had been admitted before."""
+    log.warning("job store unreachable for %s %s: %s", request.method, request.url.path, type(exc.orig).__name__)
+    unavailable = ModelUnavailable("The job store is not reachable right now; send the request again after Retry-After.")
+    unavailable.headers["Retry-After"] = str(STORE_RETRY_AFTER_S)
+    return await harvest_error(request, unavailable)
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -190,6 +207,7 @@ def create_app(
     app.state.metrics = ReplicaMetrics.from_settings(settings)  # `/metrics` (`api.metrics`)
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(OperationalError, store_unreachable)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(RequestGuard)
     app.add_middleware(RequestMetrics)  # outermost: counts every answer, the guard's own included

@@ -157,9 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         from api.db import make_engine
 
         engine = make_engine(db_url)
-        keys = [create_key(f"restart-{k}", engine=engine)[0] for k in range(args.keys)]
+        made = [create_key(f"restart-{k}", engine=engine) for k in range(args.keys)]
         engine.dispose()
+        keys = [key for key, _ in made]
+        key_of = {record.id: key for key, record in made}
         clients = Clients(base, keys)
+        unanswered: set[str] = set()
         with httpx.Client(timeout=120) as client:
             for n in range(args.jobs_per_key):
                 for key in keys:
@@ -200,6 +203,17 @@ def main(argv: list[str] | None = None) -> int:
             clients.phase = "after"
             print(f"PostgreSQL down {up_at - down_at:.1f} s (pg_ctl stop -m fast, start)", flush=True)
 
+            # Every job of the store, those whose submit was not answered 202 included (a
+            # submit answered 503 records its job failed; one cut by the outage may have one).
+            from sqlalchemy import create_engine, text
+
+            store = create_engine(db_url)
+            with store.connect() as conn:
+                for job_id, key_id in conn.execute(text("SELECT id, key_id FROM jobs")).all():
+                    if str(job_id) not in clients.jobs:
+                        clients.jobs[str(job_id)] = key_of[key_id]
+                        unanswered.add(str(job_id))
+            store.dispose()
             deadline = time.monotonic() + args.drain
             ended: dict[str, dict] = {}
             while time.monotonic() < deadline and len(ended) < len(clients.jobs):
@@ -218,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         by_status = defaultdict(int)
         for body in ended.values():
             by_status[body["status"]] += 1
-        print(f"\njobs: {len(ended)} (" + ", ".join(f"{k} {v}" for k, v in sorted(by_status.items())) + f"); "
+        print(f"\njobs: {len(ended)}, {len(unanswered)} of them unknown to their client (its submit not answered 202: "
+              + ", ".join(f"{ended[j]['status']}" for j in sorted(unanswered)) + "; "
+              + ", ".join(f"{k} {v}" for k, v in sorted(by_status.items())) + "); "
               f"{len(in_flight)} were in flight at the restart: " +
               ", ".join(f"{ended[j]['status']}" for j in sorted(in_flight)))
         for body in ended.values():

@@ -24,7 +24,7 @@
     │   ├── BudgetExceeded                429 budget_exceeded
     │   ├── CapacityExceeded              429 harvest_capacity_exceeded
     │   └── ActivationQuotaExceeded       429 activation_quota_exceeded
-    ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs not startable)
+    ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs or job store unreachable)
     ├── CaptureFailed                     500 capture_failed (a hook missed a layer)
     ├── ReplicaBusy                       503 replica_busy (this API replica's budget is spent; Retry-After)
     ├── EngineFailed                      500 engine_failed (a job's engine died or erred; details in the logs)
@@ -286,7 +286,8 @@ class ActivationQuotaExceeded(RateLimited):
 
 
 class ModelUnavailable(HarvestError):
-    """The model's weights are not here, or its runs cannot be started right now."""
+    """The model's weights are not here, or its runs cannot be started or the job store reached
+    right now (then with Retry-After)."""
 
     status = 503
     type = "server_error"
