@@ -210,10 +210,15 @@ def _sample(logits: torch.Tensor, row: _Row) -> int:
     if spec.temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / spec.temperature, dim=-1).cpu()
+    if not bool(torch.isfinite(probs).all()):
+        # A temperature so small (a legal 1e-320) that the division overflows: its limit, greedy.
+        return int(torch.argmax(logits))
     if spec.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays:
+        # a top_p below float32's smallest value, 5e-324 say, compares as 0 and kept nothing).
         keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < spec.top_p
+        keep[0] = True
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs, 1, generator=row.generator))
 
