@@ -8,10 +8,13 @@ own result files can be named (`harvest.jobfiles.RESULT_FILE`), so no link reach
 job's prefix, even one this API signed.
 
 A done job's links are signed once and handed out again for a while (`LinkCache`): a job of
-4,096 shards has 4,098 links, and signing them on S3 cost about 0.75 s of CPU on every read.
-A link a read hands out was signed at most a tenth of `url_expiry_s` before it, so it works for
-at least nine tenths of `url_expiry_s` after the read (or, as a freshly signed one would, to the
-end of the files' retention), and `urls_expire_at` is its own expiry.
+4,096 shards has 4,098 links, and signing them on S3 cost about 0.75 s of CPU on every read (a
+client polling a job, or many downloading it, paid that again and again). A link a read hands
+out was signed at most `REUSE_MAX_S` (5 minutes, or a tenth of `url_expiry_s` if that is less)
+before it, so it works for at least `url_expiry_s` less that after the read (or, as a freshly
+signed one would, to the end of the files' retention), and `urls_expire_at` is its own expiry:
+each read's links are fresh to within minutes, which is what a client reading again for new
+links needs.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from harvest.private_files import write_private
 from harvest.settings import get_settings
 from harvest.storage import Storage
 
-__all__ = ["LinkRefused", "signing_key", "sign", "verify", "presign", "LinkCache", "Signed"]
+__all__ = ["LinkRefused", "signing_key", "sign", "verify", "presign", "LinkCache", "Signed", "REUSE_MAX_S"]
+
+REUSE_MAX_S = 300
+"""The longest a replica hands a signed link out again (module docstring)."""
 
 
 
@@ -127,7 +133,7 @@ class LinkCache:
 
     @classmethod
     def from_settings(cls, settings) -> "LinkCache":
-        return cls(reuse_s=settings.url_expiry_s / 10)
+        return cls(reuse_s=min(REUSE_MAX_S, settings.url_expiry_s / 10))
 
     def links(self, job_id: str, base_url: str, sign: Callable[[], Signed], now: float | None = None) -> Signed:
         """The job's links signed less than `reuse_s` ago (and not yet expired), or `sign()`'s."""

@@ -79,8 +79,9 @@ class Harvest(BaseModel):
     """The Prefect flow run of the job."""
     result: Result | None = None
     urls_expire_at: datetime | None = None
-    """When the links stop working: at least nine tenths of `url_expiry_s` after this read (a
-    read may hand out links signed a little earlier), or at the end of retention."""
+    """When the links stop working: at least `url_expiry_s` less 5 minutes after this read (a
+    read may hand out links signed up to 5 minutes earlier, `api.links.REUSE_MAX_S`), or at
+    the end of retention."""
     urls_expired: bool | None = None
 
 
