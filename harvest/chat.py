@@ -48,7 +48,10 @@ from harvest.tokenize import load_tokenizer
 __all__ = ["TextPart", "ChatMessage", "ChatRequest", "RenderedChat", "render_chat", "parse_chat_request",
            "prepare_chat", "chat_response", "chat_logprobs"]
 
-ROLES = ("system", "developer", "user", "assistant")
+MAX_MESSAGES = 256
+"""Messages in one request. Their spans take one render of the template per message (a
+conversation's prefixes), so the work grows with messages × text: this bounds it at 256
+renders of a prompt that fits the context (checked before the spans are sought)."""
 
 
 class TextPart(BaseModel):
@@ -83,8 +86,8 @@ class ChatRequest(InlineRequest):
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (
         *InlineRequest.NULL_IS_DEFAULT, "max_completion_tokens", "logprobs", "top_logprobs")
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    """The conversation so far, rendered with the model's chat template."""
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    """The conversation so far (1 to 256 messages), rendered with the model's chat template."""
     max_tokens: WholeInt | None = Field(default=None, ge=1)
     """Tokens to generate; default: what is left of the context window."""
     max_completion_tokens: WholeInt | None = Field(default=None, ge=1)

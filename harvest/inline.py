@@ -78,7 +78,6 @@ _UNION_HELP = {
     "prompt": "send a non-empty string or a list of token ids (integers)",
     "output_residual_stream": "send true, false, or a list of layer indices (integers)",
     "stop": f"send a string or a list of at most {MAX_STOP} strings",
-    "messages": "send a list of {role, content} objects",
 }
 MAX_LOGPROBS = 5
 SEED_RANGE = (-(2**63), 2**63 - 1)

@@ -106,3 +106,20 @@ def test_prepare_refusals(registry):
     with pytest.raises(ContextLengthExceeded):
         prepare(prompt=[5] * 2048, max_tokens=1)  # without activations too
     assert len(prepare(prompt=[5] * 2047, max_tokens=1).prompt_ids) == 2047
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ([{"role": "user", "content": "a"}] * 257, "messages"),  # each message's span costs a render: bounded
+        ([{"role": "tool", "content": "a"}], "messages.0.role"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "messages.0.content"),
+    ],
+)
+def test_chat_refuses_messages_naming_the_field(messages, param):
+    from harvest.chat import parse_chat_request
+
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat_request({"model": "llama-tiny", "messages": messages})
+    assert caught.value.param == "messages" and f"'{param}'" in caught.value.message, caught.value
