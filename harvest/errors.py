@@ -23,7 +23,8 @@
     │   ├── QuotaExceeded                 429 harvest_quota_exceeded
     │   ├── BudgetExceeded                429 budget_exceeded
     │   ├── CapacityExceeded              429 harvest_capacity_exceeded
-    │   └── ActivationQuotaExceeded       429 activation_quota_exceeded
+    │   ├── ActivationQuotaExceeded       429 activation_quota_exceeded
+    │   └── StorageQuotaExceeded          429 storage_quota_exceeded (the key's files would pass its bytes held)
     ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs or job store unreachable)
     ├── CaptureFailed                     500 capture_failed (a hook missed a layer)
     ├── ReplicaBusy                       503 replica_busy (this API replica's budget is spent; Retry-After)
@@ -81,6 +82,7 @@ __all__ = [
     "BudgetExceeded",
     "CapacityExceeded",
     "ActivationQuotaExceeded",
+    "StorageQuotaExceeded",
     "ModelUnavailable",
     "ReplicaBusy",
     "CaptureFailed",
@@ -285,6 +287,14 @@ class ActivationQuotaExceeded(RateLimited):
     code = "activation_quota_exceeded"
 
 
+class StorageQuotaExceeded(RateLimited):
+    """The job's output bytes (its admitted cost) and the bytes the key's kept files already
+    hold together pass the key's storage quota. No Retry-After: bytes come free when the key's
+    files pass their retention, not after a fixed wait."""
+
+    code = "storage_quota_exceeded"
+
+
 class ModelUnavailable(HarvestError):
     """The model's weights are not here, or its runs cannot be started or the job store reached
     right now (then with Retry-After)."""
@@ -377,11 +387,24 @@ def invalid_from_pydantic(errors: list[dict], *, hints: Mapping[str, str] | None
     param = loc[0] if loc else None
     if kind == "missing":
         return InvalidRequest(f"Missing required parameter: {param!r}.", param=param)
-    if hints and param in hints:
-        return InvalidRequest(f"Invalid value for {param!r}: {hints[param]}.", param=param)
+    hinted = _hinted(loc, hints or {})
+    if hinted is not None:
+        where, hint = hinted
+        return InvalidRequest(f"Invalid value for {where!r}: {hint}.", param=param)
     # A validator's own message may quote the value it refused.
     message = echo(str(first.get("msg", "invalid")).removeprefix("Value error, "), quote=False, limit=400)
     return InvalidRequest(f"Invalid value for {'.'.join(loc)!r}: {message}.", param=param)
+
+
+def _hinted(loc: list[str], hints: Mapping[str, str]) -> tuple[str, str] | None:
+    """The hint for the deepest field of `loc` that has one (a field's path without list
+    indices, `messages.content`), and that field's place (`messages.0.content`)."""
+    for depth in range(len(loc), 0, -1):
+        where = loc[:depth]
+        hint = hints.get(".".join(p for p in where if not p.isdigit()))
+        if hint is not None:
+            return ".".join(where), hint
+    return None
 
 
 # --- serving bounds and job errors: the replica's byte budget, the vocabulary of job errors ---

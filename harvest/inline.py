@@ -78,6 +78,7 @@ _UNION_HELP = {
     "prompt": "send a non-empty string or a list of token ids (integers)",
     "output_residual_stream": "send true, false, or a list of layer indices (integers)",
     "stop": f"send a string or a list of at most {MAX_STOP} strings",
+    "messages.content": "send a string or a list of {\"type\": \"text\", \"text\": …} parts",
 }
 MAX_LOGPROBS = 5
 SEED_RANGE = (-(2**63), 2**63 - 1)
