@@ -22,7 +22,7 @@
 Choices where the spec is silent (documented here and in the routes' docstrings):
 
 - Caps are checked after the request is valid (a 400 wins over a 429); among caps the order
-  is spend_cap, concurrency, monthly job quota, token budget, lane capacity. The per-key
+  is spend_cap, concurrency, monthly job quota, token budget, storage quota, lane capacity. The per-key
   request rate comes before all of them, right after the key (401, then 429
   `rate_limit_exceeded`, then the body): a throttled key costs no parsing.
 - Charges: one row per ended job in the append-only `charge_ledger`, written with the ending;
@@ -30,6 +30,10 @@ Choices where the spec is silent (documented here and in the routes' docstrings)
 - The monthly job quota, the token budget and the activation quota are per calendar month
   (UTC). The token budget counts tokens charged this month plus tokens held by active jobs.
   A cancelled or failed job still counts towards the monthly job quota.
+- The storage quota (bytes held, not per month) counts a job's admitted output bytes
+  (`harvest.cost`: shards only) while it is active, the bytes it wrote (shards, statistics,
+  manifest) once done, and its files' share of them until its retention ends
+  (`api.store.bytes_held`); over it is 429 `storage_quota_exceeded` without Retry-After.
 - Links expire `HARVEST_URL_EXPIRY_S` (7 days) after the read that made them, and never after
   the files' retention (30 days after completion) ends. After retention, or once the sweep
   removed the files, a done job keeps its result numbers and says `urls_expired: true`.

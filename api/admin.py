@@ -1,11 +1,14 @@
 """Operator commands: `harvest keys create|list|revoke` and `harvest spend-cap on|off|status`.
 
 `harvest keys create --name NAME [--limit LANE=N …] [--monthly-jobs N] [--token-budget N]
-[--activation-quota N] [--submit-per-s R --submit-burst N --read-per-s R --read-burst N]` prints the new key alone on the last line of stdout (scripts read it
+[--activation-quota N] [--storage-quota BYTES] [--submit-per-s R --submit-burst N --read-per-s R --read-burst N]` prints the new key alone on the last line of stdout (scripts read it
 with `tail -n1`); only its hash is stored, so it is shown this once. A lane without `--limit`
-has its default `key_limit` (infra/lanes.toml).
-`harvest keys list [--json]`: every key with its caps (request rates included) and this
-month's usage (tokens charged, from the charge ledger; jobs submitted; active jobs per lane); `--json` prints one JSON array for scripts.
+has its default `key_limit` (infra/lanes.toml). `--storage-quota` takes bytes, or a number with
+K, M, G or T (powers of 1024): what the key's kept job files may hold (default
+HARVEST_STORAGE_QUOTA_BYTES, unlimited unless set).
+`harvest keys list [--json]`: every key with its caps (request rates and storage quota included)
+and its usage (this month: tokens charged, from the charge ledger; jobs submitted; active jobs per
+lane; now: bytes its kept files hold); `--json` prints one JSON array for scripts.
 `harvest spend-cap on --retry-after SECONDS` pauses new harvests service-wide (429 spend_cap
 with that Retry-After); `harvest spend-cap off` resumes them.
 """
@@ -21,6 +24,7 @@ from api.ratelimit import limits
 from api.db import get_engine, transaction
 from api.store import get_spend_cap, key_usage, set_spend_cap
 from harvest.lanes import load_lanes
+from harvest.settings import get_settings
 
 __all__ = ["main"]
 
@@ -28,11 +32,12 @@ __all__ = ["main"]
 def _key_rows(engine) -> list[dict]:
     """Each key with its effective caps and this month's usage (`keys list`)."""
     lanes = load_lanes()
+    settings = get_settings()
     rows = []
     keys = list_keys(engine)
     with transaction(engine) as conn:
         for k in keys:
-            used = key_usage(conn, k.id)
+            used = key_usage(conn, k.id, retention_days=settings.retention_days)
             rows.append({
                 "id": k.id,
                 "name": k.name,
@@ -42,15 +47,29 @@ def _key_rows(engine) -> list[dict]:
                 "tokens_charged": used["tokens_charged"],
                 "jobs_this_month": used["jobs_this_month"],
                 "active": {lane: used["active"].get(lane, 0) for lane in lanes},
+                "bytes_held": used["bytes_held"],
                 "caps": {
                     "lanes": {lane: k.lane_limit(lane) for lane in lanes},
                     "monthly_jobs": k.monthly_jobs,
                     "token_budget": k.token_budget,
                     "activation_quota": k.activation_quota,
+                    # The quota that applies (the key's own, else the service's); None: unlimited.
+                    "storage_quota": settings.storage_quota_bytes if k.storage_quota is None else k.storage_quota,
                     "rates": {kind: dict(zip(("per_s", "burst"), limits(k, kind))) for kind in ("submit", "read")},
                 },
             })
     return rows
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """`--storage-quota`: bytes, or a whole number with K, M, G or T (powers of 1024)."""
+    number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
+    if not number.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"takes bytes, or a whole number with K, M, G or T (e.g. 500G), not {text!r}")
+    return int(number) * _UNITS[unit]
 
 
 def _keys(argv: list[str]) -> int:
@@ -63,6 +82,8 @@ def _keys(argv: list[str]) -> int:
     create.add_argument("--monthly-jobs", type=int, help="harvests per month (default unlimited)")
     create.add_argument("--token-budget", type=int, help="harvest tokens per month (default unlimited)")
     create.add_argument("--activation-quota", type=int, help="inline residual-stream positions returned per month (default unlimited)")
+    create.add_argument("--storage-quota", type=_bytes, metavar="BYTES",
+                        help="bytes the key's kept job files may hold, e.g. 500G (default HARVEST_STORAGE_QUOTA_BYTES, unlimited)")
     for kind in ("submit", "read"):
         create.add_argument(f"--{kind}-per-s", type=float, help=f"{kind}s a second, sustained (default HARVEST_RATE_{kind.upper()}_PER_S)")
         create.add_argument(f"--{kind}-burst", type=int, help=f"{kind}s at once (default HARVEST_RATE_{kind.upper()}_BURST)")
@@ -94,6 +115,7 @@ def _keys(argv: list[str]) -> int:
                 rate_submit_burst=args.submit_burst,
                 rate_read_per_s=args.read_per_s,
                 rate_read_burst=args.read_burst,
+                storage_quota=args.storage_quota,
                 engine=engine,
                 **limits,
             )
@@ -109,14 +131,15 @@ def _keys(argv: list[str]) -> int:
             return 0
         lanes = list(load_lanes())
         print(f"{'id':26} {'name':20} {'prefix':12} {'caps ' + '/'.join(lanes):>16} {'active':>8} {'jobs/mo':>8} "
-              f"{'tokens/mo':>12} {'act/mo':>8}  revoked")
+              f"{'tokens/mo':>12} {'act/mo':>8} {'bytes held/quota':>24}  revoked")
         for r in rows:
             none = lambda v: "-" if v is None else str(v)  # noqa: E731
             caps = "/".join(str(r["caps"]["lanes"][lane]) for lane in lanes)
             active = "/".join(str(r["active"].get(lane, 0)) for lane in lanes)
             print(
                 f"{r['id']:26} {r['name'][:20]:20} {r['prefix']:12} {caps:>16} {active:>8} {r['jobs_this_month']:>8} "
-                f"{r['tokens_charged']:>12} {none(r['caps']['activation_quota']):>8}  {r['revoked_at'] or '-'}"
+                f"{r['tokens_charged']:>12} {none(r['caps']['activation_quota']):>8} "
+                f"{str(r['bytes_held']) + '/' + none(r['caps']['storage_quota']):>24}  {r['revoked_at'] or '-'}"
             )
         return 0
     count = revoke_key(args.key, engine)

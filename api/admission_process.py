@@ -76,6 +76,7 @@ def assess(request: HarvestRequest, registry: Registry) -> dict:
         "add_special_tokens": request.add_special_tokens,
         "contents": job.contents,
         "reserved_tokens": cost.tokens,
+        "output_bytes": cost.output_bytes,
     }
 
 

@@ -65,6 +65,9 @@ class ApiKey:
     rates: dict[str, float | int] = field(default_factory=dict)
     """The key's own request rates (`rate_submit_per_s`, `rate_submit_burst`, `rate_read_per_s`,
     `rate_read_burst`); one not here is the service's `HARVEST_RATE_*` setting."""
+    storage_quota: int | None = None
+    """Bytes the key's kept job files may hold (`api.store.bytes_held`); None is the service's
+    `HARVEST_STORAGE_QUOTA_BYTES` (unlimited unless set)."""
 
     def lane_limit(self, lane: str) -> int:
         if lane in self.limits:
@@ -84,6 +87,7 @@ class ApiKey:
             token_budget=row["token_budget"],
             activation_quota=row["activation_quota"],
             rates={name: row[name] for name in RATE_FIELDS if row.get(name) is not None},
+            storage_quota=row.get("storage_quota"),
         )
 
 
@@ -119,6 +123,7 @@ def create_key(
     rate_submit_burst: int | None = None,
     rate_read_per_s: float | None = None,
     rate_read_burst: int | None = None,
+    storage_quota: int | None = None,
     engine=None,
     **lane_limits: int,
 ) -> tuple[str, ApiKey]:
@@ -138,6 +143,8 @@ def create_key(
     for field_name, value in rates.items():
         if value is not None and not value > 0:
             raise ValueError(f"{field_name.removeprefix('rate_').replace('_', ' ')} must be more than 0, not {value}")
+    if storage_quota is not None and storage_quota < 0:
+        raise ValueError(f"the storage quota must be 0 bytes or more, not {storage_quota}")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     row = {
         "id": "key_" + uuid.uuid4().hex[:20],
@@ -149,6 +156,7 @@ def create_key(
         "monthly_jobs": monthly_jobs,
         "token_budget": token_budget,
         "activation_quota": activation_quota,
+        "storage_quota": storage_quota,
         **rates,
     }
     with transaction(engine) as conn:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     DateTime,
@@ -86,6 +87,9 @@ api_keys = Table(
     Column("rate_submit_burst", Integer, nullable=True),
     Column("rate_read_per_s", Float, nullable=True),
     Column("rate_read_burst", Integer, nullable=True),
+    # Bytes the key's kept job files may hold (`api.store.bytes_held`); NULL: the service's
+    # HARVEST_STORAGE_QUOTA_BYTES (unlimited unless set).
+    Column("storage_quota", BigInteger, nullable=True),
 )
 
 jobs = Table(
@@ -116,6 +120,9 @@ jobs = Table(
     # Set when a start failed after its run may have been created: the watcher cancels the
     # job's runs by their `job:<id>` tag until that succeeds (`api.watcher`).
     Column("stop_run", Boolean, nullable=False, default=False, server_default="0"),
+    # Bytes of the job's files: its admitted cost (`harvest.cost.Cost.output_bytes`) until it is
+    # done, then the manifest's `bytes_written`. NULL for jobs admitted before migration 0007.
+    Column("output_bytes", BigInteger, nullable=True),
     Index("ix_jobs_key_created", "key_id", "created_at"),
     Index("ix_jobs_status", "status"),
 )

@@ -55,7 +55,10 @@ router = APIRouter(prefix="/v1", tags=["harvest"])
 
 def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore) -> dict:
     """Admit the prepared job under the caps, write its request, start its run."""
-    admit(key, job, capacity=load_lanes()[job["lane"]].capacity)
+    settings = get_settings()
+    quota = settings.storage_quota_bytes if key.storage_quota is None else key.storage_quota
+    admit(key, job, capacity=load_lanes()[job["lane"]].capacity, storage_quota=quota,
+          retention_days=settings.retention_days)
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts.
         JobFiles.for_job(job["id"], storage).write_request(request)

@@ -12,6 +12,10 @@ however many watchers, cancels or API restarts race for it. Monthly token use is
 the ledger's `tokens_charged` this month plus the `reserved_tokens` of jobs still active;
 `jobs.tokens` repeats the charge for the harvest object.
 
+Storage is held, not spent: a key's bytes held (`bytes_held`) are the `output_bytes` of its
+jobs whose files are still kept, and admission refuses a job whose admitted bytes would take
+them past the key's storage quota, in the same locked transaction as the other caps.
+
 Status lives in the database alone, so every API replica answers the same for a job, and it
 only moves forward: pending → running → done | failed | cancelled. Every change is announced
 (`api.db.job_changed`: PostgreSQL NOTIFY, or this process's listeners on SQLite), which is
@@ -23,7 +27,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import and_, case, func, insert, or_, select, update
 
 from api.auth import ApiKey, month_of
 from api.db import (
@@ -43,6 +47,7 @@ from api.runs import RunStatus
 from harvest.errors import (
     BudgetExceeded,
     CapacityExceeded,
+    StorageQuotaExceeded,
     ConcurrencyExceeded,
     NotCancellable,
     NotFound,
@@ -70,6 +75,7 @@ __all__ = [
     "set_spend_cap",
     "get_spend_cap",
     "tokens_used",
+    "bytes_held",
     "key_usage",
 ]
 
@@ -103,8 +109,32 @@ def tokens_used(conn, key_id: str, now: datetime | None = None) -> int:
     return charged + int(held)
 
 
-def key_usage(conn, key_id: str, now: datetime | None = None) -> dict:
-    """This month's usage of a key: tokens charged (ended jobs), jobs submitted, active jobs by lane."""
+def bytes_held(conn, key_id: str, retention_days: float, now: datetime | None = None) -> int:
+    """Bytes the key's job files hold while they are kept (`flows.retention`):
+
+    - active jobs: their admitted `output_bytes` (what they will write, at most);
+    - done jobs: the bytes they wrote, until `retention_days` after `completed_at` (the moment
+      the sweep counts from: the manifest's `created_at`);
+    - failed and cancelled jobs: their finished shards' share of the admitted bytes, until
+      `retention_days` after `created_at` (the sweep judges them by request.json, written at
+      admission).
+    A job admitted before migration 0007 has no figure and counts 0.
+    """
+    cutoff = (now or utcnow()) - timedelta(days=retention_days)
+    size = func.coalesce(jobs.c.output_bytes, 0)
+    partial = size * jobs.c.shards_done // func.nullif(jobs.c.n_shards, 0)
+    held = case(
+        (jobs.c.status.in_(ACTIVE), size),
+        (and_(jobs.c.status == "done", jobs.c.completed_at >= cutoff), size),
+        (and_(jobs.c.status.in_(("failed", "cancelled")), jobs.c.created_at >= cutoff), func.coalesce(partial, 0)),
+        else_=0,
+    )
+    return int(conn.execute(select(func.coalesce(func.sum(held), 0)).where(jobs.c.key_id == key_id)).scalar_one())
+
+
+def key_usage(conn, key_id: str, now: datetime | None = None, *, retention_days: float) -> dict:
+    """This month's usage of a key: tokens charged (ended jobs), jobs submitted, active jobs by
+    lane; and the bytes its kept files hold now (`bytes_held`)."""
     start = _month_start(now or utcnow())
     charged = _charged(conn, key_id, start)
     submitted = conn.execute(
@@ -113,7 +143,8 @@ def key_usage(conn, key_id: str, now: datetime | None = None) -> dict:
     active = conn.execute(
         select(jobs.c.lane, func.count()).where(jobs.c.key_id == key_id, jobs.c.status.in_(ACTIVE)).group_by(jobs.c.lane)
     ).all()
-    return {"tokens_charged": charged, "jobs_this_month": int(submitted), "active": {lane: int(n) for lane, n in active}}
+    return {"tokens_charged": charged, "jobs_this_month": int(submitted), "active": {lane: int(n) for lane, n in active},
+            "bytes_held": bytes_held(conn, key_id, retention_days, now)}
 
 
 def get_spend_cap(conn) -> int | None:
@@ -130,11 +161,16 @@ def set_spend_cap(retry_after: int | None, engine=None) -> None:
             conn.execute(insert(service_flags).values(name=SPEND_CAP, value=str(int(retry_after)), updated_at=utcnow()))
 
 
-def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
+def admit(
+    key: ApiKey, job: dict, *, capacity: int, storage_quota: int | None = None, retention_days: float | None = None,
+    engine=None,
+) -> dict:
     """Insert the job if every cap allows it, atomically; else raise the cap's 429.
 
     `job` holds the columns that come from the request (id, model, lane, n_prompts, layers,
-    shard_size, n_shards, add_special_tokens, contents, reserved_tokens, request_url).
+    shard_size, n_shards, add_special_tokens, contents, reserved_tokens, output_bytes,
+    request_url). `storage_quota`: the bytes the key's kept files may hold (None: unlimited),
+    counted with `retention_days` (`bytes_held`; given with a quota: the service's setting).
     """
     lane = job["lane"]
     now = utcnow()
@@ -183,6 +219,17 @@ def admit(key: ApiKey, job: dict, *, capacity: int, engine=None) -> dict:
                 raise BudgetExceeded(
                     f"These prompts come to {job['reserved_tokens']:,} tokens, and your key has {left:,} of its "
                     f"{key.token_budget:,} monthly harvest tokens left ({used:,} charged or held).",
+                )
+
+        if storage_quota is not None:
+            # Under the key's lock, like the job caps: two submits cannot both fit in one gap.
+            held = bytes_held(conn, key.id, retention_days, now)
+            size = int(job.get("output_bytes") or 0)
+            if held + size > storage_quota:
+                raise StorageQuotaExceeded(
+                    f"This harvest writes {size:,} bytes, and your key's files already hold {held:,} of its "
+                    f"{storage_quota:,}-byte storage quota. Bytes come free as your jobs' files pass their "
+                    f"retention ({retention_days:g} days); keep fewer layers or prompts, or project onto directions.",
                 )
 
         queued = conn.execute(
@@ -304,9 +351,12 @@ def apply_state(job_id: str, state: RunStatus, *, result: dict | None = None, en
         if state.status == "done":
             if result is None:
                 return _end(conn, job_id, status="failed", tokens=0, error="The run completed but wrote no manifest.")
+            # The bytes it wrote replace its admitted estimate in what the key holds.
+            written = result.get("bytes_written")
             return _end(
                 conn, job_id, status="done", tokens=int(result["tokens"]), result=result,
                 started_at=started or utcnow(), shards_done=result.get("n_shards", row["n_shards"]),
+                output_bytes=row["output_bytes"] if written is None else int(written),
             )
         if state.status == "failed":
             return _end(conn, job_id, status="failed", tokens=0, error=_run_error(job_id, state.message))

@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     retention_days: float = Field(default=30, gt=0)
     """Days after completion that a job's files are kept; then links say urls_expired."""
 
+    storage_quota_bytes: int | None = Field(default=None, ge=0)
+    """Per key: bytes its kept job files may hold (`api.store.bytes_held`), for a key without
+    its own quota (`harvest keys create --storage-quota`). Unset: unlimited, so an upgrade
+    refuses no existing key's harvests until the operator sizes it to the store's disk."""
+
     longpoll_max_waiters: int = Field(default=100, ge=0)
     """Concurrent `?wait=` reads held open; more are answered at once with X-Acs-Longpoll: declined."""
 

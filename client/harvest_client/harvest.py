@@ -45,8 +45,9 @@ __all__ = ["HarvestSummary", "HarvestFailed", "HarvestRun"]
 
 _HOLD_S = 5.0
 """Longest wait before submitting again after a 429 without Retry-After."""
-_FATAL_429 = ("harvest_quota_exceeded", "budget_exceeded")
-"""Caps that only a new month or an operator frees: waiting would be for ever."""
+_FATAL_429 = ("harvest_quota_exceeded", "budget_exceeded", "storage_quota_exceeded")
+"""Caps that only a new month, the end of a job's retention (days) or an operator frees:
+waiting would be for ever."""
 
 
 @dataclass
