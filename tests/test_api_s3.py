@@ -112,7 +112,9 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
     assert manifest["job_id"] == job_id and manifest["layer_indices"] == [1, 3, 5]
     assert job["tokens"] == manifest["tokens"]
 
-    # Each read signs afresh (the signature covers the signing time).
-    time.sleep(1.1)
-    again = httpx.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()["result"]["shard_urls"][0]
-    assert parse_qs(urlparse(again).query)["X-Amz-Signature"] != query["X-Amz-Signature"]
+    # A second read within the replica's reuse window hands back the same signed links
+    # (api.links.LinkCache: signing 4,098 S3 links costs ~0.75 s of CPU per read); they
+    # still work, and their expiry is the one the result states.
+    again = httpx.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()
+    assert again["result"]["shard_urls"] == result["shard_urls"] and again["urls_expire_at"] == job["urls_expire_at"]
+    assert httpx.get(again["result"]["shard_urls"][0], timeout=30).content == httpx.get(result["shard_urls"][0], timeout=30).content
