@@ -280,7 +280,11 @@ async def serve_inline(request: Request, key: SubmitKey, prepared: PreparedCompl
 INLINE_RESPONSES = {
     200: {"description": "The completion as JSON, or with `stream: true` as server-sent events (`data: <chunk>`, "
                          "then `data: [DONE]`).",
-          "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
+          "content": {
+              "application/json": {"schema": {"type": "object"}},
+              # each event: `data: <a chunk's JSON, or [DONE]>`
+              "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}},
+          }},
     **errors(400, 401, 408, 429, 503),  # 408: a body that did not arrive within the admission's time
 }
 """The inline routes' answers: JSON, or events when streamed, and their refusals."""
