@@ -55,7 +55,7 @@ def _key_rows(engine) -> list[dict]:
                     "activation_quota": k.activation_quota,
                     # The quota that applies (the key's own, else the service's); None: unlimited.
                     "storage_quota": settings.storage_quota_bytes if k.storage_quota is None else k.storage_quota,
-                    "rates": {kind: dict(zip(("per_s", "burst"), limits(k, kind))) for kind in ("submit", "read")},
+                    "rates": {kind: dict(zip(("per_s", "burst"), limits(k, kind, settings))) for kind in ("submit", "read")},
                 },
             })
     return rows

@@ -40,7 +40,7 @@ from api.files import router as files_router
 from api.guard import RequestGuard
 from api.openapi import install as install_openapi
 from api.lease import Lease, replica_id
-from api.links import LinkCache
+from api.links import LinkCache, LinkSigner
 from api.metrics import ReplicaMetrics, RequestMetrics
 from api.metrics import router as metrics_router
 from api.harvest import router as harvest_router
@@ -52,7 +52,7 @@ from api.watcher import Watcher
 from harvest.cpu_share import respond_quickly
 from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, ModelUnavailable, RouteNotFound, invalid_from_pydantic
 from harvest.registry import Registry, load_registry
-from harvest.settings import get_settings
+from harvest.settings import Settings, get_settings
 from harvest.storage import Storage, open_storage
 from harvest.warm.inline import InlineEngines
 
@@ -81,18 +81,11 @@ REPLICA = replica_id()
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    settings = get_settings()
+    settings = app.state.settings
     respond_quickly()  # a read's wake-ups preempt bulk work's slices (`harvest.cpu_share`); before any child starts
     await run_in_threadpool(get_engine)  # migrate before the first request
-    watcher = Watcher(
-        app.state.runs,
-        app.state.storage,
-        interval=settings.watch_interval_s,
-        max_waiters=settings.longpoll_max_waiters,
-        lease=Lease("watcher", REPLICA, settings.watcher_lease_s),
-        max_restarts=settings.max_restarts,
-        orphan_after_s=settings.orphan_after_s,
-    )
+    watcher = Watcher.from_settings(app.state.runs, app.state.storage, settings,
+                                    Lease("watcher", REPLICA, settings.watcher_lease_s))
     app.state.watcher = watcher
     app.state.admission.start()  # its children import while the replica starts (`api.admission_process`)
     await watcher.start()
@@ -156,6 +149,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 
 def create_app(
     *,
+    settings: Settings | None = None,
     runs: RunStore | None = None,
     storage: Storage | None = None,
     registry: Registry | None = None,
@@ -165,8 +159,10 @@ def create_app(
     anonymous_limiter: AddressLimiter | None = None,
     fair_share: FairShare | None = None,
     link_cache: LinkCache | None = None,
+    link_signer: LinkSigner | None = None,
 ) -> FastAPI:
-    """The API app with these parts; each one not given is built from the settings:
+    """The API app with these parts; each one not given is built from `settings` (by default
+    the process's, from HARVEST_* variables), which the routes read as `api.deps.AppSettings`:
 
     - `runs`: the run store (Prefect flow runs on the lanes' deployments);
     - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
@@ -176,17 +172,19 @@ def create_app(
     - `admission`: the harvest submits' admission budget (`api.admission`);
     - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`);
     - `fair_share`: each key's share of the replica, in flight and in turn (`api.fairshare`);
-    - `link_cache`: the done jobs' links this replica signed, reused a while (`api.links`).
+    - `link_cache`: the done jobs' links this replica signed, reused a while (`api.links`);
+    - `link_signer`: who signs and checks the download links (`api.links.LinkSigner`).
     """
-    settings = get_settings()
+    settings = settings if settings is not None else get_settings()
     app = FastAPI(
         title="Residual-stream harvesting API",
         version="1.0",
         description="Bulk harvests of residual-stream activations, and inline activations on completions.",
         lifespan=lifespan,
     )
+    app.state.settings = settings
     app.state.runs = runs if runs is not None else PrefectRuns()
-    app.state.storage = storage if storage is not None else open_storage()
+    app.state.storage = storage if storage is not None else open_storage(settings.resolved_storage_url)
     app.state.registry = registry if registry is not None else load_registry(settings)
     # Engines load on a request (or HARVEST_INLINE_PRELOAD's at start-up), not here.
     app.state.inline_engines = inline_engines if inline_engines is not None else InlineEngines()
@@ -203,6 +201,7 @@ def create_app(
     app.state.anonymous_limiter = anonymous_limiter
     app.state.fair_share = fair_share if fair_share is not None else FairShare.from_settings(settings)
     app.state.link_cache = link_cache if link_cache is not None else LinkCache.from_settings(settings)
+    app.state.link_signer = link_signer if link_signer is not None else LinkSigner.from_settings(settings)
     app.state.empty_buckets = EmptyBuckets()  # keys' buckets known empty (`api.ratelimit`)
     app.state.metrics = ReplicaMetrics.from_settings(settings)  # `/metrics` (`api.metrics`)
     app.add_exception_handler(HarvestError, harvest_error)

@@ -72,7 +72,6 @@ from harvest.inline import (
 )
 from harvest.inline_stream import completion_events
 from harvest.registry import Registry
-from harvest.settings import get_settings
 from harvest.warm.inline import InlineEngines
 
 __all__ = ["router", "inline_engines", "registry_of", "ResponseBudget", "response_budget", "accepted_schema",
@@ -102,7 +101,7 @@ def inline_engines(app: FastAPI) -> InlineEngines:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     engines = inline_engines(app)
-    preload = [name.strip() for name in (get_settings().inline_preload or "").split(",") if name.strip()]
+    preload = [name.strip() for name in (app.state.settings.inline_preload or "").split(",") if name.strip()]
     warming = [asyncio.ensure_future(_warm(engines, app, name)) for name in preload]
     try:
         yield
@@ -240,7 +239,7 @@ async def admit_inline(request: Request, budget: AdmissionBudget, key: ApiKey,
     Over the budget: 503 `replica_busy` with Retry-After, as a submit. Only the checked request
     (its prompt's ids, at most the model's context) is kept past the hold."""
     async with budget.hold(key.id, declared_bytes(request, INLINE_MAX_BODY_BYTES)):
-        raw = await read_body_within(request, get_settings().admission_read_s, INLINE_MAX_BODY_BYTES,
+        raw = await read_body_within(request, request.app.state.settings.admission_read_s, INLINE_MAX_BODY_BYTES,
                                      "Send a shorter prompt, or several requests.")
         async with budget.work():
             return await budget.call(prepare, raw)

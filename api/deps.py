@@ -1,5 +1,5 @@
-"""What the routes share, as typed dependencies: the registry, the storage, the run store, the
-watcher, where links point, and the body reader with its cap (`api.guard`) and parser
+"""What the routes share, as typed dependencies: the app's settings, the registry, the storage,
+the run store, the watcher, the links a read hands out, and the body reader with its cap (`api.guard`) and parser
 (pydantic's errors become the 400 of `harvest.errors.invalid_from_pydantic`, the one
 translation the CLI and inline route use).
 
@@ -16,29 +16,31 @@ from fastapi import Depends, Request
 from pydantic import ValidationError
 
 from api.guard import INLINE_MAX_BODY_BYTES, MAX_HARVEST_BODY_BYTES, too_large
-from api.links import LinkCache
+from api.links import JobLinks, LinkSigner
 from api.runs import RunStore
 from api.watcher import Watcher
 from harvest.errors import invalid_from_pydantic
 from harvest.registry import Registry
-from harvest.settings import get_settings
+from harvest.settings import Settings
 from harvest.storage import Storage
 
 __all__ = [
     "MAX_BODY_BYTES",
     "INLINE_MAX_BODY_BYTES",
+    "AppSettings",
     "Models",
     "Files",
     "Runs",
     "JobWatcher",
-    "LinkBase",
-    "SignedLinks",
+    "Links",
+    "Signer",
+    "settings",
     "registry",
     "storage",
     "runs",
     "watcher",
     "base_url",
-    "link_base",
+    "job_links",
     "read_body",
     "parse",
 ]
@@ -47,6 +49,11 @@ MAX_BODY_BYTES = MAX_HARVEST_BODY_BYTES
 
 
 # async: a plain `def` dependency would cost each request a worker-thread hop to read an attribute.
+async def settings(request: Request) -> Settings:
+    """The settings the app was made with (`api.app.create_app(settings=…)`)."""
+    return request.app.state.settings
+
+
 async def registry(request: Request) -> Registry:
     """The app's model registry."""
     return request.app.state.registry
@@ -67,25 +74,29 @@ async def watcher(request: Request) -> Watcher:
     return request.app.state.watcher
 
 
-async def link_cache(request: Request) -> LinkCache:
-    """The links this replica signed for done jobs (`api.links.LinkCache`)."""
-    return request.app.state.link_cache
+async def link_signer(request: Request) -> LinkSigner:
+    """Who signs and checks this replica's download links."""
+    return request.app.state.link_signer
 
 
-async def link_base(request: Request) -> str:
-    """Where this request's links point (`base_url`)."""
-    return base_url(request)
+async def job_links(request: Request) -> JobLinks:
+    """What this request hands out done jobs' links with: pointing at `base_url`, signed by
+    the replica's signer, lasting the settings' expiry, reused from the replica's cache."""
+    state = request.app.state
+    return JobLinks(base_url(request, state.settings), state.link_signer, state.settings.url_expiry_s,
+                    state.settings.retention_days, state.link_cache)
 
 
+AppSettings = Annotated[Settings, Depends(settings)]
 Models = Annotated[Registry, Depends(registry)]
 Files = Annotated[Storage, Depends(storage)]
 Runs = Annotated[RunStore, Depends(runs)]
 JobWatcher = Annotated[Watcher, Depends(watcher)]
-LinkBase = Annotated[str, Depends(link_base)]
-SignedLinks = Annotated[LinkCache, Depends(link_cache)]
+Links = Annotated[JobLinks, Depends(job_links)]
+Signer = Annotated[LinkSigner, Depends(link_signer)]
 
 
-def base_url(request: Request) -> str:
+def base_url(request: Request, settings: Settings) -> str:
     """Where links to the API's own file route point.
 
     HARVEST_PUBLIC_BASE_URL when set (behind a proxy or load balancer); else the request's Host
@@ -93,7 +104,6 @@ def base_url(request: Request) -> str:
     own address. Never the client's Host by default: a client could otherwise make the API hand
     out links (with valid signatures) that point at a host of its choosing.
     """
-    settings = get_settings()
     if settings.public_base_url:
         return settings.public_base_url.rstrip("/")
     if settings.trust_host_header:

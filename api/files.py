@@ -14,8 +14,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
-from api.deps import Files
-from api.links import verify
+from api.deps import Files, Signer
 from api.openapi import errors
 from harvest.errors import FileGone, LinkRefused
 from harvest.jobfiles import JobFiles
@@ -43,13 +42,13 @@ _FILE = {
 
 @router.get("/files/{job_id}/{name}", response_class=FileResponse, responses={**_FILE, **errors(403, 404)})
 def download(
-    job_id: str, name: str, storage: Files,
+    job_id: str, name: str, storage: Files, signer: Signer,
     expires: Annotated[str | None, Query()] = None, signature: Annotated[str | None, Query()] = None,
 ):
     """A job's result file, for a signed unexpired link."""
     if not (expires and EXPIRES.fullmatch(expires) and signature and SIGNATURE.fullmatch(signature)):
         raise LinkRefused("This download link is not valid.")
-    verify(job_id, name, expires, signature)
+    signer.verify(job_id, name, expires, signature)
     files = JobFiles.for_job(job_id, storage).storage
     if not files.is_local:
         raise FileGone("This store serves its own presigned links.")

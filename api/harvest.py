@@ -21,7 +21,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import MAX_BODY_BYTES, Files, JobWatcher, LinkBase, Models, Runs, SignedLinks
+from api.deps import MAX_BODY_BYTES, AppSettings, Files, JobWatcher, Links, Models, Runs
 from api.admission import Admission, declared_bytes, read_body_within
 from api.auth import ApiKey
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
@@ -36,7 +36,7 @@ from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles
 from harvest.lanes import load_lanes
 from harvest.request import HarvestRequest
-from harvest.settings import get_settings
+from harvest.settings import Settings
 from harvest.storage import Storage
 
 __all__ = ["router"]
@@ -53,11 +53,10 @@ log = logging.getLogger("harvest.api")
 router = APIRouter(prefix="/v1", tags=["harvest"])
 
 
-def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore) -> dict:
+def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore, settings: Settings) -> dict:
     """Admit the prepared job under the caps, write its request, start its run."""
-    settings = get_settings()
     quota = settings.storage_quota_bytes if key.storage_quota is None else key.storage_quota
-    admit(key, job, capacity=load_lanes()[job["lane"]].capacity, storage_quota=quota,
+    admit(key, job, capacity=load_lanes(settings)[job["lane"]].capacity, storage_quota=quota,
           retention_days=settings.retention_days)
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts.
@@ -114,11 +113,11 @@ _FOLLOW = {
 )
 async def submit_harvest(
     request: Request, budget: Admission, registry: Models, storage: Files, runs: Runs, watcher: JobWatcher,
-    links: LinkBase, key: SubmitKey,
+    links: Links, settings: AppSettings, key: SubmitKey,
 ):
     """Submit a harvest: 202 with the harvest object, status pending."""
     async with budget.hold(key.id, declared_bytes(request, MAX_BODY_BYTES)):
-        body = await read_body_within(request, get_settings().admission_read_s)
+        body = await read_body_within(request, settings.admission_read_s)
         async with budget.work():
             # Parsed and counted by one of the budget's child processes: seconds of CPU for a
             # large body, never the event loop's, and on a busy host not the replica's share.
@@ -129,8 +128,8 @@ async def submit_harvest(
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(
-            partial(submit_once, window_s=get_settings().idempotency_window_s),
-            key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job, storage, runs),
+            partial(submit_once, window_s=settings.idempotency_window_s),
+            key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job, storage, runs, settings),
         )
     watcher.kick()
     return JSONResponse(render(row, storage, links), status_code=202)
@@ -144,8 +143,7 @@ async def read_harvest(
     job_id: str,
     storage: Files,
     watcher: JobWatcher,
-    links: LinkBase,
-    cache: SignedLinks,
+    links: Links,
     share: ReadShare,
     key: ReadKey,
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to hold the request until the status changes.")] = 0,
@@ -174,7 +172,7 @@ async def read_harvest(
             finally:
                 watcher.leave(key.id)
     # The row was read under this key: only then may the replica's signed links be reused.
-    body = await share.run(render, row, storage, links, check_files=True, cache=cache)
+    body = await share.run(render, row, storage, links, check_files=True, reuse=True)
     return JSONResponse(body, headers=headers)
 
 
@@ -199,7 +197,7 @@ def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore) -> dict:
     responses=errors(401, 404, 409, 429), openapi_extra=KEYED,
 )
 async def cancel_harvest(
-    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: LinkBase, share: ReadShare, key: ReadKey,
+    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: Links, share: ReadShare, key: ReadKey,
 ):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
     row = await share.run(_cancel, job_id, key, watcher, runs)
@@ -228,7 +226,7 @@ def _list_page(key_id: str, limit: int, after: str | None, storage: Storage) -> 
     done jobs could otherwise need 100 × 4,096 signatures), so its cost is one query and
     `limit` small objects."""
     rows, has_more = list_jobs(key_id, limit=limit, after=after)
-    data = [render(r, storage, "", links=False) for r in rows]
+    data = [render(r, storage, None) for r in rows]
     return {
         "object": "list",
         "data": data,

@@ -27,26 +27,24 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from functools import lru_cache
+from dataclasses import dataclass
+from functools import cached_property
 from urllib.parse import urlencode
 
 from harvest.errors import LinkRefused
 from harvest.jobfiles import RESULT_FILE, JobFiles
 from harvest.private_files import write_private
-from harvest.settings import get_settings
+from harvest.settings import Settings
 from harvest.storage import Storage
 
-__all__ = ["LinkRefused", "signing_key", "sign", "verify", "presign", "LinkCache", "Signed", "REUSE_MAX_S"]
+__all__ = ["LinkRefused", "signing_key", "LinkSigner", "JobLinks", "LinkCache", "Signed", "REUSE_MAX_S"]
 
 REUSE_MAX_S = 300
 """The longest a replica hands a signed link out again (module docstring)."""
 
 
-
-@lru_cache(maxsize=1)
-def signing_key() -> bytes:
+def signing_key(settings: Settings) -> bytes:
     """HARVEST_SIGNING_SECRET, or a random secret kept in `<home>/signing.key` across restarts."""
-    settings = get_settings()
     if settings.signing_secret:
         return settings.signing_secret.encode()
     path = settings.home / "signing.key"
@@ -55,16 +53,6 @@ def signing_key() -> bytes:
         # Two processes starting together both try; the first file stays, and both read it.
         write_private(path, secrets.token_hex(32), replace=False)
     return path.read_text().strip().encode()
-
-
-def _mac(job_id: str, name: str, expires: int) -> str:
-    return hmac.new(signing_key(), f"{job_id}/{name}:{expires}".encode(), hashlib.sha256).hexdigest()
-
-
-def sign(base_url: str, job_id: str, name: str, expires: int) -> str:
-    """The file route's URL for this file, valid until `expires` (unix seconds)."""
-    query = urlencode({"expires": expires, "signature": _mac(job_id, name, expires)})
-    return f"{base_url.rstrip('/')}/v1/files/{job_id}/{name}?{query}"
 
 
 def _is_job_id(job_id: str) -> bool:
@@ -76,38 +64,54 @@ def _is_job_id(job_id: str) -> bool:
         return False
 
 
-def verify(job_id: str, name: str, expires: str | None, signature: str | None) -> None:
-    """Raise 403 unless the link is intact, unexpired and names one of the job's files."""
-    if not _is_job_id(job_id) or not RESULT_FILE.match(name) or expires is None or signature is None or not expires.isdigit():
-        raise LinkRefused("This download link is not valid.")
-    if not hmac.compare_digest(_mac(job_id, name, int(expires)), signature):
-        raise LinkRefused("This download link is not valid: its signature does not match.")
-    if int(expires) < time.time():
-        raise LinkRefused("This download link has expired. Read the harvest again for fresh links.")
+class LinkSigner:
+    """Signs and checks one replica's download links: HMAC-SHA256 with `secret` for the file
+    route of local storage, S3's own presigning (against `s3_endpoint_url`) for `s3://`."""
 
+    def __init__(self, secret: bytes, s3_endpoint_url: str | None = None):
+        self._secret = secret
+        self.s3_endpoint_url = s3_endpoint_url
 
-def presign(storage: Storage, job_id: str, name: str, expires: int, base_url: str) -> str:
-    """A link to `jobs/<job_id>/<name>` that works without a key until `expires`."""
-    if storage.is_local:
-        return sign(base_url, job_id, name, expires)
-    if storage.url.startswith("s3://"):
-        bucket, _, key = JobFiles.for_job(job_id, storage).storage.path(name).partition("/")
-        seconds = max(int(expires - time.time()), 1)
-        return _s3_client().generate_presigned_url(
-            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=seconds
-        )
-    # Any other fsspec store that can sign (gcs, az) does it itself.
-    return storage.fs.sign(JobFiles.for_job(job_id, storage).storage.path(name), expiration=int(expires - time.time()))
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "LinkSigner":
+        return cls(signing_key(settings), settings.s3_endpoint_url)
 
+    def mac(self, job_id: str, name: str, expires: int) -> str:
+        return hmac.new(self._secret, f"{job_id}/{name}:{expires}".encode(), hashlib.sha256).hexdigest()
 
-@lru_cache(maxsize=1)
-def _s3_client():
-    import boto3
-    from botocore.config import Config
+    def sign(self, base_url: str, job_id: str, name: str, expires: int) -> str:
+        """The file route's URL for this file, valid until `expires` (unix seconds)."""
+        query = urlencode({"expires": expires, "signature": self.mac(job_id, name, expires)})
+        return f"{base_url.rstrip('/')}/v1/files/{job_id}/{name}?{query}"
 
-    return boto3.client(
-        "s3", endpoint_url=get_settings().s3_endpoint_url, config=Config(signature_version="s3v4")
-    )
+    def verify(self, job_id: str, name: str, expires: str | None, signature: str | None) -> None:
+        """Raise 403 unless the link is intact, unexpired and names one of the job's files."""
+        if not _is_job_id(job_id) or not RESULT_FILE.match(name) or expires is None or signature is None or not expires.isdigit():
+            raise LinkRefused("This download link is not valid.")
+        if not hmac.compare_digest(self.mac(job_id, name, int(expires)), signature):
+            raise LinkRefused("This download link is not valid: its signature does not match.")
+        if int(expires) < time.time():
+            raise LinkRefused("This download link has expired. Read the harvest again for fresh links.")
+
+    def presign(self, storage: Storage, job_id: str, name: str, expires: int, base_url: str) -> str:
+        """A link to `jobs/<job_id>/<name>` that works without a key until `expires`."""
+        if storage.is_local:
+            return self.sign(base_url, job_id, name, expires)
+        if storage.url.startswith("s3://"):
+            bucket, _, key = JobFiles.for_job(job_id, storage).storage.path(name).partition("/")
+            seconds = max(int(expires - time.time()), 1)
+            return self._s3_client.generate_presigned_url(
+                "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=seconds
+            )
+        # Any other fsspec store that can sign (gcs, az) does it itself.
+        return storage.fs.sign(JobFiles.for_job(job_id, storage).storage.path(name), expiration=int(expires - time.time()))
+
+    @cached_property
+    def _s3_client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.s3_endpoint_url, config=Config(signature_version="s3v4"))
 
 
 Signed = tuple[int, dict]
@@ -165,3 +169,16 @@ class LinkCache:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.held -= entry[2]
+
+
+@dataclass(frozen=True)
+class JobLinks:
+    """What a route needs to hand out a done job's links: where they point (`base_url`, per
+    request: `api.deps.base_url`), who signs them, how long they last (`expiry_s`, and never
+    past `retention_days` after the job ended), and the replica's links signed before."""
+
+    base_url: str
+    signer: LinkSigner
+    expiry_s: int
+    retention_days: int
+    cache: LinkCache

@@ -73,7 +73,7 @@ from api.auth import ApiKey, bearer_hash, key_hashes, key_of, looks_like_key
 from api.db import ensure_row, get_rates_engine, rate_buckets, transaction
 from api.fairshare import KeyShare
 from harvest.errors import RateLimited, Unauthorized
-from harvest.settings import get_settings
+from harvest.settings import Settings
 
 __all__ = [
     "take",
@@ -123,9 +123,8 @@ def _take(conn, key_id: str, kind: str, *, per_s: float, burst: int, now: float 
     return max((1.0 - float(left)) / per_s, 0.0)
 
 
-def limits(key: ApiKey, kind: str) -> tuple[float, int]:
-    """(per_s, burst) of the key for `kind`: its own where it has them, else the settings'."""
-    settings = get_settings()
+def limits(key: ApiKey, kind: str, settings: Settings) -> tuple[float, int]:
+    """(per_s, burst) of the key for `kind`: its own where it has them, else `settings`'."""
     per_s = key.rates.get(f"rate_{kind}_per_s", getattr(settings, f"rate_{kind}_per_s"))
     burst = key.rates.get(f"rate_{kind}_burst", getattr(settings, f"rate_{kind}_burst"))
     return float(per_s), int(burst)
@@ -145,14 +144,15 @@ class KeyOverRate(RateLimited):
         self.kind, self.per_s, self.burst, self.wait = kind, per_s, burst, wait
 
 
-def authenticate_within_rate(authorization: str | None, kind: str) -> ApiKey:
+def authenticate_within_rate(authorization: str | None, kind: str, settings: Settings) -> ApiKey:
     """The caller's key (401 otherwise) with one token of its `kind` bucket taken (429
     otherwise): one worker-thread call and one transaction for both, on the rates engine
     (its commit does not wait for the disk: `api.db.get_rates_engine`). Every request pays
-    this, so its round trips to the store are kept few."""
+    this, so its round trips to the store are kept few. `settings`: the rates of keys without
+    their own."""
     with transaction(get_rates_engine()) as conn:
         key = key_of(conn, authorization)
-        per_s, burst = limits(key, kind)
+        per_s, burst = limits(key, kind, settings)
         wait = _take(conn, key.id, kind, per_s=per_s, burst=burst)
     if wait > 0:
         raise KeyOverRate(kind, per_s, burst, wait)
@@ -378,7 +378,8 @@ async def _key_within_rate(request: Request, share: KeyShare, kind: str) -> ApiK
         _give_back(request)  # a key the store knew, refused without asking it
         raise
     try:
-        key = await share.run(authenticate_within_rate, request.headers.get("authorization"), kind)
+        key = await share.run(authenticate_within_rate, request.headers.get("authorization"), kind,
+                              request.app.state.settings)
     except Unauthorized:
         limiter.known.discard(share.caller)
         if getattr(request.state, "address_token", None) is None:

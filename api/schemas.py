@@ -9,9 +9,8 @@ from datetime import datetime, timedelta, timezone
 from pydantic import BaseModel
 
 from api.db import aware
-from api.links import LinkCache, Signed, presign
+from api.links import JobLinks, Signed
 from harvest.jobfiles import JobFiles
-from harvest.settings import get_settings
 from harvest.storage import Storage
 
 __all__ = ["Progress", "Timings", "Result", "Harvest", "HarvestList", "ErrorBody", "render"]
@@ -108,10 +107,10 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else aware(value).isoformat()
 
 
-def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = False, links: bool = True,
-           cache: LinkCache | None = None) -> dict:
-    """The harvest object of a job row, with fresh links when it is done (`links=False`: the
-    result's numbers only, as the list gives them); with `cache`, links signed for an earlier
+def render(row: dict, storage: Storage, links: JobLinks | None, *, check_files: bool = False,
+           reuse: bool = False) -> dict:
+    """The harvest object of a job row, with fresh links when it is done (`links=None`: the
+    result's numbers only, as the list gives them); with `reuse`, links signed for an earlier
     read of it are handed out again while fresh enough (`api.links.LinkCache`). The row must be
     one the caller's key may read (`api.store.get_job` with its key).
 
@@ -119,7 +118,6 @@ def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = Fa
     Past retention (or when the sweep already removed the manifest) the result keeps its
     numbers, drops its links, and the job says `urls_expired: true`.
     """
-    settings = get_settings()
     status = row["status"]
     body = {
         "object": "harvest",
@@ -145,27 +143,26 @@ def render(row: dict, storage: Storage, base_url: str, *, check_files: bool = Fa
         return body
     result = dict(row["result"])
     body["result"] = result
-    if not links:
+    if links is None:
         return body
     now = datetime.now(timezone.utc)
-    purge_at = aware(row["completed_at"]) + timedelta(days=settings.retention_days)
+    purge_at = aware(row["completed_at"]) + timedelta(days=links.retention_days)
     files = JobFiles.for_job(row["id"], storage)
     if now >= purge_at or (check_files and not files.has_manifest()):
-        if cache is not None:
-            cache.forget(row["id"])
+        links.cache.forget(row["id"])
         body["urls_expired"] = True
         return body
 
     def sign() -> Signed:
-        expires = min(int(time.time()) + settings.url_expiry_s, int(purge_at.timestamp()))
-        link = lambda name: presign(storage, row["id"], name, expires, base_url)  # noqa: E731
+        expires = min(int(time.time()) + links.expiry_s, int(purge_at.timestamp()))
+        link = lambda name: links.signer.presign(storage, row["id"], name, expires, links.base_url)  # noqa: E731
         return expires, {
             "shard_urls": [link(name) for name in files.shard_names(result["n_shards"])],
             "manifest_url": link(files.MANIFEST),
             "stats_url": link(files.STATS),
         }
 
-    expires, signed = sign() if cache is None else cache.links(row["id"], base_url, sign)
+    expires, signed = links.cache.links(row["id"], links.base_url, sign) if reuse else sign()
     result.update(signed)
     body["urls_expire_at"] = datetime.fromtimestamp(expires, timezone.utc).isoformat()
     body["urls_expired"] = False

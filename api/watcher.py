@@ -50,7 +50,7 @@ from api.store import (
     unstarted_jobs,
 )
 from harvest.jobfiles import JobFiles
-from harvest.settings import get_settings
+from harvest.settings import Settings
 from harvest.storage import Storage
 
 __all__ = ["Watcher"]
@@ -67,7 +67,7 @@ class Watcher:
     def __init__(
         self, runs: RunStore, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
         max_restarts: int = 3, orphan_after_s: float = 30.0, per_key: int | None = None,
-        idempotency_window_s: float | None = None,
+        idempotency_window_s: float = 86400.0,
     ):
         self.runs = runs
         self.storage = storage
@@ -77,11 +77,8 @@ class Watcher:
         self.max_restarts = max_restarts
         self.orphan_after_s = orphan_after_s
         self.waiting = 0
-        if per_key is None:  # a share of the slots, at least one (`longpoll_key_share`)
-            per_key = max(1, int(max_waiters * get_settings().longpoll_key_share))
-        self.per_key = per_key
-        if idempotency_window_s is None:  # `HARVEST_IDEMPOTENCY_WINDOW_S`
-            idempotency_window_s = get_settings().idempotency_window_s
+        self.per_key = max_waiters if per_key is None else per_key
+        """Waiter slots one key may hold (`HARVEST_LONGPOLL_KEY_SHARE` of them: `from_settings`)."""
         self.idempotency_window_s = idempotency_window_s
         self._next_prune = 0.0  # monotonic time of the next `prune_expired`
         self._held: dict[str, int] = defaultdict(int)  # waiter slots held, by key id
@@ -93,6 +90,17 @@ class Watcher:
         self._follow: asyncio.Task | None = None
         self._kick: asyncio.Event | None = None
         self._changes = JobChanges(self.notify_threadsafe)
+
+    @classmethod
+    def from_settings(cls, runs: RunStore, storage: Storage, settings: Settings, lease: Lease) -> "Watcher":
+        """The replica's watcher as its settings say (`api.app`'s lifespan)."""
+        return cls(
+            runs, storage, interval=settings.watch_interval_s, max_waiters=settings.longpoll_max_waiters, lease=lease,
+            max_restarts=settings.max_restarts, orphan_after_s=settings.orphan_after_s,
+            # a share of the slots, at least one
+            per_key=max(1, int(settings.longpoll_max_waiters * settings.longpoll_key_share)),
+            idempotency_window_s=settings.idempotency_window_s,
+        )
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:

@@ -130,8 +130,10 @@ def test_each_read_makes_links_fresh_to_within_minutes(harvest_api, key, done_jo
 
 
 def test_expired_tampered_or_foreign_links_are_403(harvest_api, key, done_job):
-    from api.links import sign
+    from api.links import LinkSigner
+    from harvest.settings import get_settings
 
+    sign = LinkSigner.from_settings(get_settings()).sign  # the replica's secret, in the session's home
     url = done_job["result"]["shard_urls"][0]
     parsed = urlparse(url)
     query = parse_qs(parsed.query)
@@ -161,7 +163,10 @@ def test_a_validly_signed_link_outside_any_job_is_refused(harvest_api, key, done
     is how the old check never reached the route), it must be refused, not served."""
     import http.client
 
-    from api.links import _mac
+    from api.links import LinkSigner
+    from harvest.settings import get_settings
+
+    mac = LinkSigner.from_settings(get_settings()).mac  # the replica's secret, in the session's home
 
     storage_root = Path(harvest_api.env["HARVEST_STORAGE_URL"][len("file://"):])
     planted = storage_root / "manifest.json"
@@ -170,7 +175,7 @@ def test_a_validly_signed_link_outside_any_job_is_refused(harvest_api, key, done
     try:
         for job_id in ("..", "%2E%2E"):
             conn = http.client.HTTPConnection("127.0.0.1", harvest_api.port, timeout=30)
-            conn.request("GET", f"/v1/files/{job_id}/manifest.json?expires={expires}&signature={_mac('..', 'manifest.json', expires)}")
+            conn.request("GET", f"/v1/files/{job_id}/manifest.json?expires={expires}&signature={mac('..', 'manifest.json', expires)}")
             response = conn.getresponse()
             body = response.read()
             conn.close()

@@ -31,6 +31,7 @@ from api.store import (
     tokens_used,
 )
 from harvest.errors import NotCancellable, NotFound, RateLimited, Unauthorized
+from harvest.settings import Settings
 
 
 def _pg_url(schema: str) -> str:
@@ -508,14 +509,14 @@ def test_a_requests_key_and_bucket_are_one_transaction_whose_commit_skips_the_di
         key, record = create_key("reader", rate_read_burst=5, engine=engine)
         begun.update(rates=0, jobs=0)
 
-        assert authenticate_within_rate(f"Bearer {key}", "read").id == record.id
+        assert authenticate_within_rate(f"Bearer {key}", "read", Settings()).id == record.id
         assert begun == {"rates": 1, "jobs": 0}
         with engine.connect() as conn:
             tokens = conn.execute(select(rate_buckets.c.tokens).where(rate_buckets.c.key_id == record.id)).scalar_one()
         assert tokens == pytest.approx(4.0, abs=0.01)  # one of the burst of 5 taken
 
         with pytest.raises(Unauthorized):
-            authenticate_within_rate("Bearer acs_" + "0" * 32, "read")
+            authenticate_within_rate("Bearer acs_" + "0" * 32, "read", Settings())
         with engine.connect() as conn:
             assert conn.execute(select(rate_buckets.c.key_id)).scalars().all() == [record.id]  # none for the unknown key
 

@@ -238,3 +238,40 @@ def test_no_import_circles():
     assert {"harvest.registry", "harvest.engines.hf"} <= set(graph)  # the scan sees the tree
     assert "harvest.built_checkpoints" in graph["harvest.registry"]
     assert circles(graph) == []
+
+
+# The API's settings reach its routes from the app (`create_app(settings=…)`, read as
+# `api.deps.AppSettings` or `app.state.settings`). Only the factory's default, the job store's
+# default URL and the `harvest keys` command read the process's own.
+SETTINGS_READERS = {"api.app", "api.db", "api.admin", "api.migrations.env"}
+
+
+def test_the_api_reads_settings_only_from_the_app_it_was_made_with():
+    """Before: routes and their helpers called `get_settings()` at seven places (the submit,
+    the inline admission, links, rates, the watcher), so two apps in one process could not differ."""
+    import ast
+
+    readers = set()
+    for path in sorted((REPO / "api").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_settings"
+               for node in ast.walk(tree)):
+            readers.add(module)
+    assert "api.app" in readers  # the scan sees the factory's default
+    assert readers <= SETTINGS_READERS, sorted(readers - SETTINGS_READERS)
+
+
+def test_two_apps_in_one_process_keep_their_own_settings(tmp_path):
+    """Each app signs and points its links by the settings it was made with, not the process's."""
+    from api.app import create_app
+    from harvest.settings import Settings
+
+    made = []
+    for url in ("https://one.example", "https://two.example"):
+        settings = Settings(home=tmp_path / url[8:11], public_base_url=url)
+        made.append(create_app(settings=settings))
+    for app, url in zip(made, ("https://one.example", "https://two.example")):
+        assert app.state.settings.public_base_url == url
+        assert app.state.link_signer.sign(url, "j", "shard_00000.safetensors", 1).startswith(f"{url}/v1/files/j/")
+    assert made[0].state.link_signer.mac("j", "n", 1) != made[1].state.link_signer.mac("j", "n", 1)  # each home's secret
