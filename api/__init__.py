@@ -1,8 +1,10 @@
 """The HTTP facade: bulk harvests and inline completions in one FastAPI app.
 
-    app.py       `create_app(runs=, storage=, ...)`: the app's parts, routers, the one error
-                 handler, lifespan (migrate, start the watcher)
-    deps.py      the parts as typed route dependencies, the capped body reader and parser
+    app.py       `create_app(settings=, runs=, storage=, ...)`: the app's parts, routers, the one
+                 error handler, lifespan (migrate, start the watcher)
+    deps.py      the parts (and the app's settings) as typed route dependencies, the capped body
+                 reader and parser
+    errors.py    the replica's own refusals (keys, rates, caps, links, routes), on the core's tree
     harvest.py   POST/GET/DELETE /v1/harvest[/{job_id}]: validate, admit, write request, start run
     files.py     GET /v1/files/{job_id}/{name}: the HMAC-signed download route (file:// storage)
     auth.py      API keys (SHA-256 at rest), `current_key`, the activation quota (positions)
@@ -10,7 +12,7 @@
     db.py        tables, engines (SQLite/PostgreSQL), Alembic migrations (api/migrations)
     runs.py      the run store (Prefect): start / cancel / read many runs at once
     watcher.py   the one background loop that follows all runs and wakes long-poll waiters
-    links.py     presigned links: S3 SigV4 presigning, HMAC links for local files
+    links.py     presigned links: S3 SigV4 presigning, HMAC links for local files (`LinkSigner`)
     schemas.py   response shapes (OpenAPI) and the harvest object of a job row
     guard.py     every request: a request id, the body cap (413), the one 500 for unexpected errors
     ratelimit.py per-key request rates: a token bucket per key in the job store (429, Retry-After);

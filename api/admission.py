@@ -48,7 +48,8 @@ from fastapi import Depends, Request
 
 from api import deps
 from api.admission_process import TOKENIZE_ON_CALLER, WORK_NICE, Assessors
-from harvest.errors import ReplicaBusy, RequestTimeout
+from api.errors import RequestTimeout
+from harvest.errors import ReplicaBusy
 from harvest.registry import Registry
 from harvest.request import HarvestRequest
 from harvest.settings import Settings

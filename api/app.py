@@ -36,6 +36,7 @@ from api.completions import ResponseBudget
 from api.completions import router as completions_router
 from api.chat import router as chat_router
 from api.db import get_engine
+from api.errors import MethodNotAllowed, RouteNotFound
 from api.files import router as files_router
 from api.guard import RequestGuard
 from api.openapi import install as install_openapi
@@ -50,7 +51,7 @@ from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
 from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
 from harvest.cpu_share import respond_quickly
-from harvest.errors import HarvestError, InvalidRequest, MethodNotAllowed, ModelUnavailable, RouteNotFound, invalid_from_pydantic
+from harvest.errors import HarvestError, InvalidRequest, ModelUnavailable, invalid_from_pydantic
 from harvest.registry import Registry, load_registry
 from harvest.settings import Settings, get_settings
 from harvest.storage import Storage, open_storage

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from api.db import api_keys, aware, key_lane_limits, locked, reading, transaction, usage, utcnow
-from harvest.errors import ActivationQuotaExceeded, Unauthorized
+from api.errors import ActivationQuotaExceeded, Unauthorized
 from harvest.lanes import load_lanes
 
 __all__ = [

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from harvest.errors import RateLimited
+from api.errors import RateLimited
 
 __all__ = ["FairShare", "KeyShare", "default_at_once"]
 

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
 from api.deps import Files, Signer
+from api.errors import FileGone, LinkRefused
 from api.openapi import errors
-from harvest.errors import FileGone, LinkRefused
 from harvest.jobfiles import JobFiles
 
 __all__ = ["router"]

@@ -22,7 +22,8 @@ import secrets
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from harvest.errors import HarvestError, PayloadTooLarge
+from api.errors import PayloadTooLarge
+from harvest.errors import HarvestError
 
 __all__ = ["RequestGuard", "BODY_LIMITS", "NO_BODY_BYTES", "body_limit", "REQUEST_ID_HEADER"]
 

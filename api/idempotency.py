@@ -35,8 +35,9 @@ from datetime import timedelta
 from sqlalchemy import and_, delete, select, update
 
 from api.db import idempotency_keys, transaction, utcnow
+from api.errors import IdempotencyConflict
 from api.store import get_job
-from harvest.errors import IdempotencyConflict, InvalidRequest, ModelUnavailable
+from harvest.errors import InvalidRequest, ModelUnavailable
 from harvest.request import HarvestRequest
 
 __all__ = [

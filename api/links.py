@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlencode
 
-from harvest.errors import LinkRefused
+from api.errors import LinkRefused
 from harvest.jobfiles import RESULT_FILE, JobFiles
 from harvest.private_files import write_private
 from harvest.settings import Settings

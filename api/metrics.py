@@ -32,7 +32,7 @@ from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.db import jobs, reading
-from harvest.errors import Unauthorized
+from api.errors import Unauthorized
 from harvest.lanes import load_lanes
 from harvest.metrics import HTTP_REQUESTS, HTTP_SECONDS, JOBS, MULTIPROC_ENV, QUEUE_DEPTH
 from harvest.metrics_export import authorized, exposition, host_registry, metrics_token, process_tree

@@ -71,8 +71,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import ApiKey, bearer_hash, key_hashes, key_of, looks_like_key
 from api.db import ensure_row, get_rates_engine, rate_buckets, transaction
+from api.errors import RateLimited, Unauthorized
 from api.fairshare import KeyShare
-from harvest.errors import RateLimited, Unauthorized
 from harvest.settings import Settings
 
 __all__ = [

@@ -43,19 +43,9 @@ from api.db import (
     transaction,
     utcnow,
 )
+from api.errors import BudgetExceeded, CapacityExceeded, StorageQuotaExceeded, ConcurrencyExceeded, NotCancellable, NotFound, QuotaExceeded, SpendCapped
 from api.runs import RunStatus
-from harvest.errors import (
-    BudgetExceeded,
-    CapacityExceeded,
-    StorageQuotaExceeded,
-    ConcurrencyExceeded,
-    NotCancellable,
-    NotFound,
-    QuotaExceeded,
-    SpendCapped,
-    echo,
-    safe_job_error,
-)
+from harvest.errors import echo, safe_job_error
 
 __all__ = [
     "ACTIVE",

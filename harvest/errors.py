@@ -1,4 +1,6 @@
-"""Every refusal the service makes, as one exception tree; every error `code` is one class.
+"""The service's error vocabulary: one exception tree, every error `code` one class. These are
+the core's (a request the model cannot serve, an engine or storage failure); the API's own
+refusals (keys, rates, quotas, links, routes) subclass `HarvestError` in `api.errors`.
 
     HarvestError                          500 internal_error (unexpected; the message names a request id)
     ├── InvalidRequest                    400 invalid_request (param names the field)
@@ -7,24 +9,6 @@
     │   ├── ActivationsUnsupported        400 activations_unsupported
     │   ├── ActivationPromptTooLong       400 activation_prompt_too_long
     │   └── ContextLengthExceeded         400 context_length_exceeded
-    ├── Unauthorized                      401 invalid_api_key
-    ├── LinkRefused                       403 link_invalid (expired, altered or foreign link)
-    ├── NotFound                          404 harvest_job_not_found
-    │   └── FileGone                      404 file_not_found (a valid link to a swept file)
-    ├── RouteNotFound                     404 route_not_found (no such path)
-    ├── MethodNotAllowed                  405 method_not_allowed (with Allow)
-    ├── RequestTimeout                    408 request_timeout (a body that did not arrive in time)
-    ├── NotCancellable                    409 harvest_not_cancellable
-    ├── IdempotencyConflict               409 idempotency_key_reused (same key, another body)
-    ├── PayloadTooLarge                   413 request_too_large
-    ├── RateLimited                       429 rate_limit_exceeded (per-key request rate; Retry-After)
-    │   ├── SpendCapped                   429 spend_cap (Retry-After)
-    │   ├── ConcurrencyExceeded           429 harvest_concurrency_exceeded
-    │   ├── QuotaExceeded                 429 harvest_quota_exceeded
-    │   ├── BudgetExceeded                429 budget_exceeded
-    │   ├── CapacityExceeded              429 harvest_capacity_exceeded
-    │   ├── ActivationQuotaExceeded       429 activation_quota_exceeded
-    │   └── StorageQuotaExceeded          429 storage_quota_exceeded (the key's files would pass its bytes held)
     ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs or job store unreachable)
     ├── CaptureFailed                     500 capture_failed (a hook missed a layer)
     ├── ReplicaBusy                       503 replica_busy (this API replica's budget is spent; Retry-After)
@@ -38,7 +22,8 @@ reference, and the caller logs the details under that reference.
 
 Each class fixes its HTTP status, `type` and `code` (a raise site cannot invent a code), so
 the API maps any of them to the error body `{"error": {message, type, param, code}}` in one
-handler, and `tests/test_api_errors.py` checks that this tree names every class.
+handler, and `tests/test_api_errors.py` checks that this tree and `api.errors`'s name every
+class, and that no two classes share a code.
 
 `invalid_from_pydantic` is the one translation of pydantic's validation errors into the 400
 that names the offending field: the API's routes, the inline route and the CLI all use it.
@@ -55,7 +40,7 @@ import errno
 import re
 import reprlib
 import secrets
-from typing import Iterable, Mapping
+from typing import Mapping
 
 __all__ = [
     "HarvestError",
@@ -65,24 +50,6 @@ __all__ = [
     "ActivationsUnsupported",
     "ActivationPromptTooLong",
     "ContextLengthExceeded",
-    "Unauthorized",
-    "LinkRefused",
-    "NotFound",
-    "FileGone",
-    "RouteNotFound",
-    "MethodNotAllowed",
-    "RequestTimeout",
-    "NotCancellable",
-    "IdempotencyConflict",
-    "PayloadTooLarge",
-    "RateLimited",
-    "SpendCapped",
-    "ConcurrencyExceeded",
-    "QuotaExceeded",
-    "BudgetExceeded",
-    "CapacityExceeded",
-    "ActivationQuotaExceeded",
-    "StorageQuotaExceeded",
     "ModelUnavailable",
     "ReplicaBusy",
     "CaptureFailed",
@@ -152,147 +119,6 @@ class ContextLengthExceeded(InvalidRequest):
     """prompt + max_tokens is over the model's context."""
 
     code = "context_length_exceeded"
-
-
-class Unauthorized(HarvestError):
-    """No key, an unknown key, or a revoked key."""
-
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class LinkRefused(HarvestError):
-    """A download link that expired, was altered, or names no file of the job."""
-
-    status = 403
-    type = "invalid_request_error"
-    code = "link_invalid"
-
-
-class NotFound(HarvestError):
-    """No such job for this key (another key's job reads the same: never reveal it exists)."""
-
-    status = 404
-    type = "invalid_request_error"
-    code = "harvest_job_not_found"
-
-
-class FileGone(NotFound):
-    """A validly signed link to a file that is not (or no longer) there."""
-
-    code = "file_not_found"
-
-
-class RouteNotFound(HarvestError):
-    """No route has this path."""
-
-    status = 404
-    type = "invalid_request_error"
-    code = "route_not_found"
-
-
-class MethodNotAllowed(HarvestError):
-    """The path exists, the method does not; `Allow` lists the methods it has."""
-
-    status = 405
-    type = "invalid_request_error"
-    code = "method_not_allowed"
-
-    def __init__(self, message: str, *, allow: Iterable[str]):
-        super().__init__(message)
-        self.headers["Allow"] = ", ".join(allow)
-
-
-class RequestTimeout(HarvestError):
-    """The request's body did not arrive within its time (a place in the admission budget is
-    held while it arrives, so a slow sender cannot keep it)."""
-
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
-
-
-class NotCancellable(HarvestError):
-    """Done or failed jobs cannot be cancelled."""
-
-    status = 409
-    type = "invalid_request_error"
-    code = "harvest_not_cancellable"
-
-
-class IdempotencyConflict(HarvestError):
-    """An `Idempotency-Key` already used, within its window, for a submit with another body."""
-
-    status = 409
-    type = "invalid_request_error"
-    code = "idempotency_key_reused"
-
-
-class PayloadTooLarge(HarvestError):
-    """The request body is over its route's cap."""
-
-    status = 413
-    type = "invalid_request_error"
-    code = "request_too_large"
-
-
-class RateLimited(HarvestError):
-    """Too many requests from this key in a short time (the per-key rate limit); the base of
-    every 429. `retry_after` (seconds) becomes the Retry-After header."""
-
-    status = 429
-    type = "rate_limit_error"
-    code = "rate_limit_exceeded"
-
-    def __init__(self, message: str, *, retry_after: int | None = None, param: str | None = None):
-        super().__init__(message, param=param)
-        if retry_after is not None:
-            self.headers["Retry-After"] = str(retry_after)
-
-
-class SpendCapped(RateLimited):
-    """New harvests are paused service-wide (`harvest spend-cap on`)."""
-
-    code = "spend_cap"
-
-
-class ConcurrencyExceeded(RateLimited):
-    """The key has its most jobs queued or running in this lane."""
-
-    code = "harvest_concurrency_exceeded"
-
-
-class QuotaExceeded(RateLimited):
-    """The key used its monthly job quota."""
-
-    code = "harvest_quota_exceeded"
-
-
-class BudgetExceeded(RateLimited):
-    """The job's tokens are over what is left of the key's monthly token budget."""
-
-    code = "budget_exceeded"
-
-
-class CapacityExceeded(RateLimited):
-    """The lane has its most jobs queued or running across the service."""
-
-    code = "harvest_capacity_exceeded"
-
-
-class ActivationQuotaExceeded(RateLimited):
-    """The key used its monthly inline-activation quota."""
-
-    code = "activation_quota_exceeded"
-
-
-class StorageQuotaExceeded(RateLimited):
-    """The job's output bytes (its admitted cost) and the bytes the key's kept files already
-    hold together pass the key's storage quota. No Retry-After: bytes come free when the key's
-    files pass their retention, not after a fixed wait."""
-
-    code = "storage_quota_exceeded"
 
 
 class ModelUnavailable(HarvestError):

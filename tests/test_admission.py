@@ -211,7 +211,7 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_holds_no_place():
     from starlette.requests import Request
 
     from api.admission import AdmissionBudget, read_body_within
-    from harvest.errors import RequestTimeout
+    from api.errors import RequestTimeout
 
     async def scenario():
         async def receive():  # the first piece, then nothing more ever arrives

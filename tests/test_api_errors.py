@@ -1,5 +1,5 @@
-"""One error vocabulary: every error code is a documented class of `harvest.errors`, no raise
-site invents a code, and pydantic's errors become the same 400 message through the bulk
+"""One error vocabulary: every error code is a documented class of `harvest.errors` (the
+core's) or `api.errors` (the API replica's own), no code is used twice, no raise site invents one, and pydantic's errors become the same 400 message through the bulk
 route, the inline route and the CLI (`invalid_from_pydantic`)."""
 
 from __future__ import annotations
@@ -14,27 +14,34 @@ from pathlib import Path
 import httpx
 import pytest
 
+import api.errors
 import harvest.errors as errors
 
 REPO = Path(__file__).resolve().parent.parent
+VOCABULARY = (errors, api.errors)
 
 
-def _classes() -> list[type]:
-    return [c for _, c in inspect.getmembers(errors, inspect.isclass)
-            if issubclass(c, errors.HarvestError) and c.__module__ == errors.__name__]
+def _classes(only=None) -> list[type]:
+    """The error classes defined in `only`, or in both modules of the vocabulary."""
+    return [c for module in ([only] if only else VOCABULARY) for _, c in inspect.getmembers(module, inspect.isclass)
+            if issubclass(c, errors.HarvestError) and c.__module__ == module.__name__]
 
 
-def test_the_docstring_tree_names_every_class_with_its_status_and_code():
-    tree = errors.__doc__
+@pytest.mark.parametrize("module", VOCABULARY, ids=lambda m: m.__name__)
+def test_the_docstring_tree_names_every_class_with_its_status_and_code(module):
+    tree = module.__doc__
     rows = {m.group(1): (int(m.group(2)), m.group(3)) for m in re.finditer(r"(\w+)\s+(\d{3}) (\w+)", tree)}
-    classes = _classes()
+    classes = _classes(module)
     assert {c.__name__ for c in classes} == set(rows), set(rows) ^ {c.__name__ for c in classes}
     for cls in classes:
         assert rows[cls.__name__] == (cls.status, cls.code), cls
         assert cls.__doc__ and cls.__doc__ is not errors.HarvestError.__doc__ or cls is errors.HarvestError, cls
-        assert cls.__name__ in errors.__all__
-    codes = [c.code for c in classes]
-    assert len(codes) == len(set(codes)), sorted(codes)  # one class per code
+        assert cls.__name__ in module.__all__
+
+
+def test_no_two_classes_share_a_code():
+    codes = [c.code for c in _classes()]
+    assert len(codes) == len(set(codes)), sorted(codes)  # one class per code, across both trees
 
 
 def test_no_raise_site_invents_a_code():

@@ -14,9 +14,9 @@ from sqlalchemy import func, insert, select, update
 
 from api.auth import create_key
 from api.db import idempotency_keys, jobs, utcnow
+from api.errors import ConcurrencyExceeded, IdempotencyConflict
 from api.idempotency import prune_expired, submit_once
 from api.store import admit
-from harvest.errors import ConcurrencyExceeded, IdempotencyConflict
 from harvest.request import HarvestRequest
 from tests.test_api_store import _job, engine  # noqa: F401 (a fixture)
 

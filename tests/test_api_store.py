@@ -17,6 +17,7 @@ from sqlalchemy import inspect, insert, select, text
 
 from api.auth import activations_used, authenticate, create_key, reserve_activations, revoke_key, settle_activations
 from api.db import charge_ledger, jobs, make_engine, upgrade
+from api.errors import NotCancellable, NotFound, RateLimited, Unauthorized
 from api.runs import RunStatus
 from api.store import (
     active_jobs,
@@ -30,7 +31,6 @@ from api.store import (
     record_restart,
     tokens_used,
 )
-from harvest.errors import NotCancellable, NotFound, RateLimited, Unauthorized
 from harvest.settings import Settings
 
 

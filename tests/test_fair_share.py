@@ -18,9 +18,9 @@ import httpx
 import pytest
 from sqlalchemy import event
 
+from api.errors import RateLimited
 from api.fairshare import FairShare
 from api.ratelimit import EmptyBuckets, KeyOverRate
-from harvest.errors import RateLimited
 from tests.api_fixtures import serve_in_thread
 
 
