@@ -48,8 +48,7 @@ from fastapi import Depends, Request
 
 from api import deps
 from api.admission_process import TOKENIZE_ON_CALLER, WORK_NICE, Assessors
-from api.errors import RequestTimeout
-from harvest.errors import ReplicaBusy
+from api.errors import ReplicaBusy, RequestTimeout
 from harvest.registry import Registry
 from harvest.request import HarvestRequest
 from harvest.settings import Settings

@@ -30,7 +30,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from harvest.errors import ReplicaBusy
+from api.errors import ReplicaBusy
 from harvest.registry import Registry
 from harvest.request import HarvestRequest
 from harvest.warm.protocol import child_main, error_reply, raise_error, receive, send, start_child, stop_child

@@ -32,21 +32,22 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.admission import TOKENIZE_ON_CALLER, AdmissionBudget
+from api.chat import router as chat_router
 from api.completions import ResponseBudget
 from api.completions import router as completions_router
-from api.chat import router as chat_router
 from api.db import get_engine
 from api.errors import MethodNotAllowed, RouteNotFound
+from api.fairshare import FairShare
 from api.files import router as files_router
 from api.guard import RequestGuard
-from api.openapi import install as install_openapi
+from api.harvest import router as harvest_router
+from api.inline_engines import InlineEngines
 from api.lease import Lease, replica_id
 from api.links import LinkCache, LinkSigner
 from api.metrics import ReplicaMetrics, RequestMetrics
 from api.metrics import router as metrics_router
-from api.harvest import router as harvest_router
 from api.models import router as models_router
-from api.fairshare import FairShare
+from api.openapi import install as install_openapi
 from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
 from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
@@ -55,7 +56,6 @@ from harvest.errors import HarvestError, InvalidRequest, ModelUnavailable, inval
 from harvest.registry import Registry, load_registry
 from harvest.settings import Settings, get_settings
 from harvest.storage import Storage, open_storage
-from harvest.warm.inline import InlineEngines
 
 __all__ = ["create_app", "harvest_error", "RedactLinkQueries"]
 
@@ -168,7 +168,7 @@ def create_app(
     - `runs`: the run store (Prefect flow runs on the lanes' deployments);
     - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
     - `registry`: the served models (HARVEST_MODELS_FILE);
-    - `inline_engines`: the inline completions' warm engines (`harvest.warm.inline.InlineEngines`);
+    - `inline_engines`: the inline completions' warm engines (`api.inline_engines.InlineEngines`);
     - `inline_budget`: the bytes of inline responses held at once (`api.completions.ResponseBudget`);
     - `admission`: the harvest submits' admission budget (`api.admission`);
     - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`);
@@ -188,7 +188,8 @@ def create_app(
     app.state.storage = storage if storage is not None else open_storage(settings.resolved_storage_url)
     app.state.registry = registry if registry is not None else load_registry(settings)
     # Engines load on a request (or HARVEST_INLINE_PRELOAD's at start-up), not here.
-    app.state.inline_engines = inline_engines if inline_engines is not None else InlineEngines()
+    app.state.inline_engines = (inline_engines if inline_engines is not None
+                                 else InlineEngines(capacity=settings.engine_models_per_group))
     if inline_budget is None:
         inline_budget = ResponseBudget(settings.inline_response_budget_bytes)
     if admission is None:

@@ -3,7 +3,7 @@
 The route is thin: read, parse and check the request (`harvest.inline`) inside the replica's
 admission budget and its key's share, as a submit's body (`admit_inline`), hold the response's bytes
 in the replica's budget (`ResponseBudget`: 503 `replica_busy` with Retry-After over it), hold
-the activation quota, await the model's batcher (`harvest.warm.inline`), and stream the response:
+the activation quota, await the model's batcher (`api.inline_engines`), and stream the response:
 the body around the residual stream is rendered once, and the stream's `data` is compressed
 and base64-encoded piece by piece in worker threads as it is sent, so a replica never holds
 several whole copies of a payload (the bytes are what a JSONResponse of the same body would
@@ -58,9 +58,11 @@ from starlette.concurrency import run_in_threadpool
 from api.admission import Admission, AdmissionBudget, declared_bytes, read_body_within
 from api.auth import ApiKey, reserve_activations, settle_activations
 from api.deps import INLINE_MAX_BODY_BYTES, Models
+from api.errors import ReplicaBusy
+from api.inline_engines import InlineEngines
 from api.openapi import errors, request_body
 from api.ratelimit import SubmitKey
-from harvest.errors import InvalidRequest, ReplicaBusy
+from harvest.errors import InvalidRequest
 from harvest.inline import (
     CompletionBody,
     CompletionRequest,
@@ -72,7 +74,6 @@ from harvest.inline import (
 )
 from harvest.inline_stream import completion_events
 from harvest.registry import Registry
-from harvest.warm.inline import InlineEngines
 
 __all__ = ["router", "inline_engines", "registry_of", "ResponseBudget", "response_budget", "accepted_schema",
            "decode_json", "admit_inline", "serve_inline", "INLINE_RESPONSES"]

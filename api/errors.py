@@ -14,14 +14,15 @@ and the core's name every class, with no code used twice.
     ├── NotCancellable                    409 harvest_not_cancellable
     ├── IdempotencyConflict               409 idempotency_key_reused (same key, another body)
     ├── PayloadTooLarge                   413 request_too_large
-    └── RateLimited                       429 rate_limit_exceeded (per-key request rate; Retry-After)
-        ├── SpendCapped                   429 spend_cap (Retry-After)
-        ├── ConcurrencyExceeded           429 harvest_concurrency_exceeded
-        ├── QuotaExceeded                 429 harvest_quota_exceeded
-        ├── BudgetExceeded                429 budget_exceeded
-        ├── CapacityExceeded              429 harvest_capacity_exceeded
-        ├── ActivationQuotaExceeded       429 activation_quota_exceeded
-        └── StorageQuotaExceeded          429 storage_quota_exceeded (the key's files would pass its bytes held)
+    ├── RateLimited                       429 rate_limit_exceeded (per-key request rate; Retry-After)
+    │   ├── SpendCapped                   429 spend_cap (Retry-After)
+    │   ├── ConcurrencyExceeded           429 harvest_concurrency_exceeded
+    │   ├── QuotaExceeded                 429 harvest_quota_exceeded
+    │   ├── BudgetExceeded                429 budget_exceeded
+    │   ├── CapacityExceeded              429 harvest_capacity_exceeded
+    │   ├── ActivationQuotaExceeded       429 activation_quota_exceeded
+    │   └── StorageQuotaExceeded          429 storage_quota_exceeded (the key's files would pass its bytes held)
+    └── ReplicaBusy                       503 replica_busy (this API replica's budget is spent; Retry-After)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ __all__ = [
     "CapacityExceeded",
     "ActivationQuotaExceeded",
     "StorageQuotaExceeded",
+    "ReplicaBusy",
 ]
 
 
@@ -191,3 +193,17 @@ class StorageQuotaExceeded(RateLimited):
     files pass their retention, not after a fixed wait."""
 
     code = "storage_quota_exceeded"
+
+
+class ReplicaBusy(HarvestError):
+    """This API replica is spending its whole budget for this kind of work (submits being
+    read and tokenized at once; inline response bytes in flight); `retry_after` (seconds)
+    becomes the Retry-After header. Another replica, or this one a moment later, takes the request."""
+
+    status = 503
+    type = "server_error"
+    code = "replica_busy"
+
+    def __init__(self, message: str, *, retry_after: int):
+        super().__init__(message)
+        self.headers["Retry-After"] = str(retry_after)

@@ -8,7 +8,7 @@
   store, so dashboards take `max` over replicas, never `sum`.
 - Memory of the replica and its children by kind (`replica_processes`): the replica, its
   assessing children (`api.admission_process`), its inline engines
-  (`harvest.warm.inline_process`), the bounds README "Memory of each process" names.
+  (`api.inline_process`), the bounds README "Memory of each process" names.
 - Engine loads of its inline engines, counted in those children, reach this `/metrics` when
   the replica runs with a counts directory (`harvest api` gives it one:
   `harvest.metrics_export`); without one (a test's bare uvicorn) it shows its own process's counts.
@@ -98,7 +98,7 @@ class JobCounts:
         yield queued
 
 
-_CHILD_KINDS = (("api.admission_process", "assessing_child"), ("harvest.warm.inline_process", "inline_engine"))
+_CHILD_KINDS = (("api.admission_process", "assessing_child"), ("api.inline_process", "inline_engine"))
 
 
 def replica_processes():

@@ -72,7 +72,7 @@ def zstd_sweep(engine: HFEngine, levels: list[int]) -> list[dict]:
 def make_app(engine: HFEngine, max_batch: int):
     """The real app (its factory), its inline engines all `engine` with this batch cap."""
     from api.app import create_app
-    from harvest.warm.inline import InlineEngines
+    from api.inline_engines import InlineEngines
 
     return create_app(inline_engines=InlineEngines(factory=lambda _m: engine, close_engines=False, max_batch=max_batch))
 

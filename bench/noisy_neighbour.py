@@ -110,7 +110,7 @@ def _role(process: psutil.Process) -> str:
             return "run" if parent is not None and "fleet.run_starter" in " ".join(parent.cmdline()) else "run-starter"
         except psutil.Error:
             return "run-starter"
-    for needle, role in (("harvest.warm.inline_process", "inline-engine"), ("api.admission_process", "api-assessor"),
+    for needle, role in (("api.inline_process", "inline-engine"), ("api.admission_process", "api-assessor"),
                          ("api.app", "api"), ("uvicorn", "api"),
                          ("harvest.warm.server", "engine-server"), ("fleet.run_starter", "run-starter"),
                          ("fleet.prefect_server", "prefect-server"), ("prefect server", "prefect-server"),

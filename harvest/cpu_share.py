@@ -6,9 +6,8 @@ processes of one session by their nice. Bulk work lowers itself:
 
 - an API replica's inline engine, and its children that parse and count submits whose cost
   is not known yet, run in sessions of their own, whose groups they lower
-  (`lower_priority(..., session=True)`, `harvest.warm.inline_process`,
-  `api.admission_process`): one key's long generations or large bodies then never take the
-  share the replica's requests and the control plane need;
+  (`lower_priority(..., session=True)`, called by both): one key's long generations or
+  large bodies then never take the share the replica's requests and the control plane need;
 - a flow run lowers itself by the size of its job (`run_nice`): runs forked by a worker
   host's run starter share its session, so a large job's run leaves the CPU to a small job's
   run and to the worker beside it, and a small job keeps its turnaround whatever else the

@@ -11,7 +11,6 @@ refusals (keys, rates, quotas, links, routes) subclass `HarvestError` in `api.er
     │   └── ContextLengthExceeded         400 context_length_exceeded
     ├── ModelUnavailable                  503 harvest_unavailable (weights not present, runs or job store unreachable)
     ├── CaptureFailed                     500 capture_failed (a hook missed a layer)
-    ├── ReplicaBusy                       503 replica_busy (this API replica's budget is spent; Retry-After)
     ├── EngineFailed                      500 engine_failed (a job's engine died or erred; details in the logs)
     └── StorageFailed                     500 storage_failed (a job's files could not be read or written)
         └── StorageFull                   500 storage_full (no space left for a job's files)
@@ -51,7 +50,6 @@ __all__ = [
     "ActivationPromptTooLong",
     "ContextLengthExceeded",
     "ModelUnavailable",
-    "ReplicaBusy",
     "CaptureFailed",
     "invalid_from_pydantic",
     "echo",
@@ -128,20 +126,6 @@ class ModelUnavailable(HarvestError):
     status = 503
     type = "server_error"
     code = "harvest_unavailable"
-
-
-class ReplicaBusy(HarvestError):
-    """This API replica is spending its whole budget for this kind of work (submits being
-    read and tokenized at once; inline response bytes in flight); `retry_after` (seconds)
-    becomes the Retry-After header. Another replica, or this one a moment later, takes the request."""
-
-    status = 503
-    type = "server_error"
-    code = "replica_busy"
-
-    def __init__(self, message: str, *, retry_after: int):
-        super().__init__(message)
-        self.headers["Retry-After"] = str(retry_after)
 
 
 class CaptureFailed(HarvestError):

@@ -2,8 +2,7 @@
 what a chat completion shares with it (`InlineRequest`, `plan_completion`, `body_with_residual`,
 used by `harvest.chat`), streamed or not (`harvest.inline_stream`).
 
-The HTTP layer only parses JSON, authenticates and awaits the model's batcher
-(`harvest.warm.inline`); everything a user can be refused for is decided here, before any
+The HTTP layer only parses JSON, authenticates and awaits the model's batcher; everything a user can be refused for is decided here, before any
 engine work:
 
 - unknown model → 400 `model_not_found`; a layer out of range → 400 naming the model's range;

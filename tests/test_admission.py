@@ -31,7 +31,8 @@ import numpy as np
 import psutil
 import pytest
 
-from harvest.errors import InvalidRequest, ReplicaBusy
+from api.errors import ReplicaBusy
+from harvest.errors import InvalidRequest
 from harvest.lanes import Lane
 from tests.api_fixtures import ApiServer
 from tests.proc_threads import autogroup_nice, slices_supported, thread_slices, thread_stats

@@ -24,7 +24,7 @@ from tests.test_residual_codec import decode_residual_stream
 
 def _session_engines(engine, **options):
     """An engine pool whose every model is `engine` (the session's, never closed by the pool)."""
-    from harvest.warm.inline import InlineEngines
+    from api.inline_engines import InlineEngines
 
     return InlineEngines(factory=lambda _model: engine, close_engines=False, **options)
 

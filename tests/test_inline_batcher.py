@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from harvest.warm.inline import InlineEngines
+from api.inline_engines import InlineEngines
 from harvest.engines.base import SamplingSpec
 
 GREEDY = SamplingSpec(max_tokens=2, temperature=0)

@@ -73,9 +73,9 @@ def test_refusals_through_the_real_app(inline_server):
 
 
 def _engine_process(server) -> psutil.Process:
-    """The replica's inline engine: a child of its process running `harvest.warm.inline_process`."""
+    """The replica's inline engine: a child of its process running `api.inline_process`."""
     api = psutil.Process(server.process.pid)
-    engines = [child for child in api.children(recursive=True) if "harvest.warm.inline_process" in child.cmdline()]
+    engines = [child for child in api.children(recursive=True) if "api.inline_process" in child.cmdline()]
     assert len(engines) == 1, [child.cmdline() for child in api.children(recursive=True)]
     return engines[0]
 

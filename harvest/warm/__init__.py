@@ -30,6 +30,6 @@ Off a worker host (`harvest run`, a flow called in-process) the engine is loaded
 process itself. Which slot (and so which group) a run claims, warm ones first, is
 `harvest.placement`.
 
-Inline completions (`inline`): an API replica keeps its engines in its own `EngineCache`, one
-`EngineBatcher` each, which gathers the requests that arrive together into one `generate` call.
+Inline completions keep their engines in an `EngineCache` of their own too, in the API's
+process (its `inline_engines`), one batcher each.
 """

@@ -1,6 +1,6 @@
 """The models one GPU group keeps loaded: least recently used first out, never one in use.
 
-Bulk jobs (the engine server) and inline completions (`harvest.warm.inline`) keep their
+Bulk jobs (the engine server) and inline completions (the API's inline engines) keep their
 engines in one of these, so both follow the same rules: at most
 `HARVEST_ENGINE_MODELS_PER_GROUP` models at once, the least recently used idle one unloaded
 when another is asked for, and a client asking while every one is in use waits.

@@ -8,7 +8,7 @@ when another is asked for, never one a request holds. Each engine gets an `Engin
 with ONE worker thread: every call into the engine (load, generate, close) runs there, so the
 event loop never blocks on a forward pass and two batches never share hooks on one model. The
 engine itself decodes in a child process of the replica, at a lower CPU priority
-(`harvest.warm.inline_process`); that thread only waits for its answers.
+(`api.inline_process`); that thread only waits for its answers.
 
 Batching: a request joins a queue; the dispatcher waits `window_s` after the first arrival so
 that requests sent together are collected, then hands the queue to ONE `engine.generate`
@@ -29,10 +29,13 @@ from dataclasses import dataclass
 
 from harvest.engines.base import Engine, Generation, SamplingSpec
 from harvest.registry import ModelInfo
-from harvest.settings import get_settings
+from harvest.settings import Settings
 from harvest.warm.cache import EngineCache, Loaded
 
 __all__ = ["BatcherStats", "EngineBatcher", "InlineEngines"]
+
+DEFAULT_CAPACITY = Settings.model_fields["engine_models_per_group"].default
+"""Models kept loaded unless the app says otherwise (`HARVEST_ENGINE_MODELS_PER_GROUP`'s default)."""
 
 log = logging.getLogger(__name__)
 
@@ -196,18 +199,19 @@ class InlineEngines:
                  close_engines: bool = True, **batcher_options):
         """`factory` loads a model's engine (default: `ProcessEngine`, the chosen engine in a
         child process, so that decoding never takes the replica's share of the CPU or its
-        GIL; `harvest.warm.inline_process`). `capacity`: models kept loaded (default
-        `HARVEST_ENGINE_MODELS_PER_GROUP`). `close_engines=False` leaves engines the factory shares with others (a test session's
-        engine) open when they are unloaded."""
+        GIL; `api.inline_process`). `capacity`: models kept loaded (the app passes
+        `HARVEST_ENGINE_MODELS_PER_GROUP`; default its default). `close_engines=False` leaves
+        engines the factory shares with others (a test session's engine) open when they are
+        unloaded."""
         if factory is None:
-            from harvest.warm.inline_process import ProcessEngine
+            from api.inline_process import ProcessEngine
 
             factory = ProcessEngine
         self._factory = factory
         self._close_engines = close_engines
         self._options = batcher_options
         self._models: dict[str, ModelInfo] = {}
-        self.cache = EngineCache(capacity or get_settings().engine_models_per_group, self._load, self._unload)
+        self.cache = EngineCache(capacity or DEFAULT_CAPACITY, self._load, self._unload)
         # Requests that must wait for a load or a free slot wait here, not on the event loop.
         self._waiters = ThreadPoolExecutor(max_workers=16, thread_name_prefix="inline-acquire")
 

@@ -30,10 +30,10 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
+from api.errors import ReplicaBusy
 from harvest.capture import CaptureSpec, ShardCapture
 from harvest.cpu_share import lower_priority, with_passive_waits
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
-from harvest.errors import ReplicaBusy
 from harvest.heap import give_back_free_memory
 from harvest.registry import ModelInfo
 from harvest.warm.protocol import (
@@ -174,7 +174,7 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return child_main("harvest.warm.inline_process", "An API replica's inline engine.", _serve, argv)
+    return child_main("api.inline_process", "An API replica's inline engine.", _serve, argv)
 
 
 if __name__ == "__main__":
