@@ -5,8 +5,12 @@
     deps.py      the parts (and the app's settings) as typed route dependencies, the capped body
                  reader and parser
     errors.py    the replica's own refusals (keys, rates, caps, links, routes), on the core's tree
-    harvest.py   POST/GET/DELETE /v1/harvest[/{job_id}]: validate, admit, write request, start run
-    files.py     GET /v1/files/{job_id}/{name}: the HMAC-signed download route (file:// storage)
+    routes/      the route modules, one per resource:
+      harvest.py     POST/GET/DELETE /v1/harvest[/{job_id}]: validate, admit, write request, start run
+      files.py       GET /v1/files/{job_id}/{name}: the HMAC-signed download route (file:// storage)
+      completions.py POST /v1/completions (and the path both inline routes share)
+      chat.py        POST /v1/chat/completions
+      models.py      GET /v1/models
     auth.py      API keys (SHA-256 at rest), `current_key`, the activation quota (positions)
     store.py     the job store: atomic admission under the caps, charging by compare-and-set
     db.py        tables, engines (SQLite/PostgreSQL), Alembic migrations (api/migrations)

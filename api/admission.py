@@ -1,6 +1,6 @@
 """The admission budget of one API replica: the submits it reads, parses and tokenizes at once.
 
-The inline routes' bodies (`api.completions.admit_inline`) pass through the same budget, the
+The inline routes' bodies (`api.routes.completions.admit_inline`) pass through the same budget, the
 same way: their bytes held, a place in their key's share, parsed and tokenized on one of the
 working places (on the budget's threads: the checks are quick once a prompt's length has
 refused what cannot run, and what is kept is the prompt's ids), so a burst of them neither

@@ -49,7 +49,7 @@ RETRY_AFTER_S = 5
 
 def assess(request: HarvestRequest, registry: Registry) -> dict:
     """Check the request against its model and learn its cost, cheapest facts first (every
-    400 comes from here); the job's row without its id and files (`api.harvest` adds them)."""
+    400 comes from here); the job's row without its id and files (`api.routes.harvest` adds them)."""
     from harvest.cost import check_before_tokenizing, check_counts
     from harvest.jobfiles import shard_ranges
     from harvest.lanes import load_lanes

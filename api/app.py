@@ -32,23 +32,23 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.admission import TOKENIZE_ON_CALLER, AdmissionBudget
-from api.chat import router as chat_router
-from api.completions import ResponseBudget
-from api.completions import router as completions_router
 from api.db import get_engine
 from api.errors import MethodNotAllowed, RouteNotFound
 from api.fairshare import FairShare
-from api.files import router as files_router
 from api.guard import RequestGuard
-from api.harvest import router as harvest_router
 from api.inline_engines import InlineEngines
 from api.lease import Lease, replica_id
 from api.links import LinkCache, LinkSigner
 from api.metrics import ReplicaMetrics, RequestMetrics
 from api.metrics import router as metrics_router
-from api.models import router as models_router
 from api.openapi import install as install_openapi
 from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
+from api.routes.chat import router as chat_router
+from api.routes.completions import ResponseBudget
+from api.routes.completions import router as completions_router
+from api.routes.files import router as files_router
+from api.routes.harvest import router as harvest_router
+from api.routes.models import router as models_router
 from api.runs import PrefectRuns, RunStore
 from api.watcher import Watcher
 from harvest.cpu_share import respond_quickly
@@ -169,7 +169,7 @@ def create_app(
     - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
     - `registry`: the served models (HARVEST_MODELS_FILE);
     - `inline_engines`: the inline completions' warm engines (`api.inline_engines.InlineEngines`);
-    - `inline_budget`: the bytes of inline responses held at once (`api.completions.ResponseBudget`);
+    - `inline_budget`: the bytes of inline responses held at once (`api.routes.completions.ResponseBudget`);
     - `admission`: the harvest submits' admission budget (`api.admission`);
     - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`);
     - `fair_share`: each key's share of the replica, in flight and in turn (`api.fairshare`);

@@ -8,7 +8,7 @@ its job, with no Prefect query and no table polling per waiter. On SQLite (one p
 announcement is a callback after commit.
 
 A LISTEN connection that drops is re-opened; a change made while it was down is not lost to a
-waiter, which re-reads its job every few seconds anyway (`api.harvest`).
+waiter, which re-reads its job every few seconds anyway (`api.routes.harvest`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from harvest.engines.base import Generation
 from harvest.errors import InvalidRequest
-from harvest.inline import (
+from harvest.completions import (
     MAX_LOGPROBS,
     CompletionBody,
     InlineRequest,

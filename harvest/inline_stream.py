@@ -24,7 +24,7 @@ import uuid
 
 from harvest.chat import chat_logprobs
 from harvest.engines.base import Generation
-from harvest.inline import CompletionBody, PreparedCompletion, body_with_residual, render_json, usage_of
+from harvest.completions import CompletionBody, PreparedCompletion, body_with_residual, render_json, usage_of
 from harvest.tokenize import load_tokenizer
 
 __all__ = ["token_pieces", "completion_events", "chat_events", "DONE"]

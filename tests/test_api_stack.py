@@ -163,7 +163,7 @@ def test_api_killed_mid_job_follows_the_same_flow_run(stack):
 
 
 def test_a_jobs_runs_are_found_and_cancelled_by_its_tag(stack):
-    """What a failed start relies on (`api.harvest._submit`, the watcher's `stop_run`): the
+    """What a failed start relies on (`api.routes.harvest._submit`, the watcher's `stop_run`): the
     run Prefect created is found by the job's tag alone, with no run id, and cancelled."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings

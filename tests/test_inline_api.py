@@ -197,7 +197,7 @@ def test_encoding_a_response_holds_one_piece_at_a_time():
     import tracemalloc
 
     from harvest.engines.base import Generation
-    from harvest.inline import CompletionRequest, PreparedCompletion, completion_response
+    from harvest.completions import CompletionRequest, PreparedCompletion, completion_response
     from harvest.registry import load_registry
     from harvest.residual_codec import encode_residual
 
@@ -241,7 +241,7 @@ def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(key, hf
     response bigger than the whole budget still runs alone; every hold is given back."""
     from api.app import create_app
     from api.auth import activations_used, create_key
-    from api.completions import ResponseBudget
+    from api.routes.completions import ResponseBudget
 
     one = 8 * (1 + 150 - 1) * 256 * 2  # all layers, a 1-token prompt, 150 tokens: its most bytes
     budget = ResponseBudget(limit=one + one // 2)

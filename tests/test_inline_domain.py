@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from harvest.errors import ActivationPromptTooLong, ContextLengthExceeded, InvalidRequest, ModelNotFound
-from harvest.inline import activation_prompt_cap, parse_completion_request, prepare_completion
+from harvest.completions import activation_prompt_cap, parse_completion_request, prepare_completion
 
 
 def _body(**fields):

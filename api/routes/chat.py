@@ -1,6 +1,6 @@
 """`POST /v1/chat/completions`: OpenAI-style chat completions, rendered with the model's chat
 template on the server (`harvest.chat`), then served exactly as a completion of those tokens:
-the same engines, response budget and activation quota (`api.completions.serve_inline`).
+the same engines, response budget and activation quota (`api.routes.completions.serve_inline`).
 With `stream`, server-sent events (`harvest.inline_stream`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from api.admission import Admission
-from api.completions import INLINE_RESPONSES, accepted_schema, admit_inline, decode_json, serve_inline
+from api.routes.completions import INLINE_RESPONSES, accepted_schema, admit_inline, decode_json, serve_inline
 from api.deps import Models
 from api.openapi import request_body
 from api.ratelimit import SubmitKey

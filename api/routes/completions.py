@@ -1,6 +1,6 @@
 """`POST /v1/completions`: OpenAI-style completions with inline residual-stream activations.
 
-The route is thin: read, parse and check the request (`harvest.inline`) inside the replica's
+The route is thin: read, parse and check the request (`harvest.completions`) inside the replica's
 admission budget and its key's share, as a submit's body (`admit_inline`), hold the response's bytes
 in the replica's budget (`ResponseBudget`: 503 `replica_busy` with Retry-After over it), hold
 the activation quota, await the model's batcher (`api.inline_engines`), and stream the response:
@@ -37,7 +37,7 @@ Where the user docs are silent, this is what the endpoint does:
 - `stream: true` answers with server-sent events (`harvest.inline_stream`), sent once the
   completion is generated, the activations in the final chunk.
 
-`serve_inline` is the one path of both inline routes (this one and `api.chat`): the response
+`serve_inline` is the one path of both inline routes (this one and `api.routes.chat`): the response
 budget, the activation quota and the engines apply to a chat exactly as to a completion.
 """
 
@@ -63,7 +63,7 @@ from api.inline_engines import InlineEngines
 from api.openapi import errors, request_body
 from api.ratelimit import SubmitKey
 from harvest.errors import InvalidRequest
-from harvest.inline import (
+from harvest.completions import (
     CompletionBody,
     CompletionRequest,
     InlineRequest,
