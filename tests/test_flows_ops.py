@@ -124,7 +124,7 @@ def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
                 break
             time.sleep(0.3)
         runs = [client.read_flow_run(i) for i in ids]
-    assert all(r.state.is_completed() for r in runs), [r.state.name for r in runs]
+    assert all(r.state.is_completed() for r in runs), [(r.state.name, r.state.message) for r in runs]
     assert most_active == 3 and held_back
     first_end = min(r.end_time for r in runs)
     last = max(runs, key=lambda r: r.start_time)
