@@ -55,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -64,7 +65,8 @@ import pytest
 
 __all__ = [
     "ApiServer", "FileRuns", "set_run", "finish_run", "free_port", "serve_in_thread", "harvest_up",
-    "PRODUCTION_APP", "FILE_RUNS_APP", "FLOW_ENV_APP",
+    "PRODUCTION_APP", "FILE_RUNS_APP", "FLOW_ENV_APP", "harvest_api_env", "pg_schema_url", "drop_pg_schema",
+    "pg_api_server",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -460,3 +462,41 @@ def harvest_api_env(home: Path) -> dict[str, str | None]:
 @pytest.fixture(scope="session")
 def harvest_api(harvest_home: Path, tiny):
     yield from _server(harvest_home, "harvest", harvest_api_env(harvest_home))
+
+
+def pg_schema_url(schema: str) -> str:
+    """A fresh schema in the `test` database of the PostgreSQL server at 127.0.0.1:5432; a
+    missing server fails the test (it never skips: the production store must be tested)."""
+    import psycopg
+
+    errors = []
+    for user in ("postgres", "root"):
+        try:
+            with psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", connect_timeout=3, autocommit=True) as conn:
+                conn.execute(f'CREATE SCHEMA "{schema}"')
+            return f"postgresql+psycopg://{user}@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
+        except psycopg.OperationalError as exc:
+            errors.append(f"{user}: {exc}")
+    raise RuntimeError("these tests need the PostgreSQL server at 127.0.0.1:5432: " + "; ".join(errors))
+
+
+def drop_pg_schema(url: str, schema: str) -> None:
+    import psycopg
+
+    user = url.split("//", 1)[1].split("@", 1)[0]
+    with psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def pg_api_server(home: Path, name: str):
+    """`harvest_api`'s app on PostgreSQL, in a schema of its own (dropped after), for a module's
+    fixture to `yield from`."""
+    schema = f"harvest_{name}_{uuid.uuid4().hex[:10]}"
+    url = pg_schema_url(schema)
+    server = ApiServer(home, name, {**harvest_api_env(home), "HARVEST_DATABASE_URL": url})
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        drop_pg_schema(url, schema)
+

@@ -23,10 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_fixtures import FLOW_ENV_APP, ApiServer, harvest_api_env
+from tests.api_fixtures import FLOW_ENV_APP, ApiServer, drop_pg_schema, harvest_api_env, pg_schema_url
 from tests.fault_proxy import FaultProxy
 from tests.flow_env_runs import write_flow_env
-from tests.test_api_store import _drop_pg, _pg_url
 
 __all__ = ["FaultsApi", "faults_api"]
 
@@ -80,7 +79,7 @@ class FaultsApi:
 @pytest.fixture(scope="session")
 def faults_api(harvest_home: Path, harvest_stack, tiny):
     schema = f"harvest_faults_{uuid.uuid4().hex[:10]}"
-    pg_url = _pg_url(schema)
+    pg_url = pg_schema_url(schema)
     upstream = harvest_stack.server.api_url.rsplit("/api", 1)[0]
     proxy = FaultProxy(upstream).start()
     registry_env = {k: v for k, v in harvest_api_env(harvest_home).items() if k in ("HARVEST_MODELS_FILE", "HARVEST_LANES_FILE")}
@@ -103,4 +102,4 @@ def faults_api(harvest_home: Path, harvest_stack, tiny):
     finally:
         server.stop()
         proxy.stop()
-        _drop_pg(pg_url, schema)
+        drop_pg_schema(pg_url, schema)

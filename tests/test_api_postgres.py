@@ -5,25 +5,16 @@ rule, once, as the charge ledger records it."""
 from __future__ import annotations
 
 import threading
-import uuid
 
 import httpx
 import pytest
 
-from tests.api_fixtures import ApiServer, harvest_api_env, set_run
-from tests.test_api_store import _drop_pg, _pg_url
+from tests.api_fixtures import pg_api_server, set_run
 
 
 @pytest.fixture(scope="module")
 def pg_api(harvest_home, tiny):
-    schema = f"harvest_api_{uuid.uuid4().hex[:10]}"
-    url = _pg_url(schema)
-    server = ApiServer(harvest_home, "postgres", {**harvest_api_env(harvest_home), "HARVEST_DATABASE_URL": url})
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-        _drop_pg(url, schema)
+    yield from pg_api_server(harvest_home, "postgres")
 
 
 def test_race_and_charging_on_postgresql(pg_api):

@@ -32,30 +32,7 @@ from api.store import (
     tokens_used,
 )
 from harvest.settings import Settings
-
-
-def _pg_url(schema: str) -> str:
-    """A fresh schema in the `test` database of the PostgreSQL server at 127.0.0.1:5432; a
-    missing server fails the test (it never skips: the production store must be tested)."""
-    import psycopg
-
-    errors = []
-    for user in ("postgres", "root"):
-        try:
-            with psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", connect_timeout=3, autocommit=True) as conn:
-                conn.execute(f'CREATE SCHEMA "{schema}"')
-            return f"postgresql+psycopg://{user}@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
-        except psycopg.OperationalError as exc:
-            errors.append(f"{user}: {exc}")
-    raise RuntimeError("these tests need the PostgreSQL server at 127.0.0.1:5432: " + "; ".join(errors))
-
-
-def _drop_pg(url: str, schema: str) -> None:
-    import psycopg
-
-    user = url.split("//", 1)[1].split("@", 1)[0]
-    with psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+from tests.api_fixtures import drop_pg_schema, pg_schema_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -67,14 +44,14 @@ def engine(request, tmp_path):
         eng.dispose()
         return
     schema = f"harvest_test_{uuid.uuid4().hex[:10]}"
-    url = _pg_url(schema)
+    url = pg_schema_url(schema)
     eng = make_engine(url)
     try:
         upgrade(eng)
         yield eng
     finally:
         eng.dispose()
-        _drop_pg(url, schema)
+        drop_pg_schema(url, schema)
 
 
 def _job(lane: str = "small", tokens: int = 10) -> dict:

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from datetime import timedelta
 
 import httpx
@@ -19,8 +18,7 @@ from sqlalchemy import func, select, update
 
 from api.db import charge_ledger, jobs, utcnow
 from api.store import key_usage
-from tests.api_fixtures import ApiServer, finish_run, harvest_api_env
-from tests.test_api_store import _drop_pg, _pg_url
+from tests.api_fixtures import finish_run, pg_api_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OK = {"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]}
@@ -31,14 +29,7 @@ def server(request, harvest_home, tiny):
     if request.param == "sqlite":
         yield request.getfixturevalue("harvest_api")
         return
-    schema = f"harvest_quota_{uuid.uuid4().hex[:10]}"
-    url = _pg_url(schema)
-    pg = ApiServer(harvest_home, "quota-postgres", {**harvest_api_env(harvest_home), "HARVEST_DATABASE_URL": url})
-    try:
-        yield pg.start()
-    finally:
-        pg.stop()
-        _drop_pg(url, schema)
+    yield from pg_api_server(harvest_home, "quota")
 
 
 def _auth(key: str) -> dict:
