@@ -27,7 +27,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 READY = ("ACS_API_BASE", "ACS_API_KEY", "PREFECT_UI")
 
-pytestmark = pytest.mark.skipif(not (REPO / "api" / "app.py").exists(), reason="needs the API (api/app.py)")
 
 
 def _ours(home: Path) -> list[psutil.Process]:
