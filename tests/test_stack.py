@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parent.parent
 READY = ("ACS_API_BASE", "ACS_API_KEY", "PREFECT_UI")
 
 
-
 def _ours(home: Path) -> list[psutil.Process]:
     """Every process whose environment names this stack's HARVEST_HOME."""
     found = []
