@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import tempfile
@@ -70,7 +69,7 @@ class Sampler(threading.Thread):
         self.latest: dict[int, tuple[str, int]] = {}
         self.stop = threading.Event()
         self._ours: dict[int, bool] = {}
-        self._roles: dict[int, str] = {}
+        self._roles: dict[int, tuple[tuple[str, ...], str]] = {}  # pid -> (command line, role)
 
     def members(self) -> list[psutil.Process]:
         found = []
@@ -92,7 +91,7 @@ class Sampler(threading.Thread):
                     rss = process.memory_info().rss
                 except psutil.Error:
                     continue
-                role = self._roles.setdefault(process.pid, _role(process))
+                role = self._role(process)
                 if role in ("gone", POSTGRES):
                     continue
                 latest[process.pid] = (role, rss)
@@ -100,6 +99,19 @@ class Sampler(threading.Thread):
                 peaks[process.pid] = (role, max(peaks.get(process.pid, (role, 0))[1], rss))
             self.latest = latest
             self.stop.wait(self.interval)
+
+    def _role(self, process: psutil.Process) -> str:
+        """The process's role, read again whenever its command line changes: a child seen
+        between its fork and its exec still shows its parent's (an engine server started by a
+        run would otherwise be counted as a run for good)."""
+        try:
+            command = tuple(process.cmdline())
+        except psutil.Error:
+            return "gone"
+        known = self._roles.get(process.pid)
+        if known is None or known[0] != command:
+            known = self._roles[process.pid] = (command, _role(process))
+        return known[1]
 
     def now(self, role: str) -> int:
         """The largest current RSS of a process of `role` (0 when none runs)."""
