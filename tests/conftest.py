@@ -60,6 +60,22 @@ def stop_engine_servers_at_the_end(tmp_path_factory):
             pass
 
 
+@pytest.fixture(autouse=True)
+def runner_keeps_its_priority():
+    """In-process generation lowers its thread for good (`harvest.engines.hf_generate`: an
+    engine's thread is never raised back). Here that thread is the test runner's, and every
+    process a later test starts from it would inherit the lowered nice (a test of lowering to
+    7 then found 10): each test hands the runner's thread back as it found it (on Linux the
+    nice is per thread; raising it back needs root, which the suite has)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    yield
+    if os.getpriority(os.PRIO_PROCESS, 0) != before:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+        except PermissionError:
+            pass
+
+
 @pytest.fixture(scope="session")
 def registry():
     from harvest.registry import load_registry
