@@ -1,6 +1,7 @@
 """Fuzz the API with schemathesis `--checks all` against its own `/openapi.json`, on loopback.
 
     .venv/bin/python bench/fuzz_api.py [--examples 150] [--seed 1] [--min-cases 1000] [--min-per-route N]
+                                       [--phases P,Q] [--method M ...]
 
 Starts the real app under uvicorn (the test fixtures' `ApiServer`: SQLite job store, local
 files, runs as files, the real tiny model for inline completions) in a fresh HARVEST_HOME,
@@ -101,7 +102,7 @@ def fuzz_env(home: Path) -> dict[str, str]:
 
 
 def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: Path, timeout: float = 900,
-                     phases: str | None = None) -> dict:
+                     phases: str | None = None, methods: list[str] | None = None) -> dict:
     """schemathesis run over every route; returns {"cases", "failures", "by_check", "checks", "operations" (cases
     per route), "output", "returncode", "seconds", "command"}."""
     config = workdir / "schemathesis.toml"
@@ -115,6 +116,7 @@ def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: 
         "--request-timeout", "70", "--max-response-time", "61", "--workers", "1",
         "--report", "ndjson", "--report-ndjson-path", str(report),
         *(["--phases", phases] if phases else []),
+        *(option for method in methods or () for option in ("--include-method", method)),
     ]
     started = time.monotonic()
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "NO_COLOR": "1"})
@@ -162,6 +164,8 @@ def main() -> int:
     parser.add_argument("--min-per-route", type=int, default=0, help="fail when a route that takes input (parameters "
                         "or a body) had fewer cases (GET /v1/models takes none: a handful of cases is all it has)")
     parser.add_argument("--phases", default=None, help="schemathesis --phases (default: all four)")
+    parser.add_argument("--method", action="append", default=None,
+                        help="only the routes of this HTTP method (schemathesis --include-method; repeatable)")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="harvest-fuzz-"))
     os.environ["HARVEST_HOME"] = str(home)
@@ -171,7 +175,7 @@ def main() -> int:
     try:
         key = server.make_key(name="fuzz", small=1000000, large=1000000)
         result = run_schemathesis(server.root, key, examples=args.examples, seed=args.seed, workdir=home,
-                                  timeout=max(900, args.examples * 60), phases=args.phases)
+                                  timeout=max(900, args.examples * 60), phases=args.phases, methods=args.method)
     finally:
         server.stop()
         shutil.rmtree(home, ignore_errors=True)
