@@ -1,7 +1,7 @@
 """What the routes share, as typed dependencies: the app's settings, the registry, the storage,
-the run store, the watcher, the links a read hands out, and the body reader with its cap (`api.guard`) and parser
-(pydantic's errors become the 400 of `harvest.errors.invalid_from_pydantic`, the one
-translation the CLI and inline route use).
+the run store, the watcher, the links a read hands out, and the body reader with its cap
+(`api.guard`) and parser (pydantic's errors become the 400 of
+`harvest.errors.invalid_from_pydantic`, the one translation the CLI and inline route use).
 
 The app's parts live on `app.state`, put there by its factory (`api.app.create_app`) and by
 nothing else; a route names what it needs as a parameter (`runs: Runs`, `storage: Files`)
