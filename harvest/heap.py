@@ -16,7 +16,7 @@ import ctypes
 import ctypes.util
 import sys
 
-__all__ = ["give_back_free_memory"]
+__all__ = ["give_back_free_memory", "TrimEvery"]
 
 
 def _malloc_trim():
@@ -38,3 +38,21 @@ _TRIM = _malloc_trim()
 def give_back_free_memory() -> bool:
     """Return the heap's free pages to the kernel; True when something was released."""
     return bool(_TRIM(0)) if _TRIM is not None else False
+
+
+class TrimEvery:
+    """`give_back_free_memory` once per `every_bytes` of values passed through (`passed`): a
+    long shard's buffers, freed between batches of different shapes, otherwise pile up in
+    malloc's arenas until its end. One shard of 976 prompts at the 2,048-token context
+    (2,000,000 tokens, the per-job cap) took an engine server from 978 to 3,185 MiB, all of
+    it free memory: 589 MiB once the shard's end trimmed it (bench/memory_worst.py)."""
+
+    def __init__(self, every_bytes: int):
+        self.every_bytes = every_bytes
+        self._since = 0
+
+    def passed(self, nbytes: int) -> None:
+        self._since += nbytes
+        if self._since >= self.every_bytes:
+            self._since = 0
+            give_back_free_memory()

@@ -13,6 +13,7 @@ from harvest.capture import CaptureSpec, ShardCapture
 from harvest.cpu_share import with_passive_waits
 from harvest.engines.base import Engine, EngineLoad, ValueSink
 from harvest.engines.choice import choose_engine, load_engine
+from harvest.heap import TrimEvery
 from harvest.private_files import open_private_log
 from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
@@ -127,6 +128,7 @@ class RemoteEngine(Engine):
     def _capture(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None, sink: ValueSink | None) -> ShardCapture:
         assert self.conn is not None
         values: list = [None] * len(prompts)
+        trim = TrimEvery(self.settings.engine_piece_bytes)  # the values' buffers, freed once written
         try:
             send(self.conn, ("capture", prompts, list(spec.layers), spec.directions, batch_size))
             while (message := receive(self.conn))[0] == "value":
@@ -136,6 +138,7 @@ class RemoteEngine(Engine):
                         values[position] = value
                     else:
                         sink(position, value)
+                        trim.passed(value.numel() * value.element_size())
                 except BaseException:
                     # The server is still sending this shard: this connection is out of step.
                     self.close()

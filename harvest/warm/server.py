@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, Listener
 
 from harvest.capture import CaptureSpec
 from harvest.engines.choice import EngineChoice, choose_engine, load_engine
-from harvest.heap import give_back_free_memory
+from harvest.heap import TrimEvery, give_back_free_memory
 from harvest.registry import load_registry
 from harvest.settings import get_settings
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
@@ -38,11 +38,14 @@ __all__ = ["EngineServer", "main"]
 
 class _Stream:
     """A capture's sink in the server: each prompt's values straight to the asking run. A run
-    that went away stops the sending, never the engine call its shard shares with others."""
+    that went away stops the sending, never the engine call its shard shares with others.
+    The heap's free pages go back to the kernel once per `trim_every` bytes sent (a piece,
+    `HARVEST_ENGINE_PIECE_BYTES`; `harvest.heap.TrimEvery`), not only at the shard's end."""
 
-    def __init__(self, conn: Connection):
+    def __init__(self, conn: Connection, trim_every: int):
         self.conn = conn
         self.lost = False
+        self.trim = TrimEvery(trim_every)
 
     def __call__(self, position: int, value) -> None:
         if self.lost:
@@ -51,12 +54,16 @@ class _Stream:
             send_value(self.conn, position, value)
         except (OSError, EOFError, ValueError):  # ValueError: the connection is already closed
             self.lost = True
+            return
+        self.trim.passed(value.numel() * value.element_size())
 
 
 class EngineServer:
-    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (1, 0.1)):
+    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (1, 0.1),
+                 trim_every: int = 256 << 20):
         self.files = files
         self.idle_s = idle_s
+        self.trim_every = trim_every  # bytes of values sent between two trims of the heap (`_Stream`)
         self.cobatch = cobatch  # CobatchedEngine's max_shards and wait_s
         self.registry = load_registry()
         self.cache = EngineCache(capacity, self._load)
@@ -107,7 +114,7 @@ class EngineServer:
                         prompts, layers, directions, batch_size = args
                         spec = CaptureSpec(layers=list(layers), directions=directions)
                         # conn.poll: nothing is sent while a shard waits, so readable means closed.
-                        stream = _Stream(conn)
+                        stream = _Stream(conn, self.trim_every)
                         reply = held.engine.capture(prompts, spec, batch_size, gone=lambda: conn.poll(0), peers=held.users,
                                                     sink=stream)
                         if stream.lost:
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = get_settings()
     server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s,
-                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s))
+                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s), settings.engine_piece_bytes)
 
     def stop(signum, frame):
         raise SystemExit(0)
