@@ -83,6 +83,15 @@ def test_submit_answers_202_with_the_pending_harvest(harvest_api, key):
     httpx.delete(f"{harvest_api.base_url}/harvest/{job['job_id']}", headers=_auth(key))
 
 
+def test_the_stored_request_names_the_layers_admission_resolved(harvest_api, key):
+    """The run reads its layers from the request file: the default (the quartiles of the
+    tiny model's 8 blocks) is resolved once, at admission, never again by the run."""
+    job = _submit(harvest_api, key, layers=None)
+    request_file = Path(harvest_api.env["HARVEST_STORAGE_URL"][len("file://"):]) / "jobs" / job["job_id"] / "request.json"
+    assert json.loads(request_file.read_text())["layers"] == job["layers"] == [2, 4, 6]
+    httpx.delete(f"{harvest_api.base_url}/harvest/{job['job_id']}", headers=_auth(key))
+
+
 def test_a_done_job_has_a_result_with_links_that_need_no_key(harvest_api, key, done_job):
     job = done_job
     assert job["tokens"] == job["result"]["tokens"] > 0

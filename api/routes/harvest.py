@@ -59,8 +59,10 @@ def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, r
     admit(key, job, capacity=load_lanes(settings)[job["lane"]].capacity, storage_quota=quota,
           retention_days=settings.retention_days)
     try:
-        # The request goes to storage (never into Prefect parameters), then the run starts.
-        JobFiles.for_job(job["id"], storage).write_request(request)
+        # The request goes to storage (never into Prefect parameters), then the run starts. It
+        # names the layers admission resolved ("quartiles", a default), so the run captures
+        # exactly the layers the job was admitted and charged for, and says.
+        JobFiles.for_job(job["id"], storage).write_request(request.model_copy(update={"layers": job["layers"]}))
         run_id = runs.start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
     except Exception as exc:
         # The backend may have created the run before failing (an answer lost on the way
