@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-from api.idempotency import PRUNE_EVERY_S, prune_expired
+from api.idempotency import PRUNE_EVERY_S, WINDOW_S, prune_expired
 from api.lease import Lease
 from api.notify import JobChanges
 from api.runs import RunStatus, RunStore
@@ -67,7 +67,7 @@ class Watcher:
     def __init__(
         self, runs: RunStore, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
         max_restarts: int = 3, orphan_after_s: float = 30.0, per_key: int | None = None,
-        idempotency_window_s: float = 86400.0,
+        idempotency_window_s: float = WINDOW_S,
     ):
         self.runs = runs
         self.storage = storage

@@ -26,8 +26,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from harvest.engines.base import Generation
-from harvest.errors import InvalidRequest
 from harvest.completions import (
     MAX_LOGPROBS,
     CompletionBody,
@@ -41,6 +39,8 @@ from harvest.completions import (
     usage_of,
     validate_request,
 )
+from harvest.engines.base import Generation
+from harvest.errors import InvalidRequest
 from harvest.registry import Registry
 from harvest.request import WholeInt
 from harvest.tokenize import load_tokenizer

@@ -23,8 +23,8 @@ import time
 import uuid
 
 from harvest.chat import chat_logprobs
-from harvest.engines.base import Generation
 from harvest.completions import CompletionBody, PreparedCompletion, body_with_residual, render_json, usage_of
+from harvest.engines.base import Generation
 from harvest.tokenize import load_tokenizer
 
 __all__ = ["token_pieces", "completion_events", "chat_events", "DONE"]

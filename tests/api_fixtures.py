@@ -499,4 +499,3 @@ def pg_api_server(home: Path, name: str):
     finally:
         server.stop()
         drop_pg_schema(url, schema)
-

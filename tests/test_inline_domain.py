@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from harvest.errors import ActivationPromptTooLong, ContextLengthExceeded, InvalidRequest, ModelNotFound
 from harvest.completions import activation_prompt_cap, parse_completion_request, prepare_completion
+from harvest.errors import ActivationPromptTooLong, ContextLengthExceeded, InvalidRequest, ModelNotFound
 
 
 def _body(**fields):

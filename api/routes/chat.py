@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from api.admission import Admission
-from api.routes.completions import INLINE_RESPONSES, accepted_schema, admit_inline, decode_json, serve_inline
 from api.deps import Models
 from api.openapi import request_body
 from api.ratelimit import SubmitKey
+from api.routes.completions import INLINE_RESPONSES, accepted_schema, admit_inline, decode_json, serve_inline
 from harvest.chat import ChatRequest, chat_response, parse_chat_request, prepare_chat
 from harvest.inline_stream import chat_events
 

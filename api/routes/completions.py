@@ -62,7 +62,6 @@ from api.errors import ReplicaBusy
 from api.inline_engines import InlineEngines
 from api.openapi import errors, request_body
 from api.ratelimit import SubmitKey
-from harvest.errors import InvalidRequest
 from harvest.completions import (
     CompletionBody,
     CompletionRequest,
@@ -72,6 +71,7 @@ from harvest.completions import (
     parse_completion_request,
     prepare_completion,
 )
+from harvest.errors import InvalidRequest
 from harvest.inline_stream import completion_events
 from harvest.registry import Registry
 

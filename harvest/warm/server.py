@@ -59,8 +59,8 @@ class _Stream:
 
 
 class EngineServer:
-    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (1, 0.1),
-                 trim_every: int = 256 << 20):
+    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (1, 0.1), *,
+                 trim_every: int):
         self.files = files
         self.idle_s = idle_s
         self.trim_every = trim_every  # bytes of values sent between two trims of the heap (`_Stream`)
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = get_settings()
     server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s,
-                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s), settings.engine_piece_bytes)
+                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s),
+                          trim_every=settings.engine_piece_bytes)
 
     def stop(signum, frame):
         raise SystemExit(0)
