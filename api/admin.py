@@ -22,6 +22,7 @@ import sys
 from api.auth import create_key, list_keys, revoke_key
 from api.ratelimit import limits
 from api.db import get_engine, transaction
+from api.settings import ApiSettings
 from api.store import get_spend_cap, key_usage, set_spend_cap
 from harvest.lanes import load_lanes
 from harvest.settings import get_settings
@@ -32,7 +33,7 @@ __all__ = ["main"]
 def _key_rows(engine) -> list[dict]:
     """Each key with its effective caps and this month's usage (`keys list`)."""
     lanes = load_lanes()
-    settings = get_settings()
+    settings = get_settings(ApiSettings)
     rows = []
     keys = list_keys(engine)
     with transaction(engine) as conn:

@@ -49,9 +49,9 @@ from fastapi import Depends, Request
 from api import deps
 from api.admission_process import TOKENIZE_ON_CALLER, WORK_NICE, Assessors
 from api.errors import ReplicaBusy, RequestTimeout
+from api.settings import ApiSettings
 from harvest.registry import Registry
 from harvest.request import HarvestRequest
-from harvest.settings import Settings
 
 __all__ = ["AdmissionBudget", "Admission", "admission", "declared_bytes", "read_body_within", "RETRY_AFTER_S",
            "TOKENIZE_ON_CALLER", "WORK_NICE"]
@@ -82,7 +82,7 @@ class AdmissionBudget:
         self._assessors: Assessors | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "AdmissionBudget":
+    def from_settings(cls, settings: ApiSettings) -> "AdmissionBudget":
         return cls(
             concurrency=settings.admission_concurrency, max_bytes=settings.admission_bytes,
             key_share=settings.admission_key_share, queue=settings.admission_queue, wait_s=settings.admission_wait_s,

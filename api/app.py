@@ -50,11 +50,12 @@ from api.routes.files import router as files_router
 from api.routes.harvest import router as harvest_router
 from api.routes.models import router as models_router
 from api.runs import PrefectRuns, RunStore
+from api.settings import ApiSettings
 from api.watcher import Watcher
 from harvest.cpu_share import respond_quickly
 from harvest.errors import HarvestError, InvalidRequest, ModelUnavailable, invalid_from_pydantic
 from harvest.registry import Registry, load_registry
-from harvest.settings import Settings, get_settings
+from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
 
 __all__ = ["create_app", "harvest_error", "RedactLinkQueries"]
@@ -150,7 +151,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 
 def create_app(
     *,
-    settings: Settings | None = None,
+    settings: ApiSettings | None = None,
     runs: RunStore | None = None,
     storage: Storage | None = None,
     registry: Registry | None = None,
@@ -176,7 +177,7 @@ def create_app(
     - `link_cache`: the done jobs' links this replica signed, reused a while (`api.links`);
     - `link_signer`: who signs and checks the download links (`api.links.LinkSigner`).
     """
-    settings = settings if settings is not None else get_settings()
+    settings = settings if settings is not None else get_settings(ApiSettings)
     app = FastAPI(
         title="Residual-stream harvesting API",
         version="1.0",

@@ -37,8 +37,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine
 
+from api.settings import ApiSettings
 from harvest.private_files import open_private
-from harvest.settings import Settings, get_settings
+from harvest.settings import get_settings
 
 __all__ = [
     "metadata",
@@ -216,8 +217,8 @@ def aware(value: datetime | None) -> datetime | None:
     return None if value is None else value.replace(tzinfo=timezone.utc)
 
 
-def database_url(settings: Settings | None = None) -> str:
-    settings = settings or get_settings()
+def database_url(settings: ApiSettings | None = None) -> str:
+    settings = settings or get_settings(ApiSettings)
     return settings.database_url or f"sqlite:///{settings.home / 'harvest.db'}"
 
 

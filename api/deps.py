@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from api.guard import INLINE_MAX_BODY_BYTES, MAX_HARVEST_BODY_BYTES, too_large
 from api.links import JobLinks, LinkSigner
 from api.runs import RunStore
+from api.settings import ApiSettings
 from api.watcher import Watcher
 from harvest.errors import invalid_from_pydantic
 from harvest.registry import Registry
-from harvest.settings import Settings
 from harvest.storage import Storage
 
 __all__ = [
@@ -49,7 +49,7 @@ MAX_BODY_BYTES = MAX_HARVEST_BODY_BYTES
 
 
 # async: a plain `def` dependency would cost each request a worker-thread hop to read an attribute.
-async def settings(request: Request) -> Settings:
+async def settings(request: Request) -> ApiSettings:
     """The settings the app was made with (`api.app.create_app(settings=…)`)."""
     return request.app.state.settings
 
@@ -87,7 +87,7 @@ async def job_links(request: Request) -> JobLinks:
                     state.settings.retention_days, state.link_cache)
 
 
-AppSettings = Annotated[Settings, Depends(settings)]
+AppSettings = Annotated[ApiSettings, Depends(settings)]
 Models = Annotated[Registry, Depends(registry)]
 Files = Annotated[Storage, Depends(storage)]
 Runs = Annotated[RunStore, Depends(runs)]
@@ -96,7 +96,7 @@ Links = Annotated[JobLinks, Depends(job_links)]
 Signer = Annotated[LinkSigner, Depends(link_signer)]
 
 
-def base_url(request: Request, settings: Settings) -> str:
+def base_url(request: Request, settings: ApiSettings) -> str:
     """Where links to the API's own file route point.
 
     HARVEST_PUBLIC_BASE_URL when set (behind a proxy or load balancer); else the request's Host

@@ -32,9 +32,9 @@ from functools import cached_property
 from urllib.parse import urlencode
 
 from api.errors import LinkRefused
+from api.settings import ApiSettings
 from harvest.jobfiles import RESULT_FILE, JobFiles
 from harvest.private_files import write_private
-from harvest.settings import Settings
 from harvest.storage import Storage
 
 __all__ = ["LinkRefused", "signing_key", "LinkSigner", "JobLinks", "LinkCache", "Signed", "REUSE_MAX_S"]
@@ -43,7 +43,7 @@ REUSE_MAX_S = 300
 """The longest a replica hands a signed link out again (module docstring)."""
 
 
-def signing_key(settings: Settings) -> bytes:
+def signing_key(settings: ApiSettings) -> bytes:
     """HARVEST_SIGNING_SECRET, or a random secret kept in `<home>/signing.key` across restarts."""
     if settings.signing_secret:
         return settings.signing_secret.encode()
@@ -73,7 +73,7 @@ class LinkSigner:
         self.s3_endpoint_url = s3_endpoint_url
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "LinkSigner":
+    def from_settings(cls, settings: ApiSettings) -> "LinkSigner":
         return cls(signing_key(settings), settings.s3_endpoint_url)
 
     def mac(self, job_id: str, name: str, expires: int) -> str:

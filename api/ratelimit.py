@@ -73,7 +73,7 @@ from api.auth import ApiKey, bearer_hash, key_hashes, key_of, looks_like_key
 from api.db import ensure_row, get_rates_engine, rate_buckets, transaction
 from api.errors import RateLimited, Unauthorized
 from api.fairshare import KeyShare
-from harvest.settings import Settings
+from api.settings import ApiSettings
 
 __all__ = [
     "take",
@@ -123,7 +123,7 @@ def _take(conn, key_id: str, kind: str, *, per_s: float, burst: int, now: float 
     return max((1.0 - float(left)) / per_s, 0.0)
 
 
-def limits(key: ApiKey, kind: str, settings: Settings) -> tuple[float, int]:
+def limits(key: ApiKey, kind: str, settings: ApiSettings) -> tuple[float, int]:
     """(per_s, burst) of the key for `kind`: its own where it has them, else `settings`'."""
     per_s = key.rates.get(f"rate_{kind}_per_s", getattr(settings, f"rate_{kind}_per_s"))
     burst = key.rates.get(f"rate_{kind}_burst", getattr(settings, f"rate_{kind}_burst"))
@@ -144,7 +144,7 @@ class KeyOverRate(RateLimited):
         self.kind, self.per_s, self.burst, self.wait = kind, per_s, burst, wait
 
 
-def authenticate_within_rate(authorization: str | None, kind: str, settings: Settings) -> ApiKey:
+def authenticate_within_rate(authorization: str | None, kind: str, settings: ApiSettings) -> ApiKey:
     """The caller's key (401 otherwise) with one token of its `kind` bucket taken (429
     otherwise): one worker-thread call and one transaction for both, on the rates engine
     (its commit does not wait for the disk: `api.db.get_rates_engine`). Every request pays

@@ -38,6 +38,7 @@ from api.idempotency import PRUNE_EVERY_S, WINDOW_S, prune_expired
 from api.lease import Lease
 from api.notify import JobChanges
 from api.runs import RunStatus, RunStore
+from api.settings import ApiSettings
 from api.store import (
     active_jobs,
     apply_state,
@@ -50,7 +51,6 @@ from api.store import (
     unstarted_jobs,
 )
 from harvest.jobfiles import JobFiles
-from harvest.settings import Settings
 from harvest.storage import Storage
 
 __all__ = ["Watcher"]
@@ -92,7 +92,7 @@ class Watcher:
         self._changes = JobChanges(self.notify_threadsafe)
 
     @classmethod
-    def from_settings(cls, runs: RunStore, storage: Storage, settings: Settings, lease: Lease) -> "Watcher":
+    def from_settings(cls, runs: RunStore, storage: Storage, settings: ApiSettings, lease: Lease) -> "Watcher":
         """The replica's watcher as its settings say (`api.app`'s lifespan)."""
         return cls(
             runs, storage, interval=settings.watch_interval_s, max_waiters=settings.longpoll_max_waiters, lease=lease,

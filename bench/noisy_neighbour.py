@@ -641,9 +641,9 @@ def main(argv: list[str] | None = None) -> int:
         sampler.start()
         from api.auth import create_key
         from api.db import make_engine
-        from harvest.settings import Settings
+        from api.settings import ApiSettings
 
-        waiters = Settings().longpoll_max_waiters
+        waiters = ApiSettings().longpoll_max_waiters
         engine = make_engine(db_url)
         victim_key, victim_record = create_key("victim", engine=engine)
         attacker_key, attacker_record = create_key("attacker", engine=engine)

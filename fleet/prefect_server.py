@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=4200)
     args = parser.parse_args(argv)
     from fleet.proxies import uvicorn_proxy_options
+    from fleet.settings import FleetSettings
     from harvest.settings import get_settings
 
     setup_logging()
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         RetryAfterOn503(create_app(final=True)),
         host=args.host,
         port=args.port,
-        **uvicorn_proxy_options(get_settings().trusted_proxies),  # never uvicorn's loopback default
+        **uvicorn_proxy_options(get_settings(FleetSettings).trusted_proxies),  # never uvicorn's loopback default
         timeout_keep_alive=server.api.keepalive_timeout,
         ws_ping_interval=server.api.websocket_ping_interval,
         ws_ping_timeout=server.api.websocket_ping_timeout,

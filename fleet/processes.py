@@ -298,9 +298,10 @@ class Supervisor:
     ORDER = {"api": 0, "prefect-server": 2}
 
     def __init__(self, prog: str):
+        from fleet.settings import FleetSettings
         from harvest.settings import get_settings
 
-        settings = get_settings()
+        settings = get_settings(FleetSettings)
         self.prog = prog
         self.stopping = threading.Event()
         self.restart_limit = settings.restart_limit

@@ -5,7 +5,7 @@ host where clients connect over loopback (`harvest up`, a local tunnel, a sideca
 could name its own address in `X-Forwarded-For`, a fresh one per request, and the API's
 per-address limit of requests without a valid key (`api.ratelimit.AddressLimiter`) would
 never apply. Here headers are believed only from the proxies the operator names in
-`HARVEST_TRUSTED_PROXIES` (`harvest.settings.Settings.trusted_proxies`); with none named,
+`HARVEST_TRUSTED_PROXIES` (`api.settings.ApiSettings.trusted_proxies`); with none named,
 uvicorn reads no proxy header at all and the client address is the connection's peer.
 
     uvicorn_proxy_args(trusted)      flags for `python -m uvicorn`

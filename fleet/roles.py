@@ -92,12 +92,13 @@ def start_api_replica(
     """One uvicorn API process on host:port running the factory `app`; returns it and its
     `ACS_API_BASE` once it answers. Proxy headers are believed only from
     HARVEST_TRUSTED_PROXIES (`fleet.proxies`)."""
+    from fleet.settings import FleetSettings
     from harvest.settings import get_settings
 
     api = Managed(
         "api",
         [sys.executable, "-m", "uvicorn", "--factory", app, "--host", host, "--port", str(port),
-         *uvicorn_proxy_args(get_settings().trusted_proxies)],
+         *uvicorn_proxy_args(get_settings(FleetSettings).trusted_proxies)],
         {**os.environ, **(env or {}), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port),
          # its counts directory, its children's too (`api.metrics`, `harvest.metrics`)
          MULTIPROC_ENV: str(fresh_directory(home / "metrics" / f"api-{port}"))},
@@ -191,13 +192,14 @@ def _prefect_api_url(prog: str) -> str:
 
 
 def server_main(argv: list[str]) -> int:
+    from fleet.settings import FleetSettings
     from harvest.settings import get_settings
 
     parser = argparse.ArgumentParser(prog="harvest server", description="The control plane: Prefect server, pools, deployments, automations.")
     parser.add_argument("--host", help="address to bind and advertise (default HARVEST_PREFECT_HOST, 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default HARVEST_PREFECT_PORT, 4200)")
     args = parser.parse_args(argv[1:])
-    settings = get_settings()
+    settings = get_settings(FleetSettings)
     host, port = args.host or settings.prefect_host, args.port or settings.prefect_port
 
     def start() -> dict[str, str]:
@@ -210,13 +212,14 @@ def server_main(argv: list[str]) -> int:
 
 
 def api_main(argv: list[str]) -> int:
+    from fleet.settings import FleetSettings
     from harvest.settings import get_settings
 
     parser = argparse.ArgumentParser(prog="harvest api", description="One API replica.")
     parser.add_argument("--host", help="address to bind (default HARVEST_HOST, 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default HARVEST_PORT, 8000)")
     args = parser.parse_args(argv[1:])
-    settings = get_settings()
+    settings = get_settings(FleetSettings)
     _prefect_api_url("harvest api")
 
     def start() -> dict[str, str]:

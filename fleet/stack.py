@@ -136,13 +136,14 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
+    from fleet.settings import FleetSettings
     from harvest.settings import get_settings
 
     parser = argparse.ArgumentParser(prog="harvest up", description="Start the whole harvest service on this machine.")
     parser.add_argument("--port", type=int, help="API port (default HARVEST_PORT, 8000)")
     parser.add_argument("--prefect-port", type=int, help="Prefect server port (default HARVEST_PREFECT_PORT, 4200)")
     args = parser.parse_args(argv[1:])
-    settings = get_settings()
+    settings = get_settings(FleetSettings)
     home = settings.home
     private_dirs(home / "logs")  # new folders 0700: logs are the service's alone
     stack_file = home / "stack.json"

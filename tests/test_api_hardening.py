@@ -280,15 +280,15 @@ def test_links_point_at_the_configured_base_url_never_at_the_clients_host():
     from starlette.requests import Request
 
     from api import deps
-    from harvest.settings import Settings
+    from api.settings import ApiSettings
 
     request = Request({"type": "http", "method": "GET", "path": "/", "headers": [(b"host", b"evil.example:666")],
                        "scheme": "http", "server": ("127.0.0.1", 8123), "query_string": b""})
     for settings, expected in (
-        (Settings(port=8123), "http://127.0.0.1:8123"),
-        (Settings(host="0.0.0.0", port=8123), "http://127.0.0.1:8123"),
-        (Settings(host="10.1.2.3", port=9000), "http://10.1.2.3:9000"),
-        (Settings(public_base_url="https://acs.example.org/", port=8123), "https://acs.example.org"),
-        (Settings(trust_host_header=True, port=8123), "http://evil.example:666"),  # only when told to
+        (ApiSettings(port=8123), "http://127.0.0.1:8123"),
+        (ApiSettings(host="0.0.0.0", port=8123), "http://127.0.0.1:8123"),
+        (ApiSettings(host="10.1.2.3", port=9000), "http://10.1.2.3:9000"),
+        (ApiSettings(public_base_url="https://acs.example.org/", port=8123), "https://acs.example.org"),
+        (ApiSettings(trust_host_header=True, port=8123), "http://evil.example:666"),  # only when told to
     ):
         assert deps.base_url(request, settings) == expected

@@ -140,9 +140,10 @@ def test_each_read_makes_links_fresh_to_within_minutes(harvest_api, key, done_jo
 
 def test_expired_tampered_or_foreign_links_are_403(harvest_api, key, done_job):
     from api.links import LinkSigner
+    from api.settings import ApiSettings
     from harvest.settings import get_settings
 
-    sign = LinkSigner.from_settings(get_settings()).sign  # the replica's secret, in the session's home
+    sign = LinkSigner.from_settings(get_settings(ApiSettings)).sign  # the replica's secret, in the session's home
     url = done_job["result"]["shard_urls"][0]
     parsed = urlparse(url)
     query = parse_qs(parsed.query)
@@ -173,9 +174,10 @@ def test_a_validly_signed_link_outside_any_job_is_refused(harvest_api, key, done
     import http.client
 
     from api.links import LinkSigner
+    from api.settings import ApiSettings
     from harvest.settings import get_settings
 
-    mac = LinkSigner.from_settings(get_settings()).mac  # the replica's secret, in the session's home
+    mac = LinkSigner.from_settings(get_settings(ApiSettings)).mac  # the replica's secret, in the session's home
 
     storage_root = Path(harvest_api.env["HARVEST_STORAGE_URL"][len("file://"):])
     planted = storage_root / "manifest.json"

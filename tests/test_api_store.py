@@ -31,7 +31,7 @@ from api.store import (
     record_restart,
     tokens_used,
 )
-from harvest.settings import Settings
+from api.settings import ApiSettings
 from tests.api_fixtures import drop_pg_schema, pg_schema_url
 
 
@@ -486,14 +486,14 @@ def test_a_requests_key_and_bucket_are_one_transaction_whose_commit_skips_the_di
         key, record = create_key("reader", rate_read_burst=5, engine=engine)
         begun.update(rates=0, jobs=0)
 
-        assert authenticate_within_rate(f"Bearer {key}", "read", Settings()).id == record.id
+        assert authenticate_within_rate(f"Bearer {key}", "read", ApiSettings()).id == record.id
         assert begun == {"rates": 1, "jobs": 0}
         with engine.connect() as conn:
             tokens = conn.execute(select(rate_buckets.c.tokens).where(rate_buckets.c.key_id == record.id)).scalar_one()
         assert tokens == pytest.approx(4.0, abs=0.01)  # one of the burst of 5 taken
 
         with pytest.raises(Unauthorized):
-            authenticate_within_rate("Bearer acs_" + "0" * 32, "read", Settings())
+            authenticate_within_rate("Bearer acs_" + "0" * 32, "read", ApiSettings())
         with engine.connect() as conn:
             assert conn.execute(select(rate_buckets.c.key_id)).scalars().all() == [record.id]  # none for the unknown key
 

@@ -8,7 +8,7 @@ this checks, without Docker, everything that can drift from the service:
   worker host for every lane of infra/lanes.toml (and every pool infra/prefect.yaml runs on);
 - every service runs a real `harvest` role with flags that role has, and gets what README
   "Running as a fleet" says the role needs (Prefect URL, job store, bucket, S3 endpoint);
-- every HARVEST_* variable it sets is a `Settings` field (a misspelt one is silently ignored);
+- every HARVEST_* variable it sets is a settings field (`fleet.settings.FleetSettings`, which holds every layer's) (a misspelt one is silently ignored);
 - the GPU worker is optional (a profile) and reserves NVIDIA devices;
 - the Dockerfile has the targets compose builds, pins what the install scripts pin, and
   installs every third-party module the service imports that pyproject does not declare;
@@ -36,7 +36,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from fleet.cli import COMMANDS, main as harvest_main
-from harvest.settings import Settings
+from fleet.settings import FleetSettings
 
 REPO = Path(__file__).resolve().parent.parent
 INFRA = REPO / "infra"
@@ -255,7 +255,7 @@ def test_every_command_is_a_real_harvest_role_with_its_flags():
 
 
 def test_harvest_variables_are_settings():
-    known = {f"HARVEST_{field.upper()}" for field in Settings.model_fields}
+    known = {f"HARVEST_{field.upper()}" for field in FleetSettings.model_fields}
     seen = set()
     for name, service in _services().items():
         for var in _env(service):

@@ -62,10 +62,11 @@ def _serve(tiny, admission):
     from api.fairshare import FairShare
     from api.lease import Lease
     from api.watcher import Watcher
+    from api.settings import ApiSettings
     from harvest.settings import get_settings
     from tests.api_fixtures import serve_in_thread
 
-    settings = get_settings()
+    settings = get_settings(ApiSettings)
     with open(settings.models_file, "rb") as handle:
         registry = GatedRegistry(tomllib.load(handle)["models"], settings)
     app = create_app(registry=registry, admission=admission, fair_share=FairShare(per_key=8, at_once=4))

@@ -157,12 +157,12 @@ def test_trusted_proxies_must_be_addresses_or_networks(monkeypatch):
     from pydantic import ValidationError
 
     from fleet.proxies import uvicorn_proxy_args
-    from harvest.settings import Settings
+    from api.settings import ApiSettings
 
     monkeypatch.setenv("HARVEST_TRUSTED_PROXIES", " 10.0.0.5, 10.1.0.0/16 ")
-    assert Settings().trusted_proxies == "10.0.0.5,10.1.0.0/16"
-    assert uvicorn_proxy_args(Settings().trusted_proxies) == ["--proxy-headers", "--forwarded-allow-ips", "10.0.0.5,10.1.0.0/16"]
-    assert uvicorn_proxy_args(Settings(trusted_proxies="").trusted_proxies) == ["--no-proxy-headers"]
+    assert ApiSettings().trusted_proxies == "10.0.0.5,10.1.0.0/16"
+    assert uvicorn_proxy_args(ApiSettings().trusted_proxies) == ["--proxy-headers", "--forwarded-allow-ips", "10.0.0.5,10.1.0.0/16"]
+    assert uvicorn_proxy_args(ApiSettings(trusted_proxies="").trusted_proxies) == ["--no-proxy-headers"]
     monkeypatch.setenv("HARVEST_TRUSTED_PROXIES", "lb.example.internal")
     with pytest.raises(ValidationError, match="not an IP address or network"):
-        Settings()
+        ApiSettings()

@@ -265,11 +265,11 @@ def test_the_api_reads_settings_only_from_the_app_it_was_made_with():
 def test_two_apps_in_one_process_keep_their_own_settings(tmp_path):
     """Each app signs and points its links by the settings it was made with, not the process's."""
     from api.app import create_app
-    from harvest.settings import Settings
+    from api.settings import ApiSettings
 
     made = []
     for url in ("https://one.example", "https://two.example"):
-        settings = Settings(home=tmp_path / url[8:11], public_base_url=url)
+        settings = ApiSettings(home=tmp_path / url[8:11], public_base_url=url)
         made.append(create_app(settings=settings))
     for app, url in zip(made, ("https://one.example", "https://two.example")):
         assert app.state.settings.public_base_url == url

@@ -89,6 +89,7 @@ def _job(owner, storage, status: str) -> str:
 
 def test_reads_of_a_done_job_sign_its_links_once_until_they_near_expiry_and_only_for_its_key(served):
     from api.auth import create_key
+    from api.settings import ApiSettings
     from harvest.jobfiles import JobFiles
     from harvest.settings import get_settings
 
@@ -107,7 +108,7 @@ def test_reads_of_a_done_job_sign_its_links_once_until_they_near_expiry_and_only
         assert second["result"] == first["result"] and second["urls_expire_at"] == first["urls_expire_at"]
         # What the client is told is the links' own expiry, a full lifetime from their signing.
         expires = datetime.fromisoformat(first["urls_expire_at"]).timestamp()
-        assert abs(expires - (first_at + get_settings().url_expiry_s)) <= 2
+        assert abs(expires - (first_at + get_settings(ApiSettings).url_expiry_s)) <= 2
 
         # Another key: 404, no links, nothing signed for it; a cancelled job: no links.
         foreign = httpx.get(f"{base}/harvest/{done}", headers={"Authorization": f"Bearer {stranger}"}, timeout=60)
@@ -120,7 +121,7 @@ def test_reads_of_a_done_job_sign_its_links_once_until_they_near_expiry_and_only
         later_at = time.time()
         third = client.get(f"/harvest/{done}").json()
         assert _serials(third["result"]).isdisjoint(signed) and len(_serials(third["result"])) == N_SHARDS + 2
-        assert datetime.fromisoformat(third["urls_expire_at"]).timestamp() >= later_at + get_settings().url_expiry_s - 2
+        assert datetime.fromisoformat(third["urls_expire_at"]).timestamp() >= later_at + get_settings(ApiSettings).url_expiry_s - 2
 
         # The files swept: no links, and none kept.
         files = JobFiles.for_job(done, storage)

@@ -30,13 +30,13 @@ from api.openapi import KEYED, errors, request_body
 from api.ratelimit import ReadKey, ReadShare, SubmitKey
 from api.runs import RunStore
 from api.schemas import Harvest, HarvestList, render
+from api.settings import ApiSettings
 from api.watcher import Watcher
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, run_stopped
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles
 from harvest.lanes import load_lanes
 from harvest.request import HarvestRequest
-from harvest.settings import Settings
 from harvest.storage import Storage
 
 __all__ = ["router"]
@@ -53,7 +53,7 @@ log = logging.getLogger("harvest.api")
 router = APIRouter(prefix="/v1", tags=["harvest"])
 
 
-def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore, settings: Settings) -> dict:
+def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore, settings: ApiSettings) -> dict:
     """Admit the prepared job under the caps, write its request, start its run."""
     quota = settings.storage_quota_bytes if key.storage_quota is None else key.storage_quota
     admit(key, job, capacity=load_lanes(settings)[job["lane"]].capacity, storage_quota=quota,
