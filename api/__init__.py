@@ -1,7 +1,7 @@
 """The HTTP facade: bulk harvests and inline completions in one FastAPI app.
 
-    app.py       `create_app(settings=, runs=, storage=, ...)`: the app's parts, routers, the one
-                 error handler, lifespan (migrate, start the watcher)
+    app.py       `create_app(settings=, store=, runs=, storage=, ...)`: the app's parts, routers, the
+                 one error handler, lifespan (migrate the store, start the watcher)
     deps.py      the parts (and the app's settings) as typed route dependencies, the capped body
                  reader and parser
     errors.py    the replica's own refusals (keys, rates, caps, links, routes), on the core's tree
@@ -13,7 +13,8 @@
       models.py      GET /v1/models
     auth.py      API keys (SHA-256 at rest), `current_key`, the activation quota (positions)
     store.py     the job store: atomic admission under the caps, charging by compare-and-set
-    db.py        tables, engines (SQLite/PostgreSQL), Alembic migrations (api/migrations)
+    db.py        tables, `JobStore` (a store's engines, SQLite/PostgreSQL: made by the app or the
+                 command, handed in), transactions, Alembic migrations (api/migrations)
     runs.py      the run store (Prefect): start / cancel / read many runs at once
     watcher.py   the one background loop that follows all runs and wakes long-poll waiters
     links.py     presigned links: S3 SigV4 presigning, HMAC links for local files (`LinkSigner`)

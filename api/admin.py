@@ -19,9 +19,11 @@ import argparse
 import json
 import sys
 
+from sqlalchemy.engine import Engine
+
 from api.auth import create_key, list_keys, revoke_key
+from api.db import JobStore, transaction
 from api.ratelimit import limits
-from api.db import get_engine, transaction
 from api.settings import ApiSettings
 from api.store import get_spend_cap, key_usage, set_spend_cap
 from harvest.lanes import load_lanes
@@ -30,10 +32,15 @@ from harvest.settings import get_settings
 __all__ = ["main"]
 
 
-def _key_rows(engine) -> list[dict]:
+def _store(settings: ApiSettings) -> JobStore:
+    """The job store the settings name (HARVEST_DATABASE_URL), brought to the newest schema:
+    the command may be the first to open a fresh one."""
+    return JobStore.from_settings(settings).migrate()
+
+
+def _key_rows(engine: Engine, settings: ApiSettings) -> list[dict]:
     """Each key with its effective caps and this month's usage (`keys list`)."""
     lanes = load_lanes()
-    settings = get_settings(ApiSettings)
     rows = []
     keys = list_keys(engine)
     with transaction(engine) as conn:
@@ -94,7 +101,8 @@ def _keys(argv: list[str]) -> int:
     revoke.add_argument("key")
     args = parser.parse_args(argv)
 
-    engine = get_engine()
+    settings = get_settings(ApiSettings)
+    engine = _store(settings).engine
     if args.action == "create":
         for name in ("monthly_jobs", "token_budget", "activation_quota"):
             value = getattr(args, name)
@@ -126,7 +134,7 @@ def _keys(argv: list[str]) -> int:
         print(key)
         return 0
     if args.action == "list":
-        rows = _key_rows(engine)
+        rows = _key_rows(engine, settings)
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
@@ -156,7 +164,7 @@ def _spend_cap(argv: list[str]) -> int:
     sub.add_parser("off", help="resume new harvests")
     sub.add_parser("status")
     args = parser.parse_args(argv)
-    engine = get_engine()
+    engine = _store(get_settings(ApiSettings)).engine
     if args.action == "on":
         if args.retry_after < 1:
             parser.error("--retry-after must be at least 1")

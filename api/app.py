@@ -7,10 +7,10 @@ handler here; pydantic's validation errors become the same 400 naming the field 
 the path lacks 405 `method_not_allowed` with `Allow`. Anything else is a bug or an outage:
 `api.guard` logs it under a request id and answers 500 naming that id (every response
 carries `X-Request-ID`). The published OpenAPI document is `api.openapi`'s.
-The lifespan migrates the job store and runs the single watcher (`api.watcher`).
+The lifespan migrates the app's job store and runs the single watcher (`api.watcher`).
 
-The app is built by `create_app`, which takes its parts (run store, storage, registry, inline
-engines, the per-replica budgets) and builds from the settings whichever it is not given;
+The app is built by `create_app`, which takes its parts (job store, run store, storage, registry,
+inline engines, the per-replica budgets) and builds from the settings whichever it is not given;
 routes receive them as typed dependencies (`api.deps`). Tests hand the factory what they swap.
 
 Run it: `uvicorn --factory api.app:create_app --host 127.0.0.1 --port $HARVEST_PORT` (what
@@ -32,7 +32,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.admission import TOKENIZE_ON_CALLER, AdmissionBudget
-from api.db import get_engine
+from api.db import JobStore
+from api.deps import Store
 from api.errors import MethodNotAllowed, RouteNotFound
 from api.fairshare import FairShare
 from api.guard import RequestGuard
@@ -43,6 +44,7 @@ from api.metrics import ReplicaMetrics, RequestMetrics
 from api.metrics import router as metrics_router
 from api.openapi import install as install_openapi
 from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
+from api.responsiveness import respond_quickly
 from api.routes.chat import router as chat_router
 from api.routes.completions import ResponseBudget
 from api.routes.completions import router as completions_router
@@ -52,7 +54,6 @@ from api.routes.models import router as models_router
 from api.runs import PrefectRuns, RunStore
 from api.settings import ApiSettings
 from api.watcher import Watcher
-from harvest.cpu_share import respond_quickly
 from harvest.errors import HarvestError, InvalidRequest, ModelUnavailable, invalid_from_pydantic
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
@@ -84,10 +85,11 @@ REPLICA = replica_id()
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     settings = app.state.settings
-    respond_quickly()  # a read's wake-ups preempt bulk work's slices (`harvest.cpu_share`); before any child starts
-    await run_in_threadpool(get_engine)  # migrate before the first request
-    watcher = Watcher.from_settings(app.state.runs, app.state.storage, settings,
-                                    Lease("watcher", REPLICA, settings.watcher_lease_s))
+    respond_quickly()  # a read's wake-ups preempt bulk work's slices (`api.responsiveness`); before any child starts
+    store: JobStore = app.state.store
+    await run_in_threadpool(store.migrate)  # before the first request
+    watcher = Watcher.from_settings(app.state.runs, app.state.storage, store, settings,
+                                    Lease("watcher", REPLICA, settings.watcher_lease_s, store.engine))
     app.state.watcher = watcher
     app.state.admission.start()  # its children import while the replica starts (`api.admission_process`)
     await watcher.start()
@@ -152,6 +154,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 def create_app(
     *,
     settings: ApiSettings | None = None,
+    store: JobStore | None = None,
     runs: RunStore | None = None,
     storage: Storage | None = None,
     registry: Registry | None = None,
@@ -166,6 +169,8 @@ def create_app(
     """The API app with these parts; each one not given is built from `settings` (by default
     the process's, from HARVEST_* variables), which the routes read as `api.deps.AppSettings`:
 
+    - `store`: the job store (HARVEST_DATABASE_URL), read by the routes as `api.deps.Store`;
+      the lifespan migrates it before the first request;
     - `runs`: the run store (Prefect flow runs on the lanes' deployments);
     - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
     - `registry`: the served models (HARVEST_MODELS_FILE);
@@ -185,6 +190,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.store = store if store is not None else JobStore.from_settings(settings)
     app.state.runs = runs if runs is not None else PrefectRuns()
     app.state.storage = storage if storage is not None else open_storage(settings.resolved_storage_url)
     app.state.registry = registry if registry is not None else load_registry(settings)
@@ -206,7 +212,7 @@ def create_app(
     app.state.link_cache = link_cache if link_cache is not None else LinkCache.from_settings(settings)
     app.state.link_signer = link_signer if link_signer is not None else LinkSigner.from_settings(settings)
     app.state.empty_buckets = EmptyBuckets()  # keys' buckets known empty (`api.ratelimit`)
-    app.state.metrics = ReplicaMetrics.from_settings(settings)  # `/metrics` (`api.metrics`)
+    app.state.metrics = ReplicaMetrics.from_settings(settings, app.state.store.engine)  # `/metrics` (`api.metrics`)
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(OperationalError, store_unreachable)
@@ -221,11 +227,11 @@ def create_app(
     app.include_router(metrics_router)
 
     @app.get("/health", include_in_schema=False)
-    async def health(request: Request) -> dict:
+    async def health(request: Request, store: Store) -> dict:
         """Liveness for a load balancer: `{"status": "ok"}` to anyone. A valid key (one read of
         its rate) also learns `replica` (host name and pid) and `watcher` (whether this replica
         follows Prefect); without one, nothing about the host."""
-        if await key_or_none(request) is None:
+        if await key_or_none(request, store) is None:
             return {"status": "ok"}
         watcher = getattr(request.app.state, "watcher", None)
         return {"status": "ok", "replica": REPLICA, "watcher": bool(watcher and watcher.lease.held)}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import insert, select, update
+from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -124,7 +125,7 @@ def create_key(
     rate_read_per_s: float | None = None,
     rate_read_burst: int | None = None,
     storage_quota: int | None = None,
-    engine=None,
+    engine: Engine,
     **lane_limits: int,
 ) -> tuple[str, ApiKey]:
     """A new key with its limits; returns the key (shown once) and its record.
@@ -166,14 +167,14 @@ def create_key(
     return key, ApiKey.from_row(row, lane_limits)
 
 
-def list_keys(engine=None) -> list[ApiKey]:
+def list_keys(engine: Engine) -> list[ApiKey]:
     with transaction(engine) as conn:
         rows = conn.execute(select(api_keys).order_by(api_keys.c.created_at)).mappings().all()
         limits = _limits(conn, [r["id"] for r in rows])
     return [ApiKey.from_row(r, limits[r["id"]]) for r in rows]
 
 
-def revoke_key(key_id_or_name: str, engine=None) -> int:
+def revoke_key(key_id_or_name: str, engine: Engine) -> int:
     """Revoke keys by id, name or shown prefix; returns how many were revoked."""
     with transaction(engine) as conn:
         result = conn.execute(
@@ -208,7 +209,7 @@ def bearer_hash(authorization: str | None) -> str:
     return _hash(key.strip())
 
 
-def key_hashes(engine=None) -> set[str]:
+def key_hashes(engine: Engine) -> set[str]:
     """The hashes of every key not revoked: one read of the keys table, however many callers
     wait on it (`api.ratelimit.KnownKeys` keeps it, so a request with a key the store
     holds is never refused by its address's limit)."""
@@ -216,7 +217,7 @@ def key_hashes(engine=None) -> set[str]:
         return set(conn.execute(select(api_keys.c.key_hash).where(api_keys.c.revoked_at.is_(None))).scalars())
 
 
-def authenticate(authorization: str | None, engine=None) -> ApiKey:
+def authenticate(authorization: str | None, engine: Engine) -> ApiKey:
     """The key of an `Authorization: Bearer …` header; 401 when missing, unknown or revoked."""
     with transaction(engine) as conn:
         return key_of(conn, authorization)
@@ -231,12 +232,15 @@ def key_of(conn, authorization: str | None) -> ApiKey:
 
 
 async def current_key(request: Request) -> ApiKey:
-    """FastAPI dependency: the caller's key, or 401 (routes use `api.ratelimit`'s dependencies,
-    which also limit requests without a valid key per client address)."""
-    return await run_in_threadpool(authenticate, request.headers.get("authorization"))
+    """FastAPI dependency: the caller's key in the app's job store, or 401 (routes use
+    `api.ratelimit`'s dependencies, which also limit requests without a valid key per client
+    address)."""
+    # The store the app was made with, read from the app as `api.deps.Store` does: this module
+    # sits below `api.deps` (deps → watcher → store → auth), so it cannot name that dependency.
+    return await run_in_threadpool(authenticate, request.headers.get("authorization"), request.app.state.store.engine)
 
 
-def reserve_activations(key: ApiKey, positions: int, engine=None) -> str:
+def reserve_activations(key: ApiKey, positions: int, engine: Engine) -> str:
     """Hold `positions` residual-stream positions of the key's activation quota this month (the
     most a response may return), or refuse with 429; returns the month held in.
 
@@ -265,7 +269,7 @@ def reserve_activations(key: ApiKey, positions: int, engine=None) -> str:
     return month
 
 
-def settle_activations(key: ApiKey, month: str, held: int, returned: int, engine=None) -> None:
+def settle_activations(key: ApiKey, month: str, held: int, returned: int, engine: Engine) -> None:
     """Keep `returned` of the `held` positions (0 when the request failed): the quota counts
     what responses carried, never what they asked for."""
     if held == returned:
@@ -277,7 +281,7 @@ def settle_activations(key: ApiKey, month: str, held: int, returned: int, engine
         )
 
 
-def activations_used(key_id: str, month: str | None = None, engine=None) -> int:
+def activations_used(key_id: str, month: str | None = None, *, engine: Engine) -> int:
     """Positions counted against the key's activation quota in `month` (default this one)."""
     month = month or month_of(utcnow())
     with transaction(engine) as conn:

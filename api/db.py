@@ -1,10 +1,17 @@
-"""The job store's database: tables, engine, sessions, and schema migrations (Alembic).
+"""The job store's database: tables, the store's engines (`JobStore`), transactions, and
+schema migrations (Alembic).
 
 SQLite is the embedded default (`<home>/harvest.db`), PostgreSQL the production store; the same
 code runs on both. What differs is how a transaction takes the lock that makes admission
 atomic (see `locked`): PostgreSQL locks rows with `SELECT … FOR UPDATE`, SQLite has no row
 locks, so every transaction here starts with `BEGIN IMMEDIATE`, which takes the database's
 write lock up front. Both mean two submits that count the same key's jobs never interleave.
+
+A `JobStore` (one store's engines) is made by whoever owns the process's parts (the app
+factory, the `harvest keys` command, a test) and handed in: every function here and in
+`api.store`, `api.auth`, `api.ratelimit`, `api.idempotency` and `api.lease` takes the engine
+it works on. No engine lives in a module global, so two apps in one process keep their own
+stores.
 
 All times are stored as naive UTC (SQLite keeps no zone) and made aware on the way out.
 """
@@ -55,8 +62,7 @@ __all__ = [
     "idempotency_keys",
     "database_url",
     "make_engine",
-    "get_engine",
-    "get_rates_engine",
+    "JobStore",
     "upgrade",
     "transaction",
     "reading",
@@ -217,8 +223,7 @@ def aware(value: datetime | None) -> datetime | None:
     return None if value is None else value.replace(tzinfo=timezone.utc)
 
 
-def database_url(settings: ApiSettings | None = None) -> str:
-    settings = settings or get_settings(ApiSettings)
+def database_url(settings: ApiSettings) -> str:
     return settings.database_url or f"sqlite:///{settings.home / 'harvest.db'}"
 
 
@@ -254,44 +259,66 @@ def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Eng
 
 MIGRATION_LOCK = 0x68617276  # an arbitrary constant: "harv"
 
-_engine: Engine | None = None
-_engine_lock = threading.Lock()
+
+class JobStore:
+    """One job store as an app or a command uses it: `engine` for jobs, charges, keys and
+    quotas, whose commits are durable, and `rates` for the per-key request rates
+    (`api.ratelimit`).
+
+    On PostgreSQL `rates` is a second pool on the same store whose commits do not wait for the
+    write-ahead log to reach the disk (`synchronous_commit=off`, on its connections only). Every
+    request of every key commits a bucket, so that wait would sit in front of every read; what
+    a crash can lose is a bucket's last fraction of a second, which only gives keys back a few
+    tokens. Its pool holds at most 15 connections (its transactions are short; more callers
+    wait), so a replica opens at most 45 to the store. On SQLite `rates` is `engine` itself.
+
+    Made by whoever owns the process's parts (`api.app.create_app`, the `harvest keys` command,
+    a test) and handed to what uses it; nothing looks a store up. The schema is brought to the
+    newest revision by `migrate` (the app's lifespan does it before the first request).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.rates = engine if engine.dialect.name != "postgresql" else _without_disk_wait(engine)
+        self._migrated = False
+        self._migrating = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str) -> "JobStore":
+        """The store at `url` (`sqlite:///path` or `postgresql://…`: `make_engine`)."""
+        return cls(make_engine(url))
+
+    @classmethod
+    def from_settings(cls, settings: ApiSettings) -> "JobStore":
+        """The store HARVEST_DATABASE_URL names (default SQLite at `<home>/harvest.db`)."""
+        return cls.from_url(database_url(settings))
+
+    @property
+    def url(self) -> str:
+        """The store's URL, password included (what a LISTEN connection opens: `api.notify`)."""
+        return self.engine.url.render_as_string(hide_password=False)
+
+    def migrate(self) -> "JobStore":
+        """Bring the schema to the newest revision, once however many threads ask (`upgrade`)."""
+        with self._migrating:
+            if not self._migrated:
+                upgrade(self.engine)
+                self._migrated = True
+        return self
+
+    def dispose(self) -> None:
+        """Close the pools' connections (a test's store, a command that is done)."""
+        if self.rates is not self.engine:
+            self.rates.dispose()
+        self.engine.dispose()
 
 
-def get_engine() -> Engine:
-    """The process's engine, created and migrated on first use."""
-    global _engine
-    with _engine_lock:
-        if _engine is None:
-            engine = make_engine(database_url())
-            upgrade(engine)
-            _engine = engine
-        return _engine
-
-
-_rates_engine: Engine | None = None
-
-
-def get_rates_engine() -> Engine:
-    """The engine for the per-key request rates (`api.ratelimit`): the same store, but on
-    PostgreSQL its commits do not wait for the write-ahead log to reach the disk
-    (`synchronous_commit=off`, on these connections only). Every request of every key commits
-    a bucket, so that wait would sit in front of every read; what a crash can lose is a
-    bucket's last fraction of a second, which only gives keys back a few tokens. Jobs, charges
-    and quotas stay on `get_engine()`, whose commits are durable. Its pool holds at most 15
-    connections (its transactions are short; more callers wait), so a replica opens at most
-    45 to the store. On SQLite it is `get_engine()`."""
-    global _rates_engine
-    engine = get_engine()  # created and migrated first
-    if engine.dialect.name != "postgresql":
-        return engine
-    with _engine_lock:
-        if _rates_engine is None:
-            # Added to the URL's own `options` (a schema's search_path may be there).
-            options = " ".join(filter(None, (engine.url.query.get("options"), "-c synchronous_commit=off")))
-            url = engine.url.update_query_dict({"options": options}).render_as_string(hide_password=False)
-            _rates_engine = make_engine(url, pool_size=5, max_overflow=10)
-        return _rates_engine
+def _without_disk_wait(engine: Engine) -> Engine:
+    """A pool on the same PostgreSQL store whose commits skip the disk wait (`JobStore.rates`)."""
+    # Added to the URL's own `options` (a schema's search_path may be there).
+    options = " ".join(filter(None, (engine.url.query.get("options"), "-c synchronous_commit=off")))
+    url = engine.url.update_query_dict({"options": options}).render_as_string(hide_password=False)
+    return make_engine(url, pool_size=5, max_overflow=10)
 
 
 def upgrade(engine: Engine) -> None:
@@ -334,9 +361,9 @@ def job_changed(conn: Connection, job_id: str) -> None:
 
 
 @contextmanager
-def transaction(engine: Engine | None = None):
-    """One transaction (committed on success, rolled back on error)."""
-    with (engine or get_engine()).begin() as conn:
+def transaction(engine: Engine):
+    """One transaction on the store's `engine` (committed on success, rolled back on error)."""
+    with engine.begin() as conn:
         conn.info.pop(_CHANGED, None)  # left by a transaction that rolled back
         yield conn
         changed = conn.info.pop(_CHANGED, ())
@@ -346,11 +373,10 @@ def transaction(engine: Engine | None = None):
 
 
 @contextmanager
-def reading(engine: Engine | None = None):
+def reading(engine: Engine):
     """Reads only, and each statement may see its own snapshot: on PostgreSQL in autocommit,
     so no BEGIN and COMMIT round trips (a job read is the replica's commonest request, and on
     a busy host every round trip waits for a CPU twice); on SQLite a transaction as usual."""
-    engine = engine or get_engine()
     if engine.dialect.name != "postgresql":
         with transaction(engine) as conn:
             yield conn
@@ -379,5 +405,6 @@ def locked(conn: Connection, table: Table, *where):
 
 
 if __name__ == "__main__":  # `python -m api.db`: migrate HARVEST_DATABASE_URL to the newest schema
-    upgrade(make_engine(database_url()))
-    print(f"{database_url()}: schema at the newest revision")
+    url = database_url(get_settings(ApiSettings))
+    upgrade(make_engine(url))
+    print(f"{url}: schema at the newest revision")

@@ -1,6 +1,6 @@
-"""What the routes share, as typed dependencies: the app's settings, the registry, the storage,
-the run store, the watcher, the links a read hands out, and the body reader with its cap
-(`api.guard`) and parser (pydantic's errors become the 400 of
+"""What the routes share, as typed dependencies: the app's settings, the job store, the
+registry, the storage, the run store, the watcher, the links a read hands out, and the body
+reader with its cap (`api.guard`) and parser (pydantic's errors become the 400 of
 `harvest.errors.invalid_from_pydantic`, the one translation the CLI and inline route use).
 
 The app's parts live on `app.state`, put there by its factory (`api.app.create_app`) and by
@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import ValidationError
 
+from api.db import JobStore
 from api.guard import INLINE_MAX_BODY_BYTES, MAX_HARVEST_BODY_BYTES, too_large
 from api.links import JobLinks, LinkSigner
 from api.runs import RunStore
@@ -28,6 +29,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "INLINE_MAX_BODY_BYTES",
     "AppSettings",
+    "Store",
     "Models",
     "Files",
     "Runs",
@@ -35,6 +37,7 @@ __all__ = [
     "Links",
     "Signer",
     "settings",
+    "store",
     "registry",
     "storage",
     "runs",
@@ -52,6 +55,11 @@ MAX_BODY_BYTES = MAX_HARVEST_BODY_BYTES
 async def settings(request: Request) -> ApiSettings:
     """The settings the app was made with (`api.app.create_app(settings=…)`)."""
     return request.app.state.settings
+
+
+async def store(request: Request) -> JobStore:
+    """The job store the app was made with (`api.app.create_app(store=…)`)."""
+    return request.app.state.store
 
 
 async def registry(request: Request) -> Registry:
@@ -88,6 +96,7 @@ async def job_links(request: Request) -> JobLinks:
 
 
 AppSettings = Annotated[ApiSettings, Depends(settings)]
+Store = Annotated[JobStore, Depends(store)]
 Models = Annotated[Registry, Depends(registry)]
 Files = Annotated[Storage, Depends(storage)]
 Runs = Annotated[RunStore, Depends(runs)]

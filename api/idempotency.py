@@ -33,6 +33,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from sqlalchemy import and_, delete, select, update
+from sqlalchemy.engine import Engine
 
 from api.db import idempotency_keys, transaction, utcnow
 from api.errors import IdempotencyConflict
@@ -73,7 +74,7 @@ def _check(idempotency_key: str) -> str:
     return idempotency_key
 
 
-def _claim(key_id: str, idempotency_key: str, digest: str, window_s: float, engine=None) -> dict | None:
+def _claim(key_id: str, idempotency_key: str, digest: str, window_s: float, engine: Engine) -> dict | None:
     """Claim the key for this submit: None when claimed now, else the row that holds it."""
     now = utcnow()
     mine = and_(idempotency_keys.c.key_id == key_id, idempotency_keys.c.idempotency_key == idempotency_key)
@@ -99,7 +100,7 @@ def _claim(key_id: str, idempotency_key: str, digest: str, window_s: float, engi
     return None
 
 
-def _finish(key_id: str, idempotency_key: str, job_id: str | None, engine=None) -> None:
+def _finish(key_id: str, idempotency_key: str, job_id: str | None, engine: Engine) -> None:
     """Bind the claim to its job, or (job_id None) release it."""
     mine = and_(idempotency_keys.c.key_id == key_id, idempotency_keys.c.idempotency_key == idempotency_key,
                 idempotency_keys.c.job_id.is_(None))
@@ -110,7 +111,7 @@ def _finish(key_id: str, idempotency_key: str, job_id: str | None, engine=None) 
             conn.execute(update(idempotency_keys).where(mine).values(job_id=job_id))
 
 
-def prune_expired(window_s: float = WINDOW_S, engine=None) -> int:
+def prune_expired(window_s: float = WINDOW_S, *, engine: Engine) -> int:
     """Delete every record past the window, of any API key; returns how many."""
     with transaction(engine) as conn:
         return conn.execute(
@@ -126,8 +127,8 @@ def _window_words(window_s: float) -> str:
 
 
 def submit_once(
-    key_id: str, idempotency_key: str | None, request: HarvestRequest, submit: Callable[[], dict], engine=None,
-    *, window_s: float = WINDOW_S,
+    key_id: str, idempotency_key: str | None, request: HarvestRequest, submit: Callable[[], dict], *, engine: Engine,
+    window_s: float = WINDOW_S,
 ) -> dict:
     """`submit()` (admit the job and start its run; returns the job row), unless this key
     already made a job for the same request within `window_s`: then that job's row. See the
@@ -145,7 +146,7 @@ def submit_once(
                 param=HEADER,
             )
         if held["job_id"] is not None:
-            return get_job(held["job_id"], key_id, engine)
+            return get_job(held["job_id"], key_id, engine=engine)
         if time.monotonic() > deadline:
             busy = ModelUnavailable(
                 f"A submit with the {HEADER} {idempotency_key!r} is still being admitted. Try again shortly; "

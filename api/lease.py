@@ -24,6 +24,7 @@ import uuid
 from datetime import timedelta
 
 from sqlalchemy import insert, select, update
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from api.db import leases, locked, transaction, utcnow
@@ -37,7 +38,10 @@ def replica_id() -> str:
 
 
 class Lease:
-    def __init__(self, name: str, holder: str, ttl_s: float, engine=None):
+    """The lease `name` as `holder` takes it, for `ttl_s` seconds a time, in the job store of
+    `engine` (the one the replicas share)."""
+
+    def __init__(self, name: str, holder: str, ttl_s: float, engine: Engine):
         self.name = name
         self.holder = holder
         self.ttl = timedelta(seconds=ttl_s)

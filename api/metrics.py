@@ -29,6 +29,7 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.db import jobs, reading
@@ -76,9 +77,10 @@ class RequestMetrics:
 
 class JobCounts:
     """`harvest_jobs{lane,status}` and `harvest_queue_depth{lane}` from the job store, one
-    grouped count per scrape; every declared lane and status is reported, 0 included."""
+    grouped count per scrape (on the app's job store: `engine`); every declared lane and status
+    is reported, 0 included."""
 
-    def __init__(self, engine=None):
+    def __init__(self, engine: Engine):
         self.engine = engine
 
     def collect(self):
@@ -123,9 +125,10 @@ class ReplicaMetrics:
         self.token = token
 
     @classmethod
-    def from_settings(cls, settings, engine=None) -> "ReplicaMetrics":
-        """The counts directory is prometheus_client's own variable, set by the role that
-        started this replica before anything imported prometheus_client."""
+    def from_settings(cls, settings, engine: Engine) -> "ReplicaMetrics":
+        """`/metrics` with the job counts of the store of `engine` (the app's). The counts
+        directory is prometheus_client's own variable, set by the role that started this
+        replica before anything imported prometheus_client."""
         directory = os.environ.get(MULTIPROC_ENV)
         registry = host_registry(Path(directory) if directory else None, replica_processes, [JobCounts(engine)])
         return cls(registry, metrics_token(settings))

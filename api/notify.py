@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Callable
 
-from api.db import JOB_CHANNEL, database_url, local_listeners
+from api.db import JOB_CHANNEL, local_listeners
 
 __all__ = ["JobChanges"]
 
@@ -25,11 +25,12 @@ log = logging.getLogger("harvest.api.notify")
 
 
 class JobChanges:
-    """Calls `callback(job_id)` for every committed job change (from a thread on PostgreSQL)."""
+    """Calls `callback(job_id)` for every committed job change in the job store at `url` (from
+    a thread on PostgreSQL)."""
 
-    def __init__(self, callback: Callable[[str], None], url: str | None = None):
+    def __init__(self, callback: Callable[[str], None], url: str):
         self.callback = callback
-        self.url = url or database_url()
+        self.url = url
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.listening = threading.Event()

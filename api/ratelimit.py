@@ -14,9 +14,9 @@ UPDATE (`tokens = min(burst, tokens + elapsed * rate) - 1 … WHERE that is ≥ 
 row-locks it and re-evaluates the condition after a concurrent writer commits, SQLite
 serialises writers (BEGIN IMMEDIATE), so concurrent requests on any replicas never take the
 same token twice. It costs one short transaction per request, the key's lookup's, whose
-commit does not wait for the disk (`api.db.get_rates_engine`: a crash may give keys back a
-few tokens). Time is each replica's wall clock (unix seconds); a replica whose clock is
-behind never refills a bucket backwards.
+commit does not wait for the disk (the store's `rates` engine, `api.db.JobStore`: a crash may
+give keys back a few tokens). Time is each replica's wall clock (unix seconds); a replica
+whose clock is behind never refills a bucket backwards.
 
 Requests with no valid key (missing, unknown, revoked) have no key's bucket to drain, and
 each unknown key costs a job-store lookup. They are limited per client address instead, in
@@ -67,10 +67,11 @@ from typing import Annotated, AsyncIterator
 
 from fastapi import Depends, Request
 from sqlalchemy import Float, case, literal, select, update
+from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import ApiKey, bearer_hash, key_hashes, key_of, looks_like_key
-from api.db import ensure_row, get_rates_engine, rate_buckets, transaction
+from api.db import JobStore, ensure_row, rate_buckets, transaction
 from api.errors import RateLimited, Unauthorized
 from api.fairshare import KeyShare
 from api.settings import ApiSettings
@@ -95,7 +96,7 @@ __all__ = [
 ]
 
 
-def take(key_id: str, kind: str, *, per_s: float, burst: int, now: float | None = None, engine=None) -> float:
+def take(key_id: str, kind: str, *, per_s: float, burst: int, now: float | None = None, engine: Engine) -> float:
     """Take one token from the key's bucket of `kind`: 0.0 when taken, else the seconds until
     one will be there."""
     with transaction(engine) as conn:
@@ -144,13 +145,13 @@ class KeyOverRate(RateLimited):
         self.kind, self.per_s, self.burst, self.wait = kind, per_s, burst, wait
 
 
-def authenticate_within_rate(authorization: str | None, kind: str, settings: ApiSettings) -> ApiKey:
+def authenticate_within_rate(authorization: str | None, kind: str, settings: ApiSettings, store: JobStore) -> ApiKey:
     """The caller's key (401 otherwise) with one token of its `kind` bucket taken (429
-    otherwise): one worker-thread call and one transaction for both, on the rates engine
-    (its commit does not wait for the disk: `api.db.get_rates_engine`). Every request pays
+    otherwise): one worker-thread call and one transaction for both, on the store's rates
+    engine (its commit does not wait for the disk: `api.db.JobStore`). Every request pays
     this, so its round trips to the store are kept few. `settings`: the rates of keys without
     their own."""
-    with transaction(get_rates_engine()) as conn:
+    with transaction(store.rates) as conn:
         key = key_of(conn, authorization)
         per_s, burst = limits(key, kind, settings)
         wait = _take(conn, key.id, kind, per_s=per_s, burst=burst)
@@ -203,11 +204,11 @@ class KnownKeys:
     """The hashes of the keys the job store holds (not revoked), as this replica last read them
     or saw them accepted (see the module docstring). Used on the event loop only.
 
-    `load` reads the whole list (`api.auth.key_hashes`: a few bytes a key); `holds` reads it
-    again at most once per `every_s`; `reads` counts those reads.
+    `load(engine)` reads the whole list from a job store's engine (`api.auth.key_hashes`: a few
+    bytes a key); `holds` reads it again at most once per `every_s`; `reads` counts those reads.
     """
 
-    def __init__(self, load: Callable[[], set[str]] = key_hashes, every_s: float = KEY_LIST_EVERY_S):
+    def __init__(self, load: Callable[[Engine], set[str]] = key_hashes, every_s: float = KEY_LIST_EVERY_S):
         self.load = load
         self.every_s = every_s
         self.reads = 0
@@ -226,10 +227,10 @@ class KnownKeys:
         """A key the store has just refused (revoked since it was read)."""
         self._hashes.discard(caller)
 
-    async def holds(self, caller: str) -> bool:
-        """Whether the store holds the key `caller`: at once when known, else after a read of
-        the list begun after this call, waiting (not refusing) until the last read is
-        `every_s` old; every caller waiting meanwhile shares that one read."""
+    async def holds(self, caller: str, engine: Engine) -> bool:
+        """Whether the store of `engine` (the app's) holds the key `caller`: at once when known,
+        else after a read of the list begun after this call, waiting (not refusing) until the
+        last read is `every_s` old; every caller waiting meanwhile shares that one read."""
         if caller in self._hashes:
             return True
         asked = time.monotonic()
@@ -240,7 +241,7 @@ class KnownKeys:
                 await asyncio.sleep(max(0.0, self._read_started + self.every_s - time.monotonic()))
                 self._read_started = time.monotonic()  # before the read: a failing store is not asked again at once
                 self.reads += 1
-                self._hashes = set(await run_in_threadpool(self.load))
+                self._hashes = set(await run_in_threadpool(self.load, engine))
         return caller in self._hashes
 
 
@@ -303,7 +304,7 @@ def _address(request: Request) -> str:
     return request.client.host if request.client is not None else ""
 
 
-async def _caller(request: Request) -> str:
+async def _caller(request: Request, store: JobStore) -> str:
     """The caller, as the hash of the key it presents. A key this replica knows the store holds
     pays nothing; any other request takes a token of its address before the store is asked
     (429 when none is left, 401 without a key: the token stays spent), unless its key, looked
@@ -323,7 +324,7 @@ async def _caller(request: Request) -> str:
     try:
         limiter.take(address)
     except RateLimited:
-        if looks_like_key(authorization) and await limiter.known.holds(caller):
+        if looks_like_key(authorization) and await limiter.known.holds(caller, store.engine):
             return caller
         raise
     request.state.address_token = address
@@ -339,11 +340,18 @@ def _give_back(request: Request) -> None:
         request.app.state.anonymous_limiter.give_back(address)
 
 
+def _store(request: Request) -> JobStore:
+    """The job store the app was made with (what `api.deps.Store` gives a route). Read here from
+    the app, as the limiter and the settings are: this module does not import `api.deps`, whose
+    parts (the watcher, the links) would load torch into `harvest keys`, which imports `limits`."""
+    return request.app.state.store
+
+
 async def read_share(request: Request) -> AsyncIterator[KeyShare]:
     """FastAPI dependency (function scope: it ends when the route answers): a read's place
     among its key's reads in flight on this replica; 429 at once when the key already has its
     share of them (the address's token given back: the store was not asked)."""
-    caller = await _caller(request)
+    caller = await _caller(request, _store(request))
     try:
         share = request.app.state.fair_share.enter(caller)
     except RateLimited:
@@ -359,7 +367,7 @@ async def submit_share(request: Request) -> KeyShare:
     """FastAPI dependency: a submit's turns on this replica, not counted in flight: submits
     have their own per-key shares (`api.admission`'s for harvests; the inline response budget
     and the engines' batches for completions), and a completion waits on its engine for long."""
-    return request.app.state.fair_share.uncounted(await _caller(request))
+    return request.app.state.fair_share.uncounted(await _caller(request, _store(request)))
 
 
 ReadShare = Annotated[KeyShare, Depends(read_share, scope="function")]
@@ -367,9 +375,9 @@ ReadShare = Annotated[KeyShare, Depends(read_share, scope="function")]
 `share.run(fn, …)`, in the key's turn."""
 
 
-async def _key_within_rate(request: Request, share: KeyShare, kind: str) -> ApiKey:
-    """The caller's key with a token of its `kind` taken; 429 from memory while its bucket is
-    known empty, else one worker-thread call in the key's turn."""
+async def _key_within_rate(request: Request, share: KeyShare, kind: str, store: JobStore) -> ApiKey:
+    """The caller's key in the app's `store` with a token of its `kind` taken; 429 from memory
+    while its bucket is known empty, else one worker-thread call in the key's turn."""
     limiter: AddressLimiter = request.app.state.anonymous_limiter
     empty: EmptyBuckets = request.app.state.empty_buckets
     try:
@@ -379,7 +387,7 @@ async def _key_within_rate(request: Request, share: KeyShare, kind: str) -> ApiK
         raise
     try:
         key = await share.run(authenticate_within_rate, request.headers.get("authorization"), kind,
-                              request.app.state.settings)
+                              request.app.state.settings, store)
     except Unauthorized:
         limiter.known.discard(share.caller)
         if getattr(request.state, "address_token", None) is None:
@@ -400,23 +408,24 @@ async def _key_within_rate(request: Request, share: KeyShare, kind: str) -> ApiK
 
 async def submit_key(request: Request, share: Annotated[KeyShare, Depends(submit_share)]) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), within its submit rate (429 otherwise)."""
-    return await _key_within_rate(request, share, "submit")
+    return await _key_within_rate(request, share, "submit", _store(request))
 
 
 async def read_key(request: Request, share: ReadShare) -> ApiKey:
     """FastAPI dependency: the caller's key (401 otherwise), within its read rate and its share
     of the replica (429 otherwise)."""
-    return await _key_within_rate(request, share, "read")
+    return await _key_within_rate(request, share, "read", _store(request))
 
 
-async def key_or_none(request: Request) -> ApiKey | None:
-    """The caller's key within its read rate, or None when it sends none or one that is refused
-    (401, 429): for a route that answers everyone and tells a key more (`/health`)."""
+async def key_or_none(request: Request, store: JobStore) -> ApiKey | None:
+    """The caller's key in the app's `store` within its read rate, or None when it sends none
+    or one that is refused (401, 429): for a route that answers everyone and tells a key more
+    (`/health`)."""
     if request.headers.get("authorization") is None:
         return None
     try:
-        share = request.app.state.fair_share.uncounted(await _caller(request))
-        return await _key_within_rate(request, share, "read")
+        share = request.app.state.fair_share.uncounted(await _caller(request, store))
+        return await _key_within_rate(request, share, "read", store)
     except (Unauthorized, RateLimited):
         return None
 

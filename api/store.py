@@ -28,6 +28,7 @@ import logging
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, case, func, insert, or_, select, update
+from sqlalchemy.engine import Engine
 
 from api.auth import ApiKey, month_of
 from api.db import (
@@ -143,7 +144,7 @@ def get_spend_cap(conn) -> int | None:
     return None if value is None else int(value)
 
 
-def set_spend_cap(retry_after: int | None, engine=None) -> None:
+def set_spend_cap(retry_after: int | None, engine: Engine) -> None:
     """Pause new harvests (answering 429 spend_cap with this Retry-After) or, with None, resume."""
     with transaction(engine) as conn:
         conn.execute(service_flags.delete().where(service_flags.c.name == SPEND_CAP))
@@ -153,7 +154,7 @@ def set_spend_cap(retry_after: int | None, engine=None) -> None:
 
 def admit(
     key: ApiKey, job: dict, *, capacity: int, storage_quota: int | None = None, retention_days: float | None = None,
-    engine=None,
+    engine: Engine,
 ) -> dict:
     """Insert the job if every cap allows it, atomically; else raise the cap's 429.
 
@@ -253,7 +254,7 @@ def _row(conn, job_id: str):
     return conn.execute(select(jobs).where(jobs.c.id == job_id)).mappings().first()
 
 
-def get_job(job_id: str, key_id: str | None = None, engine=None) -> dict:
+def get_job(job_id: str, key_id: str | None = None, *, engine: Engine) -> dict:
     """The job, if it exists and (given a key) belongs to that key; else 404."""
     with reading(engine) as conn:
         row = _row(conn, job_id)
@@ -263,7 +264,7 @@ def get_job(job_id: str, key_id: str | None = None, engine=None) -> dict:
     return dict(row)
 
 
-def list_jobs(key_id: str, *, limit: int, after: str | None = None, engine=None) -> tuple[list[dict], bool]:
+def list_jobs(key_id: str, *, limit: int, after: str | None = None, engine: Engine) -> tuple[list[dict], bool]:
     """The key's jobs, newest first, `limit` of them after the job `after`; and whether more follow."""
     with reading(engine) as conn:
         query = select(jobs).where(jobs.c.key_id == key_id)
@@ -281,12 +282,12 @@ def list_jobs(key_id: str, *, limit: int, after: str | None = None, engine=None)
     return [dict(r) for r in rows[:limit]], len(rows) > limit
 
 
-def active_jobs(engine=None) -> list[dict]:
+def active_jobs(engine: Engine) -> list[dict]:
     with transaction(engine) as conn:
         return [dict(r) for r in conn.execute(select(jobs).where(jobs.c.status.in_(ACTIVE))).mappings().all()]
 
 
-def unstarted_jobs(older_than_s: float, engine=None) -> list[dict]:
+def unstarted_jobs(older_than_s: float, engine: Engine) -> list[dict]:
     """Active jobs with no run, admitted over `older_than_s` ago: their admitting replica died
     between admission and starting the run (a live one takes well under a second)."""
     cutoff = utcnow() - timedelta(seconds=older_than_s)
@@ -295,7 +296,7 @@ def unstarted_jobs(older_than_s: float, engine=None) -> list[dict]:
         return [dict(r) for r in conn.execute(query).mappings().all()]
 
 
-def attach_run(job_id: str, run_id: str, engine=None) -> None:
+def attach_run(job_id: str, run_id: str, engine: Engine) -> None:
     with transaction(engine) as conn:
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(flow_run_id=run_id))
 
@@ -320,7 +321,7 @@ def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = Non
     return True
 
 
-def apply_state(job_id: str, state: RunStatus, *, result: dict | None = None, engine=None) -> bool:
+def apply_state(job_id: str, state: RunStatus, *, result: dict | None = None, engine: Engine) -> bool:
     """Record what the run says; True when the job's status changed.
 
     done → charged the tokens that ran (`result["tokens"]`); failed → 0; cancelled outside the
@@ -365,7 +366,7 @@ def _run_error(job_id: str, message: str | None) -> str:
     return error
 
 
-def record_restart(job_id: str, max_restarts: int, engine=None) -> bool:
+def record_restart(job_id: str, max_restarts: int, engine: Engine) -> bool:
     """Count one more reschedule of the job's run after its host died; False (and the job
     failed, charged 0) once it has used `max_restarts`, so a run that crashes its host every
     time cannot loop for ever."""
@@ -383,7 +384,7 @@ def record_restart(job_id: str, max_restarts: int, engine=None) -> bool:
         return True
 
 
-def cancel_job(job_id: str, key_id: str, engine=None) -> tuple[dict, bool]:
+def cancel_job(job_id: str, key_id: str, engine: Engine) -> tuple[dict, bool]:
     """Cancel a pending or running job; returns the row and whether this call cancelled it.
 
     Charged the reserved tokens when its GPU run started (status running), else 0; the route
@@ -405,25 +406,25 @@ def cancel_job(job_id: str, key_id: str, engine=None) -> tuple[dict, bool]:
         return dict(_row(conn, job_id)), ended
 
 
-def fail_job(job_id: str, message: str, *, stop_run: bool = False, engine=None) -> bool:
+def fail_job(job_id: str, message: str, *, stop_run: bool = False, engine: Engine) -> bool:
     """End the job failed, charged 0. `stop_run`: its start failed after the run may have been
     created, so the watcher cancels the job's runs (by their job tag) until that succeeds."""
     with transaction(engine) as conn:
         return _end(conn, job_id, status="failed", tokens=0, error=message, stop_run=stop_run)
 
 
-def runs_to_stop(engine=None) -> list[str]:
+def runs_to_stop(engine: Engine) -> list[str]:
     """Ids of jobs whose runs may still be going after a failed start."""
     with transaction(engine) as conn:
         return list(conn.execute(select(jobs.c.id).where(jobs.c.stop_run.is_(True))).scalars())
 
 
-def run_stopped(job_id: str, engine=None) -> None:
+def run_stopped(job_id: str, engine: Engine) -> None:
     with transaction(engine) as conn:
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(stop_run=False))
 
 
-def set_progress(job_id: str, shards_done: int, engine=None) -> bool:
+def set_progress(job_id: str, shards_done: int, engine: Engine) -> bool:
     with transaction(engine) as conn:
         outcome = conn.execute(
             update(jobs)

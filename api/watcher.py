@@ -34,6 +34,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from api.db import JobStore
 from api.idempotency import PRUNE_EVERY_S, WINDOW_S, prune_expired
 from api.lease import Lease
 from api.notify import JobChanges
@@ -62,15 +63,17 @@ MIN_GAP_S = 0.05
 
 
 class Watcher:
-    """One per API process (started by the app's lifespan)."""
+    """One per API process (started by the app's lifespan), on the app's run store, storage and
+    job store; `lease` is the `watcher` lease in that job store."""
 
     def __init__(
-        self, runs: RunStore, storage: Storage, *, interval: float, max_waiters: int, lease: Lease,
+        self, runs: RunStore, storage: Storage, store: JobStore, *, interval: float, max_waiters: int, lease: Lease,
         max_restarts: int = 3, orphan_after_s: float = 30.0, per_key: int | None = None,
         idempotency_window_s: float = WINDOW_S,
     ):
         self.runs = runs
         self.storage = storage
+        self.store = store
         self.interval = interval
         self.max_waiters = max_waiters
         self.lease = lease
@@ -89,13 +92,13 @@ class Watcher:
         self._task: asyncio.Task | None = None
         self._follow: asyncio.Task | None = None
         self._kick: asyncio.Event | None = None
-        self._changes = JobChanges(self.notify_threadsafe)
+        self._changes = JobChanges(self.notify_threadsafe, store.url)
 
     @classmethod
-    def from_settings(cls, runs: RunStore, storage: Storage, settings: ApiSettings, lease: Lease) -> "Watcher":
+    def from_settings(cls, runs: RunStore, storage: Storage, store: JobStore, settings: ApiSettings, lease: Lease) -> "Watcher":
         """The replica's watcher as its settings say (`api.app`'s lifespan)."""
         return cls(
-            runs, storage, interval=settings.watch_interval_s, max_waiters=settings.longpoll_max_waiters, lease=lease,
+            runs, storage, store, interval=settings.watch_interval_s, max_waiters=settings.longpoll_max_waiters, lease=lease,
             max_restarts=settings.max_restarts, orphan_after_s=settings.orphan_after_s,
             # a share of the slots, at least one
             per_key=max(1, int(settings.longpoll_max_waiters * settings.longpoll_key_share)),
@@ -161,15 +164,16 @@ class Watcher:
     def tick(self) -> list[str]:
         """Read every active job's run once; returns the jobs whose status changed."""
         self.ticks += 1
+        engine = self.store.engine
         changed: list[str] = []
         if time.monotonic() >= self._next_prune:  # expired Idempotency-Keys, every PRUNE_EVERY_S
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
-            prune_expired(self.idempotency_window_s)
-        for row in unstarted_jobs(self.orphan_after_s):
+            prune_expired(self.idempotency_window_s, engine=engine)
+        for row in unstarted_jobs(self.orphan_after_s, engine):
             changed += self._start_orphan(row)
-        for job_id in runs_to_stop():
+        for job_id in runs_to_stop(engine):
             self._stop_runs(job_id)
-        with_runs = [r for r in active_jobs() if r["flow_run_id"]]
+        with_runs = [r for r in active_jobs(engine) if r["flow_run_id"]]
         if not with_runs:
             return changed
         self.run_reads += 1
@@ -187,7 +191,7 @@ class Watcher:
                         shards_done = JobFiles.for_job(row["id"], self.storage).shards_done()
                         # Written only when it moved: a write per job per tick would hold the
                         # store's write lock for every active job every second.
-                        if shards_done != row["shards_done"] and set_progress(row["id"], shards_done):
+                        if shards_done != row["shards_done"] and set_progress(row["id"], shards_done, engine):
                             moved = True
             except Exception:  # storage briefly away: this job waits for the next tick, the others go on
                 log.exception("could not follow job %s", row["id"])
@@ -199,12 +203,12 @@ class Watcher:
     def _restart_crashed(self, row: dict, state: RunStatus) -> bool:
         """Its host died (heartbeats stopped): reschedule the run onto the lane's other hosts,
         within the job's restart budget; past it the job fails, charged nothing."""
-        if not record_restart(row["id"], self.max_restarts):
+        if not record_restart(row["id"], self.max_restarts, self.store.engine):
             return True  # failed, and its run stays Crashed: nothing is left to stop
         log.warning("job %s: its run %s crashed (%s); rescheduling it", row["id"], row["flow_run_id"], state.message)
         self.runs.reschedule(row["flow_run_id"])
         # A job that never reached `running` did run (it crashed): it is running again now.
-        return apply_state(row["id"], RunStatus(status="running", started_at=state.started_at))
+        return apply_state(row["id"], RunStatus(status="running", started_at=state.started_at), engine=self.store.engine)
 
     def _start_orphan(self, row: dict) -> list[str]:
         """A job admitted by an API replica that died before starting its run."""
@@ -212,10 +216,11 @@ class Watcher:
             run_id = self.runs.start(row["id"], row["request_url"], row["model"], row["lane"], row["key_id"])
         except Exception:
             log.exception("could not start the run of job %s", row["id"])
-            fail_job(row["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True)
+            fail_job(row["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True,
+                     engine=self.store.engine)
             self._stop_runs(row["id"])
             return [row["id"]]
-        attach_run(row["id"], run_id)
+        attach_run(row["id"], run_id, self.store.engine)
         return []
 
     def _stop_runs(self, job_id: str) -> None:
@@ -225,7 +230,7 @@ class Watcher:
         except Exception:  # the backend is away: next tick
             log.warning("could not cancel the runs of job %s yet", job_id, exc_info=True)
             return
-        run_stopped(job_id)
+        run_stopped(job_id, self.store.engine)
 
     def refresh(self, row: dict) -> bool:
         """Read one job's run now (before a cancel decides what to charge); any replica may."""
@@ -241,7 +246,7 @@ class Watcher:
         if state.status == "pending" or (state.status == "running" and row["status"] == "running"):
             return False  # nothing to record (`apply_state` would change nothing): no write transaction
         result = JobFiles.for_job(row["id"], self.storage).read_result() if state.status == "done" else None
-        return apply_state(row["id"], state, result=result)
+        return apply_state(row["id"], state, result=result, engine=self.store.engine)
 
     # --- long-poll waiters ----------------------------------------------------------------
     def notify(self, job_id: str) -> None:

@@ -89,18 +89,16 @@ def _count_prefect_reads() -> Counter:
     return counts
 
 
-def _count_transactions() -> Counter:
+def _count_transactions(engine) -> Counter:
     """Count the job store's transactions (each a BEGIN IMMEDIATE on SQLite: the write lock)."""
     from sqlalchemy import event
 
-    from api.db import get_engine
-
     counts: Counter = Counter()
-    event.listen(get_engine(), "begin", lambda conn: counts.update(["begin"]))
+    event.listen(engine, "begin", lambda conn: counts.update(["begin"]))
     return counts
 
 
-def _insert_jobs(key_id: str, home: Path, n: int) -> list[str]:
+def _insert_jobs(engine, key_id: str, home: Path, n: int) -> list[str]:
     """n job rows as an admission leaves them (pending, no run yet)."""
     from sqlalchemy import insert
 
@@ -117,12 +115,12 @@ def _insert_jobs(key_id: str, home: Path, n: int) -> list[str]:
         }
         for job_id in ids
     ]
-    with transaction() as conn:
+    with transaction(engine) as conn:
         conn.execute(insert(jobs), rows)
     return ids
 
 
-def _start_runs(ids: list[str], key_id: str, home: Path) -> list[str]:
+def _start_runs(engine, ids: list[str], key_id: str, home: Path) -> list[str]:
     """Each job's flow run, started as the API starts it; then forced to Running (no process)."""
     from prefect.client.orchestration import get_client
     from prefect.states import Running
@@ -142,7 +140,7 @@ def _start_runs(ids: list[str], key_id: str, home: Path) -> list[str]:
             except RunStartTimeout:
                 if attempt == 4:
                     raise
-        attach_run(job_id, run_id)
+        attach_run(job_id, run_id, engine)
         return run_id
 
     with ThreadPoolExecutor(4) as pool:  # each thread in this context: Prefect's settings live in it
@@ -191,13 +189,10 @@ def _hosts(n: int, stop: threading.Event) -> threading.Thread:
     return thread
 
 
-def _store_size() -> tuple[int, int]:
+def _store_size(engine) -> tuple[int, int]:
     """(rows in every table, bytes in use) of the job store (SQLite pages minus the free list)."""
     from sqlalchemy import inspect, text
 
-    from api.db import get_engine
-
-    engine = get_engine()
     with engine.connect() as conn:
         rows = sum(conn.execute(text(f'SELECT count(*) FROM "{t}"')).scalar_one() for t in inspect(engine).get_table_names())
         pages = conn.execute(text("PRAGMA page_count")).scalar_one() - conn.execute(text("PRAGMA freelist_count")).scalar_one()
@@ -273,12 +268,14 @@ def main() -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from api.auth import create_key
-    from api.db import get_engine, upgrade
+    from api.db import JobStore
     from api.runs import PrefectRuns
+    from api.settings import ApiSettings
     from api.watcher import Watcher
     from flows.deploy import apply_sync
     from fleet.processes import RUN_COMMAND, free_port, start_server
     from fleet.roles import start_api_replica
+    from harvest.settings import get_settings
     from harvest.storage import Storage, open_storage
 
     reads = _count_prefect_reads()
@@ -289,23 +286,25 @@ def main() -> None:
     try:
         with temporary_settings({PREFECT_API_URL: api_url}):
             apply_sync(run_command=RUN_COMMAND)
-            upgrade(get_engine())
-            key, record = create_key("bench", small=100_000, rate_read_per_s=1000.0, rate_read_burst=1000)
+            # The store the replica opens too (the bench's HARVEST_HOME), migrated before it starts.
+            store = JobStore.from_settings(get_settings(ApiSettings)).migrate()
+            key, record = create_key("bench", small=100_000, rate_read_per_s=1000.0, rate_read_burst=1000,
+                                     engine=store.engine)
             # The replica's own watcher idles; the bench's watcher ticks in its place.
             api, base = start_api_replica(home, "127.0.0.1", free_port(), env={"HARVEST_WATCH_INTERVAL_S": "3600"})
             root = open_storage()
             fs = CountingFS(root.fs)
-            watcher = Watcher(PrefectRuns(), Storage(root.url, fs, root.root), interval=1.0, max_waiters=100, lease=None)
-            rows0, bytes0 = _store_size()
-            txns = _count_transactions()
+            watcher = Watcher(PrefectRuns(), Storage(root.url, fs, root.root), store, interval=1.0, max_waiters=100, lease=None)
+            rows0, bytes0 = _store_size(store.engine)
+            txns = _count_transactions(store.engine)
             job_ids: list[str] = []
             for target in (int(n) for n in args.jobs.split(",")):
                 started = time.monotonic()
-                new = _insert_jobs(record.id, home, target - len(job_ids))
-                _start_runs(new, record.id, home)
+                new = _insert_jobs(store.engine, record.id, home, target - len(job_ids))
+                _start_runs(store.engine, new, record.id, home)
                 job_ids += new
                 print(f"{target} active jobs made in {time.monotonic() - started:.1f} s", flush=True)
-                rows, size = _store_size()
+                rows, size = _store_size(store.engine)
                 for hosts in (int(h) for h in args.hosts.split(",")):
                     point = _point(watcher, fs, reads, txns, base, key, job_ids, hosts, args.ticks, args.seconds)
                     row = {"jobs": target, "hosts": hosts, **point,

@@ -69,12 +69,14 @@ def zstd_sweep(engine: HFEngine, levels: list[int]) -> list[dict]:
     return rows, len(raw)
 
 
-def make_app(engine: HFEngine, max_batch: int):
-    """The real app (its factory), its inline engines all `engine` with this batch cap."""
+def make_app(engine: HFEngine, max_batch: int, store):
+    """The real app (its factory) on the bench's job `store`, its inline engines all `engine`
+    with this batch cap."""
     from api.app import create_app
     from api.inline_engines import InlineEngines
 
-    return create_app(inline_engines=InlineEngines(factory=lambda _m: engine, close_engines=False, max_batch=max_batch))
+    return create_app(store=store,
+                      inline_engines=InlineEngines(factory=lambda _m: engine, close_engines=False, max_batch=max_batch))
 
 
 async def load(base_url: str, key: str, bodies: list[dict], concurrency: int) -> dict:
@@ -125,8 +127,13 @@ def main() -> None:
         print(f"{row['level']:>5} {row['ratio']:>6.3f} {row['compress_MBps']:>14.0f} {row['decompress_MBps']:>16.0f}")
 
     from api.auth import create_key
+    from api.db import JobStore
+    from api.settings import ApiSettings
+    from harvest.settings import get_settings
 
-    key = create_key("bench-inline")[0]
+    # Served without a lifespan (`serve_in_thread`): the store is migrated here.
+    store = JobStore.from_settings(get_settings(ApiSettings)).migrate()
+    key = create_key("bench-inline", engine=store.engine)[0]
     generator = torch.Generator().manual_seed(1)
     vocab = engine.hf_model.config.vocab_size
     bodies = [
@@ -141,7 +148,7 @@ def main() -> None:
     print(f"{'round':>5} {'batcher':>8} {'clients':>7} {'p50 ms':>8} {'p95 ms':>8} {'req/s':>7} {'wire bytes':>11} {'wire/raw':>8}")
     # Both servers stay up and the arms alternate within each round, so load drift on a
     # shared machine hits every arm alike.
-    with serve_in_thread(make_app(engine, 64)) as batched, serve_in_thread(make_app(engine, 1)) as unbatched:
+    with serve_in_thread(make_app(engine, 64, store)) as batched, serve_in_thread(make_app(engine, 1, store)) as unbatched:
         for round_ in range(args.rounds):
             for label, root in (("on", batched), ("off", unbatched)):
                 base_url = f"{root}/v1"

@@ -8,7 +8,7 @@ that every engine loads with its ordinary code. What they share lives here:
 
 - a builder writes into a fresh staging folder beside the target, and the folder is renamed
   onto the target only when complete, so a folder at the target is always whole;
-- the first requests of a fresh API replica or worker host arrive together, from threads and
+- the first requests of a fresh API process or worker host arrive together, from threads and
   processes alike: an exclusive lock file beside the target makes one of them build and the
   others wait and find it, instead of replacing it under a reader's feet.
 

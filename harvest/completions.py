@@ -12,7 +12,7 @@ engine work:
 
 Both are checked from the prompt's length before it is tokenized (a text has at least
 len ÷ the tokenizer's longest entry tokens), then exactly: tokenizing megabytes of a prompt that
-can never run costs seconds of a replica's CPU.
+can never run costs seconds of the API's CPU.
 
 A text prompt is tokenized with the model's tokenizer, BOS included (as OpenAI-compatible
 servers do); a token-id prompt runs verbatim. Fields are the OpenAI completions fields we
@@ -280,7 +280,7 @@ class PreparedCompletion:
     @property
     def max_residual_bytes(self) -> int:
         """Bytes of the captured residual stream at most (bf16), 0 without activations: what
-        the replica holds for this response while it runs, encodes and sends it."""
+        the API holds for this response while it runs, encodes and sends it."""
         if self.layers is None:
             return 0
         return len(self.layers) * self.max_positions * self.model.hidden_size * 2
@@ -401,7 +401,7 @@ class CompletionBody:
 
     Without activations it is one piece. With them, the body around the residual stream's
     `data` is rendered once, and `data` is encoded while it is sent (`encode_residual_chunks`),
-    so the replica never holds the whole payload as text; the bytes are those of the body's
+    so the API never holds the whole payload as text; the bytes are those of the body's
     dict rendered by a JSONResponse. Iterating is blocking work (zstd): a streaming response
     runs it in worker threads, off the event loop. A stream of server-sent events is the same
     thing: `head` holds the events before the residual stream's, `tail` those after.

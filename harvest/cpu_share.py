@@ -4,10 +4,10 @@ On a host whose CPU is contended, Linux shares it between sessions (scheduling a
 default on most distributions) equally whatever their processes' nice values, and between the
 processes of one session by their nice. Bulk work lowers itself:
 
-- an API replica's inline engine, and its children that parse and count submits whose cost
-  is not known yet, run in sessions of their own, whose groups they lower
+- the processes that generate inline completions, and those that parse and count submits
+  whose cost is not known yet, run in sessions of their own, whose groups they lower
   (`lower_priority(..., session=True)`, called by both): one key's long generations or
-  large bodies then never take the share the replica's requests and the control plane need;
+  large bodies then never take the share the API's requests and the control plane need;
 - a flow run lowers itself by the size of its job (`run_nice`): runs forked by a worker
   host's run starter share its session, so a large job's run leaves the CPU to a small job's
   run and to the worker beside it, and a small job keeps its turnaround whatever else the
@@ -20,16 +20,12 @@ A lower priority only matters while something else wants the CPU; on a quiet hos
 runs as fast as before.
 
 A lower priority decides how much of a contended CPU each gets, not how soon a request is
-looked at: an API replica's read wakes up several times (the event loop, a worker thread,
-again for the job store's answer), and each time the kernel (EEVDF, Linux 6.6+) lets the task
-on the CPU finish its slice first, ~1.4 ms by default on two cores, whatever its nice. So a
-replica asks for the shortest slice (`respond_quickly`, 0.1 ms, Linux 6.12+): a task whose
-slice is shorter than the running one's preempts it when it wakes. Bulk work
-(`lower_priority`) goes back to the default slice, which children started by a replica would
-otherwise inherit.
+looked at: a latency-sensitive process asks for a short scheduling slice for every thread
+(`set_slices`; the API's call is `api.responsiveness`), and bulk work (`lower_priority`) goes
+back to the default slice, which children started by such a process would otherwise inherit.
 
-Processes that do tensor work on the CPU (a host's engine server, an API replica's inline
-engine, a worker host's runs) also start with OpenMP's idle threads sleeping
+Processes that do tensor work on the CPU (a host's engine server, an inline engine, a worker
+host's runs) also start with OpenMP's idle threads sleeping
 (`with_passive_waits`). torch's OpenMP (libgomp) otherwise spins a thread that has finished its
 part of an operation, waiting for the next one: while another session wants the CPU, the
 engine's share goes to a thread spinning for a peer that is not running. `bench/omp_wait.py`
@@ -47,14 +43,12 @@ import struct
 import threading
 from collections.abc import Mapping
 
-__all__ = ["BULK_FROM_BYTES", "MAX_NICE", "PASSIVE_WAITS", "RESPONSIVE_SLICE_NS", "run_nice", "lower_priority", "lower_thread",
-           "respond_quickly", "with_passive_waits"]
+__all__ = ["BULK_FROM_BYTES", "MAX_NICE", "PASSIVE_WAITS", "run_nice", "lower_priority", "lower_thread", "set_slices",
+           "with_passive_waits"]
 
 BULK_FROM_BYTES = 1 << 20
 """A job whose output is at most this many bytes runs at the default priority."""
 MAX_NICE = 19
-RESPONSIVE_SLICE_NS = 100_000
-"""The scheduling slice a latency-sensitive process asks for: the least the kernel grants."""
 PASSIVE_WAITS = {"OMP_WAIT_POLICY": "PASSIVE"}
 """The environment that makes OpenMP's idle threads sleep rather than spin (module docstring).
 libgomp reads it once, when torch is first imported: it belongs in a process's environment
@@ -93,18 +87,18 @@ def lower_priority(nice: int, *, session: bool = False) -> bool:
             os.setpriority(os.PRIO_PROCESS, thread, nice)
         try:
             _set_slice(thread, 0)
-        except OSError:  # the slice only matters beside a replica's short one; the nice is done
+        except OSError:  # the slice only matters beside a responsive process's short one; the nice is done
             pass
         return True
 
     return _each_thread(lower) or done
 
 
-def respond_quickly() -> bool:
-    """Ask for the shortest scheduling slice (`RESPONSIVE_SLICE_NS`) for every thread of this
-    process, and so for the threads and processes they start (module docstring); False where
-    the kernel does not take it (not Linux 6.12+ on x86-64 or arm64, or not allowed)."""
-    return _each_thread(lambda thread: _set_slice(thread, RESPONSIVE_SLICE_NS))
+def set_slices(slice_ns: int) -> bool:
+    """Ask for a scheduling slice of `slice_ns` for every thread of this process, and so for the
+    threads and processes they start; False where the kernel does not take it (not Linux 6.12+
+    on x86-64 or arm64, or not allowed)."""
+    return _each_thread(lambda thread: _set_slice(thread, slice_ns))
 
 
 def _each_thread(change) -> bool:

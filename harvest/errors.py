@@ -217,7 +217,7 @@ def _hinted(loc: list[str], hints: Mapping[str, str]) -> tuple[str, str] | None:
     return None
 
 
-# --- serving bounds and job errors: the replica's byte budget, the vocabulary of job errors ---
+# --- serving bounds and job errors: the API's byte budget, the vocabulary of job errors ---
 
 class EngineFailed(HarvestError):
     """The engine running a job died or failed (out of memory, a lost engine server)."""

@@ -8,7 +8,7 @@ A role's `/metrics` reads them all (`harvest.metrics_export`; RUNBOOK "Metrics" 
 
 Why prometheus_client's multiprocess mode: the work happens in processes that no scrape can
 reach. A worker host's flow runs are forked from its run starter, one short-lived process per
-job, and its engine servers are detached processes that outlive them; an API replica's inline
+job, and its engine servers are detached processes that outlive them; the API's inline
 engines and assessing children are processes of their own too. Each role gives its process tree
 one directory (`PROMETHEUS_MULTIPROC_DIR`, set before any of them imports prometheus_client,
 which picks its value class at import); every process then writes its counters to its own
@@ -89,7 +89,7 @@ ENGINE_LOAD_SECONDS = Histogram(
 # Read at scrape time by their exporters (no object holds them between scrapes).
 JOBS = "harvest_jobs"
 """Gauge {lane, status}: jobs in the job store (pending, running, done, failed, cancelled);
-every replica reports the same store."""
+every API process reports the same store."""
 QUEUE_DEPTH = "harvest_queue_depth"
 """Gauge {lane}: jobs admitted whose run has not started yet (status pending)."""
 PROCESS_RESIDENT_BYTES = "harvest_process_resident_bytes"

@@ -10,7 +10,7 @@
                                        the bearer token every `/metrics` requires
 
 Why a token: `/metrics` tells whoever reads it which models run, how busy each lane is and
-how much memory each process holds, and an API replica listens where researchers reach it, so
+how much memory each process holds, and the API listens where researchers reach it, so
 "bound to loopback" cannot protect it there. One operator secret (HARVEST_METRICS_TOKEN, else
 one generated into `<home>/metrics-token`, owner-only) guards every exporter: researchers' API
 keys never open it, and Prometheus sends it as `Authorization: Bearer …`. A worker host's

@@ -35,7 +35,7 @@ then create, is the one replacement, and only a resume does it.
 
 Every read sees the store as it is now. s3fs answers `ls` (and `exists`, `info`) from a
 listings cache once a folder was listed, and fsspec hands one filesystem object to every caller
-with the same options, so a long-lived reader (an API replica's watcher counting shards, a
+with the same options, so a long-lived reader (the API's watcher counting shards, a
 retention sweep) would keep answering from its first listing: progress frozen, a manifest
 written since reported missing. So S3 filesystems opened here keep no listings cache
 (`use_listings_cache=False`), and the reads below drop any cached listing of their path first

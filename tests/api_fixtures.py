@@ -33,7 +33,12 @@ giving the stack's ready lines (``ACS_API_BASE``, ``ACS_API_KEY``, ``PREFECT_UI`
 ``serve_in_thread(app)`` serves an app made by ``api.app.create_app`` (with the parts a test
 swaps: an engine pool on the session's engine, a budget or limiter of its own) under uvicorn in
 a thread of the test process, without its lifespan (no watcher: the routes these tests call
-need none); a context manager giving the server's root URL.
+need none; no migration either: hand such an app ``store=job_store``); a context manager giving
+the server's root URL.
+``job_store`` → ``api.db.JobStore``: the session's own job store (SQLite at
+``<HARVEST_HOME>/harvest.db``, the default of the session's settings), migrated. The apps a test
+serves in its own process are made with it (``create_app(store=job_store)``), and the test makes
+their keys in it (``create_key(name, engine=job_store.engine)``) and counts its statements there.
 
 ``FileRuns`` is the run store of the Prefect-free servers: the one seam the API tests fake.
 Each ``read`` appends a line to ``<runs_dir>/reads.log``; a file ``<runs_dir>/unreachable``
@@ -431,6 +436,18 @@ def _server(home: Path, name: str, env: dict[str, str | None] | None = None):
 @pytest.fixture(scope="session")
 def api_server(harvest_home: Path, tiny):
     yield from _server(harvest_home, "plain")
+
+
+@pytest.fixture(scope="session")
+def job_store():
+    """The session's job store, migrated (see the module docstring)."""
+    from api.db import JobStore
+    from api.settings import ApiSettings
+    from harvest.settings import get_settings
+
+    store = JobStore.from_settings(get_settings(ApiSettings)).migrate()
+    yield store
+    store.dispose()
 
 
 @pytest.fixture(scope="session")

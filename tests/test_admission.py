@@ -357,7 +357,7 @@ def test_the_replica_asks_for_the_shortest_slice_and_its_assessing_children_go_b
     slice unless its own is shorter (EEVDF): every thread of the replica runs with the
     kernel's shortest slice, read back from /proc; its assessing children, started by it and
     so inheriting it, are bulk work and go back to the kernel's default."""
-    from harvest.cpu_share import RESPONSIVE_SLICE_NS
+    from api.responsiveness import RESPONSIVE_SLICE_NS
 
     pid = replica.process.pid
     if not slices_supported():  # before Linux 6.12 the slice is ignored (the fallback): the replica still serves

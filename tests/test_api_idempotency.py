@@ -18,7 +18,7 @@ from api.errors import ConcurrencyExceeded, IdempotencyConflict
 from api.idempotency import prune_expired, submit_once
 from api.store import admit
 from harvest.request import HarvestRequest
-from tests.test_api_store import _job, engine  # noqa: F401 (a fixture)
+from tests.test_api_store import _job, engine, store  # noqa: F401 (fixtures)
 
 
 def _count(engine, key_id: str) -> int:  # noqa: F811

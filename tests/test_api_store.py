@@ -16,9 +16,10 @@ import pytest
 from sqlalchemy import inspect, insert, select, text
 
 from api.auth import activations_used, authenticate, create_key, reserve_activations, revoke_key, settle_activations
-from api.db import charge_ledger, jobs, make_engine, upgrade
+from api.db import JobStore, charge_ledger, jobs, make_engine, upgrade
 from api.errors import NotCancellable, NotFound, RateLimited, Unauthorized
 from api.runs import RunStatus
+from api.settings import ApiSettings
 from api.store import (
     active_jobs,
     admit,
@@ -27,31 +28,36 @@ from api.store import (
     cancel_job,
     get_job,
     list_jobs,
-    set_spend_cap,
     record_restart,
+    set_spend_cap,
     tokens_used,
 )
-from api.settings import ApiSettings
 from tests.api_fixtures import drop_pg_schema, pg_schema_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def engine(request, tmp_path):
+def store(request, tmp_path):
+    """A fresh job store, migrated: a new SQLite file, or a new schema on the PostgreSQL server."""
     if request.param == "sqlite":
-        eng = make_engine(f"sqlite:///{tmp_path / 'store.db'}")
-        upgrade(eng)
-        yield eng
-        eng.dispose()
+        made = JobStore.from_url(f"sqlite:///{tmp_path / 'store.db'}").migrate()
+        yield made
+        made.dispose()
         return
     schema = f"harvest_test_{uuid.uuid4().hex[:10]}"
     url = pg_schema_url(schema)
-    eng = make_engine(url)
+    made = JobStore.from_url(url)
     try:
-        upgrade(eng)
-        yield eng
+        made.migrate()
+        yield made
     finally:
-        eng.dispose()
+        made.dispose()
         drop_pg_schema(url, schema)
+
+
+@pytest.fixture
+def engine(store):
+    """The store's engine of jobs, keys and charges (what most of the store's functions take)."""
+    return store.engine
 
 
 def _job(lane: str = "small", tokens: int = 10) -> dict:
@@ -464,50 +470,43 @@ def test_a_keys_request_rate_holds_under_concurrency_across_replicas(engine):
         other_replica.dispose()
 
 
-def test_a_requests_key_and_bucket_are_one_transaction_whose_commit_skips_the_disk_wait(engine, monkeypatch):
+def test_a_requests_key_and_bucket_are_one_transaction_whose_commit_skips_the_disk_wait(store):
     """`authenticate_within_rate`, which every request with a key pays: one transaction for the
     key and its bucket, on PostgreSQL on connections whose commits do not wait for the WAL to
     reach the disk (`synchronous_commit=off`), while the jobs' engine stays durable. Read back
     from the server's own settings and, for the bucket, through the jobs' engine."""
-    import api.db
     from sqlalchemy import event
 
-    from api.db import get_rates_engine, rate_buckets
+    from api.db import rate_buckets
     from api.ratelimit import authenticate_within_rate
 
-    monkeypatch.setattr(api.db, "_engine", engine)
-    monkeypatch.setattr(api.db, "_rates_engine", None)
-    rates = get_rates_engine()
-    try:
-        begun = {"rates": 0, "jobs": 0}
-        event.listen(rates, "begin", lambda _conn: begun.__setitem__("rates", begun["rates"] + 1))
-        if rates is not engine:
-            event.listen(engine, "begin", lambda _conn: begun.__setitem__("jobs", begun["jobs"] + 1))
-        key, record = create_key("reader", rate_read_burst=5, engine=engine)
-        begun.update(rates=0, jobs=0)
+    engine, rates = store.engine, store.rates
+    begun = {"rates": 0, "jobs": 0}
+    event.listen(rates, "begin", lambda _conn: begun.__setitem__("rates", begun["rates"] + 1))
+    if rates is not engine:
+        event.listen(engine, "begin", lambda _conn: begun.__setitem__("jobs", begun["jobs"] + 1))
+    key, record = create_key("reader", rate_read_burst=5, engine=engine)
+    begun.update(rates=0, jobs=0)
 
-        assert authenticate_within_rate(f"Bearer {key}", "read", ApiSettings()).id == record.id
-        assert begun == {"rates": 1, "jobs": 0}
+    assert authenticate_within_rate(f"Bearer {key}", "read", ApiSettings(), store).id == record.id
+    assert begun == {"rates": 1, "jobs": 0}
+    with engine.connect() as conn:
+        tokens = conn.execute(select(rate_buckets.c.tokens).where(rate_buckets.c.key_id == record.id)).scalar_one()
+    assert tokens == pytest.approx(4.0, abs=0.01)  # one of the burst of 5 taken
+
+    with pytest.raises(Unauthorized):
+        authenticate_within_rate("Bearer acs_" + "0" * 32, "read", ApiSettings(), store)
+    with engine.connect() as conn:
+        assert conn.execute(select(rate_buckets.c.key_id)).scalars().all() == [record.id]  # none for the unknown key
+
+    if engine.dialect.name == "postgresql":
+        assert rates is not engine
+        with rates.connect() as conn:
+            assert conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one() == "off"
         with engine.connect() as conn:
-            tokens = conn.execute(select(rate_buckets.c.tokens).where(rate_buckets.c.key_id == record.id)).scalar_one()
-        assert tokens == pytest.approx(4.0, abs=0.01)  # one of the burst of 5 taken
-
-        with pytest.raises(Unauthorized):
-            authenticate_within_rate("Bearer acs_" + "0" * 32, "read", ApiSettings())
-        with engine.connect() as conn:
-            assert conn.execute(select(rate_buckets.c.key_id)).scalars().all() == [record.id]  # none for the unknown key
-
-        if engine.dialect.name == "postgresql":
-            assert rates is not engine
-            with rates.connect() as conn:
-                assert conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one() == "off"
-            with engine.connect() as conn:
-                assert conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one() == "on"
-        else:
-            assert rates is engine  # SQLite: one store, one writer
-    finally:
-        if rates is not engine:
-            rates.dispose()
+            assert conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one() == "on"
+    else:
+        assert rates is engine  # SQLite: one store, one writer
 
 
 def test_job_reads_on_postgresql_send_no_begin_and_leave_the_pool_transactional(engine):

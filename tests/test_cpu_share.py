@@ -97,7 +97,8 @@ def test_idle_openmp_threads_sleep_unless_the_operator_chose_otherwise():
 
 SLICES = """
 import json, os, threading, time
-from harvest.cpu_share import lower_priority, respond_quickly
+from api.responsiveness import respond_quickly
+from harvest.cpu_share import lower_priority
 from tests.proc_threads import thread_slices
 
 def started():
@@ -118,7 +119,7 @@ def test_a_responsive_process_asks_every_thread_for_the_shortest_slice_and_bulk_
     """`respond_quickly` (an API replica) gives every thread, and those started after, the
     kernel's shortest slice; `lower_priority` (bulk work, which may be a replica's child and
     so inherit it) puts every thread back to the default. Read from /proc/PID/task/TID/sched."""
-    from harvest.cpu_share import RESPONSIVE_SLICE_NS
+    from api.responsiveness import RESPONSIVE_SLICE_NS
 
     out = subprocess.run([sys.executable, "-c", SLICES], capture_output=True, text=True, timeout=60, check=True,
                          start_new_session=True, cwd=str(Path(__file__).resolve().parent.parent))

@@ -150,29 +150,29 @@ class _Statements:
 
 
 @pytest.fixture(scope="module")
-def fair_app():
-    """The app with one blocking call at a time on the replica and 8 reads in flight a key."""
+def fair_app(job_store):
+    """The app on the session's job store with one blocking call at a time on the replica and
+    8 reads in flight a key."""
     from api.app import create_app
 
-    app = create_app(fair_share=FairShare(per_key=8, at_once=1))
+    app = create_app(store=job_store, fair_share=FairShare(per_key=8, at_once=1))
     with serve_in_thread(app) as root:
         yield f"{root}/v1", app
 
 
-def test_a_key_over_its_rate_is_refused_from_memory_until_a_token_is_back(fair_app):
+def test_a_key_over_its_rate_is_refused_from_memory_until_a_token_is_back(fair_app, job_store):
     """After the store says the bucket is empty, the key's reads are 429 without a statement;
     once the store's wait has passed, a read is served again."""
     from api.auth import create_key
-    from api.db import get_engine
 
     base, _ = fair_app
-    key = create_key("fair-slow-reader", rate_read_per_s=1.0, rate_read_burst=1)[0]
+    key = create_key("fair-slow-reader", rate_read_per_s=1.0, rate_read_burst=1, engine=job_store.engine)[0]
     with httpx.Client(base_url=base, headers=_auth(key), timeout=30) as client:
         assert client.get("/harvest").status_code == 200
         refused = client.get("/harvest")  # the store answers: empty for about a second
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
         started = time.monotonic()
-        with _Statements(get_engine()) as statements:
+        with _Statements(job_store.engine) as statements:
             again = [client.get("/harvest") for _ in range(10)] + [client.get("/models")]
         assert [r.status_code for r in again] == [429] * 11
         assert statements.all == 0, f"{statements.all} job-store statements for requests refused from memory"
@@ -182,16 +182,15 @@ def test_a_key_over_its_rate_is_refused_from_memory_until_a_token_is_back(fair_a
         assert client.get("/harvest").status_code == 200  # never refused past the store's own answer
 
 
-def test_a_key_with_many_requests_in_flight_cannot_keep_another_keys_read_waiting(fair_app):
+def test_a_key_with_many_requests_in_flight_cannot_keep_another_keys_read_waiting(fair_app, job_store):
     """Key A sends 12 reads at once, each of its lookups slowed to 0.3 s by a busy store: the
     replica works on 8 (its share), the other 4 are 429 at once without a statement; key B's
     one read, sent meanwhile, is served in turn (after about 3 of A's calls), not after A's 7 queued
     lookups (2.1 s and more)."""
     from api.auth import bearer_hash, create_key
-    from api.db import get_engine
 
     base, _ = fair_app
-    greedy, other = create_key("fair-greedy")[0], create_key("fair-other")[0]
+    greedy, other = create_key("fair-greedy", engine=job_store.engine)[0], create_key("fair-other", engine=job_store.engine)[0]
     delay = 0.3
 
     client = httpx.Client(base_url=base, timeout=60, limits=httpx.Limits(max_connections=20))
@@ -201,7 +200,7 @@ def test_a_key_with_many_requests_in_flight_cannot_keep_another_keys_read_waitin
         response = client.get("/harvest", headers=_auth(key))
         return response.status_code, dict(response.headers), time.monotonic() - started
 
-    with client, _Statements(get_engine(), marker=bearer_hash(f"Bearer {greedy}"), delay_s=delay) as statements, \
+    with client, _Statements(job_store.engine, marker=bearer_hash(f"Bearer {greedy}"), delay_s=delay) as statements, \
             ThreadPoolExecutor(13) as pool:
         flood = [pool.submit(read, greedy) for _ in range(12)]
         time.sleep(0.15)

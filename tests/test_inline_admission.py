@@ -57,22 +57,22 @@ def _auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _serve(tiny, admission):
+def _serve(tiny, admission, store):
     from api.app import create_app
     from api.fairshare import FairShare
     from api.lease import Lease
-    from api.watcher import Watcher
     from api.settings import ApiSettings
+    from api.watcher import Watcher
     from harvest.settings import get_settings
     from tests.api_fixtures import serve_in_thread
 
     settings = get_settings(ApiSettings)
     with open(settings.models_file, "rb") as handle:
         registry = GatedRegistry(tomllib.load(handle)["models"], settings)
-    app = create_app(registry=registry, admission=admission, fair_share=FairShare(per_key=8, at_once=4))
+    app = create_app(store=store, registry=registry, admission=admission, fair_share=FairShare(per_key=8, at_once=4))
     # A watcher never started (served without the lifespan): no submit here gets as far as a run.
-    app.state.watcher = Watcher(app.state.runs, app.state.storage, interval=1, max_waiters=1,
-                                lease=Lease("watcher", "inline-admission-test", 10))
+    app.state.watcher = Watcher(app.state.runs, app.state.storage, store, interval=1, max_waiters=1,
+                                lease=Lease("watcher", "inline-admission-test", 10, store.engine))
     return serve_in_thread(app), app, registry
 
 
@@ -81,7 +81,7 @@ def _ids_body(n_ids: int, **fields) -> bytes:
     return json.dumps({"model": "llama-tiny", "prompt": [12345] * n_ids, "max_tokens": 1, **fields}).encode()
 
 
-def test_a_burst_of_one_keys_inline_bodies_waits_in_its_share_and_never_delays_another_keys_read(tiny):
+def test_a_burst_of_one_keys_inline_bodies_waits_in_its_share_and_never_delays_another_keys_read(tiny, job_store):
     """Key A sends 45 completions of 350 KB each at once, their parse held open by the gate.
     Before: each took a thread of the pool every route's blocking work shares (40), so key B's
     one read waited for the burst to end. Now: one of A's is parsed (its key's share), the rest
@@ -90,9 +90,9 @@ def test_a_burst_of_one_keys_inline_bodies_waits_in_its_share_and_never_delays_a
     from api.auth import create_key
 
     budget = AdmissionBudget(concurrency=2, max_bytes=128 << 20, key_share=1, queue=64, wait_s=60)
-    server, app, registry = _serve(tiny, budget)
-    burst = create_key("inline-burst", rate_submit_per_s=100.0, rate_submit_burst=100)[0]
-    reader = create_key("inline-reader")[0]
+    server, app, registry = _serve(tiny, budget, job_store)
+    burst = create_key("inline-burst", rate_submit_per_s=100.0, rate_submit_burst=100, engine=job_store.engine)[0]
+    reader = create_key("inline-reader", engine=job_store.engine)[0]
     body = _ids_body(50_000)
     assert len(body) > 300_000
     with server as root, httpx.Client(base_url=f"{root}/v1", timeout=120, limits=httpx.Limits(max_connections=64)) as client, \
@@ -118,7 +118,7 @@ def test_a_burst_of_one_keys_inline_bodies_waits_in_its_share_and_never_delays_a
     assert (budget.submits, budget.bytes, budget.working, budget.waiting) == (0, 0, 0, 0)
 
 
-def test_inline_bodies_hold_their_bytes_and_their_keys_share_so_others_get_503_replica_busy(tiny):
+def test_inline_bodies_hold_their_bytes_and_their_keys_share_so_others_get_503_replica_busy(tiny, job_store):
     """An 8 MB completion held at its parse holds 8 MB of a 12 MB budget: a 5 MB submit and a
     5 MB completion of other keys are answered 503 `replica_busy` with Retry-After, as is a
     second completion of the same key (its share); once answered, it holds nothing."""
@@ -126,8 +126,9 @@ def test_inline_bodies_hold_their_bytes_and_their_keys_share_so_others_get_503_r
     from api.auth import create_key
 
     budget = AdmissionBudget(concurrency=2, max_bytes=12 << 20, key_share=1, queue=64, wait_s=0.5)
-    server, app, registry = _serve(tiny, budget)
-    big, other, submitter = (create_key(f"inline-budget-{name}", small=5)[0] for name in ("big", "other", "submitter"))
+    server, app, registry = _serve(tiny, budget, job_store)
+    big, other, submitter = (create_key(f"inline-budget-{name}", small=5, engine=job_store.engine)[0]
+                             for name in ("big", "other", "submitter"))
     large = _ids_body(1_150_000)
     assert 7 << 20 < len(large) <= 8 << 20
     five_mb = _ids_body(800_000)

@@ -240,6 +240,29 @@ def test_no_import_circles():
     assert circles(graph) == []
 
 
+def test_the_core_never_names_the_api_replica():
+    """The core (`harvest/`) serves a worker host, a run and a notebook as much as the API: what
+    only an API replica needs (its errors, inline engine processes, scheduling slice, settings)
+    lives in `api/`, and the core's words name no replica (tensor-parallel "replicated" too:
+    the word is the API's)."""
+    named = [f"{path.relative_to(REPO)}:{number}" for path in sorted((REPO / "harvest").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if "replica" in line.lower()]
+    assert named == []
+
+
+def test_each_layer_owns_its_settings_section():
+    """The core's settings hold no field of the API's or the fleet's, and each layer's section
+    extends the one below it, so every variable keeps its one name (HARVEST_<FIELD>)."""
+    from api.settings import ApiSettings
+    from fleet.settings import FleetSettings
+    from harvest.settings import Settings
+
+    core, api, fleet = (set(section.model_fields) for section in (Settings, ApiSettings, FleetSettings))
+    assert core < api < fleet
+    assert {"database_url", "signing_secret", "admission_bytes", "rate_read_per_s"} <= api - core
+    assert {"prefect_port", "restart_limit"} <= fleet - api
+
+
 # The API's settings reach its routes from the app (`create_app(settings=…)`, read as
 # `api.deps.AppSettings` or `app.state.settings`). Only the factory's default, the job store's
 # default URL and the `harvest keys` command read the process's own.
@@ -275,3 +298,132 @@ def test_two_apps_in_one_process_keep_their_own_settings(tmp_path):
         assert app.state.settings.public_base_url == url
         assert app.state.link_signer.sign(url, "j", "shard_00000.safetensors", 1).startswith(f"{url}/v1/files/j/")
     assert made[0].state.link_signer.mac("j", "n", 1) != made[1].state.link_signer.mac("j", "n", 1)  # each home's secret
+
+
+# The job store reaches the API the same way: `create_app(store=…)` (an `api.db.JobStore`, built
+# from the app's settings when not given), read as `api.deps.Store` or `app.state.store`; the
+# roles and the `harvest keys` command make their own. No module keeps one.
+_STORE_TYPES = {"Engine", "JobStore"}
+
+
+def _makes_store(node: ast.AST) -> bool:
+    """Whether `node` makes an engine or a store: `make_engine(…)`, `create_engine(…)`,
+    `JobStore(…)`, `JobStore.from_settings(…)` / `.from_url(…)`."""
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        func = call.func
+        if getattr(func, "id", getattr(func, "attr", None)) in {"make_engine", "create_engine", "JobStore"}:
+            return True
+        if isinstance(func, ast.Attribute) and func.attr in {"from_settings", "from_url"} and "JobStore" in _named(func.value):
+            return True
+    return False
+
+
+def _named(node: ast.AST | None) -> set[str]:
+    return set() if node is None else {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node)}
+
+
+def store_globals(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each job store a module keeps for its whole process: a module-level name
+    annotated `Engine` or `JobStore`, or assigned an engine or a store made there; a function
+    that makes one into a `global`; a `get_…engine` function that hands it out."""
+    tree = ast.parse(source)
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            if _named(getattr(node, "annotation", None)) & _STORE_TYPES or _makes_store(node):
+                found.append((node.lineno, ast.unparse(node).split("=")[0].strip()))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if re.fullmatch(r"get_\w*engine", node.name):
+                found.append((node.lineno, f"{node.name}()"))
+            elif any(isinstance(n, ast.Global) for n in ast.walk(node)) and _makes_store(node):
+                found.append((node.lineno, f"{node.name}() makes a global engine"))
+    return found
+
+
+def test_no_api_module_keeps_a_job_store_of_its_own():
+    """Before: `api.db` kept the process's engine and the rates engine in two module globals,
+    handed out by a getter each, every store function fell back to them, and tests reached the
+    store by patching the global."""
+    kept = [f"{path.relative_to(REPO)}:{line}: {what}"
+            for path in sorted((REPO / "api").rglob("*.py")) for line, what in store_globals(path.read_text())]
+    assert kept == []
+
+
+def test_the_store_scan_sees_a_module_global_engine():
+    """What the scan above must catch: the old `api.db` (each of its three shapes), and what it
+    must not: an engine held by an object, a function's own engine, a dependency's alias,
+    another part made from settings."""
+    old = '''
+_engine: Engine | None = None
+_fast = None
+ENGINE = make_engine("sqlite://")
+STORE = JobStore.from_settings(settings)
+
+def get_process_engine() -> Engine:
+    global _engine
+    _engine = _engine or make_engine(database_url())
+    return _engine
+
+def rates():
+    global _fast
+    _fast = make_engine(url, pool_size=5)
+'''
+    assert [what for _, what in store_globals(old)] == [
+        "_engine: Engine | None", "ENGINE", "STORE", "get_process_engine()", "rates() makes a global engine",
+    ]
+    fine = '''
+Store = Annotated[JobStore, Depends(store)]
+SHARE = FairShare.from_settings(settings)
+
+class JobStore:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+def migrate(url: str) -> None:
+    engine = make_engine(url)
+    upgrade(engine)
+'''
+    assert store_globals(fine) == []
+
+
+def test_two_apps_in_one_process_keep_their_own_job_stores(tmp_path):
+    """Each app answers from the job store it was made with: a key made in one store opens that
+    app's keyed routes (GET /v1/harvest: 200) and not the other's (401), in one process. An app
+    given no store gets the one its own settings name (`<home>/harvest.db`)."""
+    import asyncio
+
+    import httpx
+
+    from api.app import create_app
+    from api.auth import authenticate, create_key
+    from api.db import JobStore
+    from api.errors import Unauthorized
+    from api.settings import ApiSettings
+
+    stores = [JobStore.from_url(f"sqlite:///{tmp_path / name / 'harvest.db'}").migrate() for name in ("one", "two")]
+    try:
+        apps = [create_app(settings=ApiSettings(home=tmp_path / name), store=store)
+                for name, store in zip(("one", "two"), stores)]
+        assert [app.state.store for app in apps] == stores
+        key, record = create_key("only-in-one", engine=stores[0].engine)
+        assert authenticate(f"Bearer {key}", apps[0].state.store.engine).id == record.id
+        with pytest.raises(Unauthorized):
+            authenticate(f"Bearer {key}", apps[1].state.store.engine)
+
+        async def list_harvests(app) -> httpx.Response:  # in process, without the lifespan (the stores are migrated)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                return await client.get("/v1/harvest", headers={"Authorization": f"Bearer {key}"})
+
+        mine, theirs = (asyncio.run(list_harvests(app)) for app in apps)
+        assert mine.status_code == 200 and mine.json()["data"] == [], mine.text
+        assert theirs.status_code == 401 and theirs.json()["error"]["code"] == "invalid_api_key", theirs.text
+    finally:
+        for store in stores:
+            store.dispose()
+
+    default = create_app(settings=ApiSettings(home=tmp_path / "three"))
+    try:
+        assert default.state.store.engine.url.database == str(tmp_path / "three" / "harvest.db")
+    finally:
+        default.state.store.dispose()

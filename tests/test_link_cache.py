@@ -47,27 +47,31 @@ def _serials(result: dict) -> set[int]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The app, its storage, and its link cache (links reused for 2 s)."""
+    """The app on a job store of its own, its storage, and its link cache (links reused for 2 s)."""
     from api.app import create_app
+    from api.db import JobStore
+    from api.lease import Lease
     from api.links import LinkCache
+    from api.watcher import Watcher
     from harvest.storage import Storage
-    from tests.api_fixtures import FileRuns
+    from tests.api_fixtures import FileRuns, serve_in_thread
 
+    store = JobStore.from_url(f"sqlite:///{tmp_path_factory.mktemp('links-store') / 'harvest.db'}").migrate()
     storage = Storage("memory://links-test", fs=SigningMemoryFS(), root="/links-test")
     cache = LinkCache(reuse_s=2.0)
-    app = create_app(storage=storage, runs=FileRuns(tmp_path_factory.mktemp("runs")), link_cache=cache)
-    from api.lease import Lease
-    from api.watcher import Watcher
-    from tests.api_fixtures import serve_in_thread
-
+    app = create_app(store=store, storage=storage, runs=FileRuns(tmp_path_factory.mktemp("runs")), link_cache=cache)
     # A watcher that is never started: these reads never wait for a job to change.
-    app.state.watcher = Watcher(app.state.runs, storage, interval=1, max_waiters=1, lease=Lease("watcher", "links-test", 10))
-    with serve_in_thread(app) as root:
-        yield f"{root}/v1", storage, cache
+    app.state.watcher = Watcher(app.state.runs, storage, store, interval=1, max_waiters=1,
+                                lease=Lease("watcher", "links-test", 10, store.engine))
+    try:
+        with serve_in_thread(app) as root:
+            yield f"{root}/v1", storage, cache, store
+    finally:
+        store.dispose()
 
 
-def _job(owner, storage, status: str) -> str:
-    """A job of `N_SHARDS` shards in the real store, ended with `status` (done: its manifest written)."""
+def _job(owner, storage, status: str, engine) -> str:
+    """A job of `N_SHARDS` shards in the job store of `engine`, ended with `status` (done: its manifest written)."""
     from api.db import jobs, transaction, utcnow
     from api.store import admit
     from harvest.jobfiles import JobFiles
@@ -76,10 +80,10 @@ def _job(owner, storage, status: str) -> str:
     files = JobFiles.for_job(job_id, storage)
     admit(owner, {"id": job_id, "model": "llama-tiny", "lane": "small", "n_prompts": N_SHARDS, "layers": [1],
                   "shard_size": 1, "n_shards": N_SHARDS, "add_special_tokens": True, "contents": "activations",
-                  "reserved_tokens": N_SHARDS, "request_url": files.request_url}, capacity=1000)
+                  "reserved_tokens": N_SHARDS, "request_url": files.request_url}, capacity=1000, engine=engine)
     result = {"n_shards": N_SHARDS, "layer_indices": [1], "contents": "activations", "tokens": N_SHARDS,
               "bytes_written": 1, "timings": {}}
-    with transaction() as conn:
+    with transaction(engine) as conn:
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(
             status=status, completed_at=utcnow(), tokens=0, result=result if status == "done" else None))
     if status == "done":
@@ -93,10 +97,10 @@ def test_reads_of_a_done_job_sign_its_links_once_until_they_near_expiry_and_only
     from harvest.jobfiles import JobFiles
     from harvest.settings import get_settings
 
-    base, storage, cache = served
-    key, owner = create_key("links-owner", small=10)
-    stranger = create_key("links-stranger")[0]
-    done, cancelled = _job(owner, storage, "done"), _job(owner, storage, "cancelled")
+    base, storage, cache, store = served
+    key, owner = create_key("links-owner", small=10, engine=store.engine)
+    stranger = create_key("links-stranger", engine=store.engine)[0]
+    done, cancelled = _job(owner, storage, "done", store.engine), _job(owner, storage, "cancelled", store.engine)
 
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
         first_at = time.time()

@@ -74,35 +74,35 @@ def test_one_key_cannot_take_every_long_poll_slot(harvest_api, key):
 # --- callers without a valid key ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def keyed_app():
-    """The app with an address limit of 5 requests without a valid key (then 1 every 100 s),
-    under uvicorn in a thread; the tests read the models route (a read with a key)."""
+def keyed_app(job_store):
+    """The app on the session's job store with an address limit of 5 requests without a valid
+    key (then 1 every 100 s), under uvicorn in a thread; the tests read the models route (a read
+    with a key)."""
     from api.app import create_app
     from api.ratelimit import AddressLimiter
 
     limiter = AddressLimiter(per_s=0.01, burst=5)
-    with serve_in_thread(create_app(anonymous_limiter=limiter)) as root:
+    with serve_in_thread(create_app(store=job_store, anonymous_limiter=limiter)) as root:
         yield f"{root}/v1", limiter
 
 
-def test_requests_without_a_valid_key_are_limited_per_address_before_the_job_store(keyed_app):
+def test_requests_without_a_valid_key_are_limited_per_address_before_the_job_store(keyed_app, job_store):
     """Once the address is empty, a request without a key costs no statement; made-up keys of
     a key's shape cost only the replica's reads of the key list, one a second at most
     (`api.ratelimit.KnownKeys`), however many arrive: never one lookup per request."""
     from concurrent.futures import ThreadPoolExecutor
 
     from api.auth import create_key
-    from api.db import get_engine
     from api.ratelimit import KEY_LIST_EVERY_S
 
     base_url, limiter = keyed_app
-    valid = create_key("bounds-valid")[0]
+    valid = create_key("bounds-valid", engine=job_store.engine)[0]
     statements: list[str] = []
 
     def count(conn, cursor, statement, *args):
         statements.append(statement)
 
-    engine = get_engine()
+    engine = job_store.engine
     event.listen(engine, "before_cursor_execute", count)
     try:
         with httpx.Client(base_url=base_url, timeout=30) as client:

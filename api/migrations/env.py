@@ -7,6 +7,8 @@ use); run by hand, it migrates the database of HARVEST_DATABASE_URL.
 from alembic import context
 
 from api.db import database_url, make_engine, metadata
+from api.settings import ApiSettings
+from harvest.settings import get_settings
 
 config = context.config
 
@@ -21,5 +23,5 @@ connection = config.attributes.get("connection")
 if connection is not None:
     _run(connection)
 else:
-    with make_engine(database_url()).begin() as conn:
+    with make_engine(database_url(get_settings(ApiSettings))).begin() as conn:
         _run(conn)

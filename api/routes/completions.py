@@ -57,7 +57,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import Admission, AdmissionBudget, declared_bytes, read_body_within
 from api.auth import ApiKey, reserve_activations, settle_activations
-from api.deps import INLINE_MAX_BODY_BYTES, Models
+from api.db import JobStore
+from api.deps import INLINE_MAX_BODY_BYTES, Models, Store
 from api.errors import ReplicaBusy
 from api.inline_engines import InlineEngines
 from api.openapi import errors, request_body
@@ -246,15 +247,16 @@ async def admit_inline(request: Request, budget: AdmissionBudget, key: ApiKey,
             return await budget.call(prepare, raw)
 
 
-async def serve_inline(request: Request, key: SubmitKey, prepared: PreparedCompletion, respond: Respond) -> StreamingResponse:
+async def serve_inline(request: Request, key: SubmitKey, store: JobStore, prepared: PreparedCompletion,
+                       respond: Respond) -> StreamingResponse:
     """Run a checked inline request under the replica's response budget and the key's
-    activation quota, and stream what `respond` renders: the one path of every inline route,
-    so the budget and the quota apply to each exactly alike."""
+    activation quota (kept in the app's job `store`), and stream what `respond` renders: the one
+    path of every inline route, so the budget and the quota apply to each exactly alike."""
     hold = response_budget(request.app).hold(prepared.max_residual_bytes)
     try:
         month = None
         if prepared.layers is not None:
-            month = await run_in_threadpool(reserve_activations, key, prepared.max_positions)
+            month = await run_in_threadpool(reserve_activations, key, prepared.max_positions, store.engine)
         try:
             generation = await inline_engines(request.app).generate(prepared.model, prepared.prompt_ids, prepared.sampling,
                                                                     prepared.layers)
@@ -264,11 +266,12 @@ async def serve_inline(request: Request, key: SubmitKey, prepared: PreparedCompl
         except BaseException:
             if month is not None:  # shielded: a client that left cancels the request, not this
                 with anyio.CancelScope(shield=True):
-                    await run_in_threadpool(settle_activations, key, month, prepared.max_positions, 0)
+                    await run_in_threadpool(settle_activations, key, month, prepared.max_positions, 0, store.engine)
             raise
         if month is not None:
             with anyio.CancelScope(shield=True):
-                await run_in_threadpool(settle_activations, key, month, prepared.max_positions, answer.positions)
+                await run_in_threadpool(settle_activations, key, month, prepared.max_positions, answer.positions,
+                                        store.engine)
         hold.shrink(raw_bytes)
     except BaseException:
         hold.release()
@@ -292,11 +295,12 @@ INLINE_RESPONSES = {
 
 @router.post("/v1/completions", responses=INLINE_RESPONSES,
              openapi_extra=request_body(CompletionRequest, patch=accepted_schema(CompletionRequest)))
-async def create_completion(request: Request, budget: Admission, registry: Models, key: SubmitKey) -> StreamingResponse:
+async def create_completion(request: Request, budget: Admission, registry: Models, store: Store,
+                            key: SubmitKey) -> StreamingResponse:
     """A completion; with `output_residual_stream`, the residual stream at every position that
     ran; with `stream`, server-sent events (`harvest.inline_stream`)."""
     # Tokenizing (and, the first time, reading the model's files) is blocking work.
     prepared = await admit_inline(request, budget, key,
                                   lambda raw: prepare_completion(parse_completion_request(decode_json(raw)), registry))
     stream = prepared.request.stream
-    return await serve_inline(request, key, prepared, completion_events if stream else completion_response)
+    return await serve_inline(request, key, store, prepared, completion_events if stream else completion_response)

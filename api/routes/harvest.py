@@ -19,11 +19,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import MAX_BODY_BYTES, AppSettings, Files, JobWatcher, Links, Models, Runs
 from api.admission import Admission, declared_bytes, read_body_within
 from api.auth import ApiKey
+from api.deps import MAX_BODY_BYTES, AppSettings, Files, JobWatcher, Links, Models, Runs, Store
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.idempotency import submit_once
 from api.openapi import KEYED, errors, request_body
@@ -31,8 +32,8 @@ from api.ratelimit import ReadKey, ReadShare, SubmitKey
 from api.runs import RunStore
 from api.schemas import Harvest, HarvestList, render
 from api.settings import ApiSettings
-from api.watcher import Watcher
 from api.store import admit, attach_run, cancel_job, fail_job, get_job, list_jobs, run_stopped
+from api.watcher import Watcher
 from harvest.errors import ModelUnavailable
 from harvest.jobfiles import JobFiles
 from harvest.lanes import load_lanes
@@ -53,11 +54,14 @@ log = logging.getLogger("harvest.api")
 router = APIRouter(prefix="/v1", tags=["harvest"])
 
 
-def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore, settings: ApiSettings) -> dict:
-    """Admit the prepared job under the caps, write its request, start its run."""
+def _submit(
+    key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, runs: RunStore, settings: ApiSettings, engine: Engine,
+) -> dict:
+    """Admit the prepared job under the caps (in the job store of `engine`), write its request,
+    start its run."""
     quota = settings.storage_quota_bytes if key.storage_quota is None else key.storage_quota
     admit(key, job, capacity=load_lanes(settings)[job["lane"]].capacity, storage_quota=quota,
-          retention_days=settings.retention_days)
+          retention_days=settings.retention_days, engine=engine)
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts. It
         # names the layers admission resolved ("quartiles", a default), so the run captures
@@ -69,28 +73,29 @@ def _submit(key: ApiKey, request: HarvestRequest, job: dict, storage: Storage, r
         # back): the job is failed and charged nothing, and its runs are cancelled by the job's
         # tag, here or, if the backend is away, by the watcher (`stop_run`).
         log.error("job %s: its run could not be started", job["id"], exc_info=exc)
-        fail_job(job["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True)
-        _stop_runs(job["id"], runs)
+        fail_job(job["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True,
+                 engine=engine)
+        _stop_runs(job["id"], runs, engine)
         unavailable = ModelUnavailable(
             f"The harvest app for {job['model']} is not reachable right now. Job {job['id']} was recorded as failed "
             "and charged nothing; show us this id if it persists."
         )
         unavailable.headers["Retry-After"] = str(START_RETRY_AFTER_S)  # the start gave up within its bound
         raise unavailable from exc
-    attach_run(job["id"], run_id)
-    row = get_job(job["id"])
+    attach_run(job["id"], run_id, engine)
+    row = get_job(job["id"], engine=engine)
     if row["status"] == "cancelled":  # cancelled while its run was starting
         runs.cancel(run_id)
     return row
 
 
-def _stop_runs(job_id: str, runs: RunStore) -> None:
+def _stop_runs(job_id: str, runs: RunStore, engine: Engine) -> None:
     try:
         runs.cancel_job(job_id)
     except Exception:  # the watcher tries again (`stop_run` stays set)
         log.warning("job %s: could not cancel its runs yet; the watcher will", job_id, exc_info=True)
     else:
-        run_stopped(job_id)
+        run_stopped(job_id, engine)
 
 
 _FOLLOW = {
@@ -115,7 +120,7 @@ _FOLLOW = {
 )
 async def submit_harvest(
     request: Request, budget: Admission, registry: Models, storage: Files, runs: Runs, watcher: JobWatcher,
-    links: Links, settings: AppSettings, key: SubmitKey,
+    links: Links, settings: AppSettings, store: Store, key: SubmitKey,
 ):
     """Submit a harvest: 202 with the harvest object, status pending."""
     async with budget.hold(key.id, declared_bytes(request, MAX_BODY_BYTES)):
@@ -130,8 +135,9 @@ async def submit_harvest(
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(
-            partial(submit_once, window_s=settings.idempotency_window_s),
-            key.id, idempotency_key, harvest_request, lambda: _submit(key, harvest_request, job, storage, runs, settings),
+            partial(submit_once, engine=store.engine, window_s=settings.idempotency_window_s),
+            key.id, idempotency_key, harvest_request,
+            lambda: _submit(key, harvest_request, job, storage, runs, settings, store.engine),
         )
     watcher.kick()
     return JSONResponse(render(row, storage, links), status_code=202)
@@ -146,12 +152,13 @@ async def read_harvest(
     storage: Files,
     watcher: JobWatcher,
     links: Links,
+    store: Store,
     share: ReadShare,
     key: ReadKey,
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to hold the request until the status changes.")] = 0,
 ):
     """Read a harvest; with `wait`, answer when its status changes or after `wait` seconds."""
-    row = await share.run(get_job, job_id, key.id)
+    row = await share.run(get_job, job_id, key.id, engine=store.engine)
     headers: dict[str, str] = {}
     status = row["status"]
     if wait > 0 and status not in TERMINAL:
@@ -163,14 +170,14 @@ async def read_harvest(
                 deadline = loop.time() + wait
                 # Waiting is not work: the key's waiters have their share of the watcher instead.
                 with share.aside(), watcher.subscription(job_id) as changed:
-                    row = await share.run(get_job, job_id, key.id)  # after subscribing: nothing slips by
+                    row = await share.run(get_job, job_id, key.id, engine=store.engine)  # after subscribing: nothing slips by
                     while row["status"] == status and (remaining := deadline - loop.time()) > 0:
                         try:
                             await asyncio.wait_for(changed.wait(), min(remaining, REREAD_S))
                         except asyncio.TimeoutError:
                             pass
                         changed.clear()
-                        row = await share.run(get_job, job_id, key.id)
+                        row = await share.run(get_job, job_id, key.id, engine=store.engine)
             finally:
                 watcher.leave(key.id)
     # The row was read under this key: only then may the replica's signed links be reused.
@@ -178,14 +185,14 @@ async def read_harvest(
     return JSONResponse(body, headers=headers)
 
 
-def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore) -> dict:
-    row = get_job(job_id, key.id)
+def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore, engine: Engine) -> dict:
+    row = get_job(job_id, key.id, engine=engine)
     if row["status"] in ("pending", "running"):
         try:
             watcher.refresh(row)  # charge by what the run is doing now, not a tick ago
         except Exception:
             pass  # the backend is away: decide by what the store knows
-    row, cancelled_now = cancel_job(job_id, key.id)
+    row, cancelled_now = cancel_job(job_id, key.id, engine)
     if cancelled_now and row["flow_run_id"]:
         try:
             runs.cancel(row["flow_run_id"])
@@ -199,10 +206,11 @@ def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore) -> dict:
     responses=errors(401, 404, 409, 429), openapi_extra=KEYED,
 )
 async def cancel_harvest(
-    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: Links, share: ReadShare, key: ReadKey,
+    job_id: str, storage: Files, runs: Runs, watcher: JobWatcher, links: Links, store: Store, share: ReadShare,
+    key: ReadKey,
 ):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
-    row = await share.run(_cancel, job_id, key, watcher, runs)
+    row = await share.run(_cancel, job_id, key, watcher, runs, store.engine)
     return JSONResponse(render(row, storage, links))
 
 
@@ -212,6 +220,7 @@ async def cancel_harvest(
 )
 async def list_harvests(
     storage: Files,
+    store: Store,
     share: ReadShare,
     key: ReadKey,
     limit: Annotated[int, Query(ge=1, le=100, description="Jobs per page.")] = 20,
@@ -219,15 +228,15 @@ async def list_harvests(
 ):
     """The caller's harvests, newest first, `limit` per page (page on with `after`); without
     download links (read a job for its links)."""
-    page = await share.run(_list_page, key.id, limit, after, storage)
+    page = await share.run(_list_page, key.id, limit, after, storage, store.engine)
     return JSONResponse(page)
 
 
-def _list_page(key_id: str, limit: int, after: str | None, storage: Storage) -> dict:
+def _list_page(key_id: str, limit: int, after: str | None, storage: Storage, engine: Engine) -> dict:
     """One page of the list, built in a worker thread: no links are signed for it (a page of
     done jobs could otherwise need 100 × 4,096 signatures), so its cost is one query and
     `limit` small objects."""
-    rows, has_more = list_jobs(key_id, limit=limit, after=after)
+    rows, has_more = list_jobs(key_id, limit=limit, after=after, engine=engine)
     data = [render(r, storage, None) for r in rows]
     return {
         "object": "list",

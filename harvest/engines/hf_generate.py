@@ -34,7 +34,7 @@ at load ~5). On the CPU the decode runs with ONE intra-op thread, at a lower pri
 `DECODE_NICE`) for its thread: a decode step is a few small matrix-vector products that a
 second thread barely speeds up, and on a shared host every op's thread barrier waits for
 whichever thread was descheduled (measured under load 10-17 on 2 cores: 384 tokens took 13-14 s
-with one thread, 67-110 s with two). The lower priority keeps the replica's event loop (the
+with one thread, 67-110 s with two). The lower priority keeps the API's event loop (the
 control path: submits, reads, long-polls) ahead of a long generation on a contended CPU.
 """
 
@@ -58,7 +58,7 @@ from harvest.tokenize import load_tokenizer
 __all__ = ["hf_generate", "GrowingLayer", "growing_cache", "DECODE_NICE"]
 
 DECODE_NICE = 10
-"""Niceness of a thread decoding on the CPU: below the replica's control path."""
+"""Niceness of a thread decoding on the CPU: below the API's control path."""
 
 
 class GrowingLayer(DynamicLayer):

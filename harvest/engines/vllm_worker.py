@@ -15,7 +15,7 @@ step go to host once and are joined at the end.
 A hook never raises into vLLM (that would take its engine down for every later shard): it
 records the error, and `harvest_end` reports it with every prompt's position count checked
 per layer, so the driver raises `CaptureFailed` instead of returning a short tensor.
-Tensor parallelism: rank 0 answers (the stream is replicated). Pipeline parallelism is not
+Tensor parallelism: rank 0 answers (every rank holds the whole stream). Pipeline parallelism is not
 supported (a rank would hold only its own blocks).
 """
 
@@ -340,7 +340,7 @@ class HarvestWorkerExtension(_Base):  # type: ignore[misc, valid-type]
     _harvest_session: _Session | None = None
 
     def _harvest_should_capture(self) -> bool:
-        # The residual stream is replicated across tensor-parallel ranks: rank 0 answers.
+        # Every tensor-parallel rank holds the whole residual stream: rank 0 answers.
         tp = self.parallel_config.tensor_parallel_size
         return tp <= 1 or self.rank % tp == 0
 

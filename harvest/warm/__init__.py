@@ -1,8 +1,8 @@
 """Warm engines: a model loaded once and kept, for bulk jobs and inline completions alike.
 
 Every warm engine lives in an `EngineCache` (`cache`): at most
-`HARVEST_ENGINE_MODELS_PER_GROUP` models per GPU group (a host without GPUs is one group; an
-API replica is one), the least recently used idle one unloaded when another is asked for, never
+`HARVEST_ENGINE_MODELS_PER_GROUP` models per GPU group (a host without GPUs is one group; so
+is an API process), the least recently used idle one unloaded when another is asked for, never
 one in use; loads and unloads run outside the cache's lock.
 
 Bulk jobs. A job's flow run is a fresh process (Prefect's process worker), so an engine loaded

@@ -165,7 +165,7 @@ def raise_error(payload: bytes) -> None:
     raise pickle.loads(payload)
 
 
-# -- children of an API replica that talk over a socket pair (its inline engines, its assessors)
+# -- children that talk to their parent over a socket pair (the API's inline engines and assessors)
 
 CHILD_STOP_S = 10.0
 """How long a child told to stop (its end of the socket closed) has before it is killed."""
@@ -198,7 +198,7 @@ def stop_child(child: subprocess.Popen) -> None:
 def child_main(prog: str, description: str, serve: Callable[[Connection], int], argv: list[str] | None = None) -> int:
     """A `start_child` child's command line: `--fd N`, the socket it serves."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--fd", type=int, required=True, help="the socket shared with the replica")
+    parser.add_argument("--fd", type=int, required=True, help="the socket shared with the parent")
     return serve(Connection(parser.parse_args(argv).fd))
 
 
