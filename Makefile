@@ -21,10 +21,10 @@ demo: install
 # the network, so on a 2-core machine two processes take ~21 minutes where one takes ~31.
 # Each has its own session (its own Prefect server, its own HARVEST_HOME). TEST_WORKERS=0 runs
 # one process, in file order.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: install
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 bench: install
 	$(PY) bench/run_all.py

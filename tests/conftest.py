@@ -60,6 +60,28 @@ def stop_engine_servers_at_the_end(tmp_path_factory):
             pass
 
 
+# The slowest modules, slowest first, as a clean-clone `.ci/run` measured them (its
+# `--durations`, summed by module). Test processes take whole modules in collection order
+# (`make test`: `--dist loadfile --no-loadscope-reorder`), so the longest start first and
+# the short ones fill the ends: no process is left running one long module while the others
+# idle. A stale order only costs balance, never a result.
+SLOWEST_MODULES = [
+    "test_fleet.py", "test_liveness.py", "test_warm_engines.py", "test_client.py", "test_api_stack.py",
+    "test_smollm2.py", "test_inline_e2e.py", "test_openapi_fuzz.py", "test_placement.py", "test_stack.py",
+    "test_client_manners.py", "test_storage_fresh.py", "test_up_s3.py", "test_api_hardening.py",
+    "test_keyless_limits.py", "test_notebooks.py", "test_faults_stack.py", "test_openai_client.py",
+    "test_submit_overload.py", "test_fidelity.py", "test_flows_ops.py", "test_storage_quota.py",
+    "test_watcher_events.py", "test_api_jobs.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    """The slowest modules first (`SLOWEST_MODULES`), the rest after them in file order; the
+    tests of a module keep their order."""
+    rank = {name: place for place, name in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def runner_keeps_its_priority():
     """In-process generation lowers its thread for good (`harvest.engines.hf_generate`: an
