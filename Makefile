@@ -17,11 +17,12 @@ demo: install
 	bash infra/demo.sh
 
 # Two test processes (pytest-xdist), each taking whole modules (`--dist loadfile`: a module's
-# stack stays in one process): much of the suite waits on Prefect's windows, process starts and
-# the network, so on a 2-core machine two processes take ~21 minutes where one takes ~31.
-# Each has its own session (its own Prefect server, its own HARVEST_HOME). TEST_WORKERS=0 runs
-# one process, in file order.
-TEST_WORKERS ?= 3
+# stack stays in one process), the slowest modules first (tests/conftest.py, SLOWEST_MODULES;
+# `--no-loadscope-reorder` keeps that order). Each has its own session (its own Prefect server,
+# its own HARVEST_HOME). The suite is CPU-bound on a 2-core machine: two processes keep both
+# cores busy (~21 minutes, one takes ~31); three took longer (29 min 25 s, the cores 99 % busy).
+# TEST_WORKERS=0 runs one process.
+TEST_WORKERS ?= 2
 
 test: install
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)

@@ -212,7 +212,7 @@ def create_app(
     app.state.link_cache = link_cache if link_cache is not None else LinkCache.from_settings(settings)
     app.state.link_signer = link_signer if link_signer is not None else LinkSigner.from_settings(settings)
     app.state.empty_buckets = EmptyBuckets()  # keys' buckets known empty (`api.ratelimit`)
-    app.state.metrics = ReplicaMetrics.from_settings(settings, app.state.store.engine)  # `/metrics` (`api.metrics`)
+    app.state.metrics = ReplicaMetrics.from_settings(settings, app.state.store.engine, app.state)  # `/metrics` (`api.metrics`)
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(OperationalError, store_unreachable)

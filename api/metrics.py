@@ -6,6 +6,9 @@
 - `JobCounts` reads the job store at scrape time: jobs by lane and status, and the queue
   depth per lane (jobs admitted whose run has not started). Every replica reports the same
   store, so dashboards take `max` over replicas, never `sum`.
+- `LongPolls` reads the replica's watcher at scrape time: the `?wait=` reads it holds open and
+  the slots it has for them (HARVEST_LONGPOLL_MAX_WAITERS); waiters that meet the slots mean
+  clients are being declined. Each replica has its own: dashboards `sum` over replicas.
 - Memory of the replica and its children by kind (`replica_processes`): the replica, its
   assessing children (`api.admission_process`), its inline engines
   (`api.inline_process`), the bounds README "Memory of each process" names.
@@ -35,10 +38,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.db import jobs, reading
 from api.errors import Unauthorized
 from harvest.lanes import load_lanes
-from harvest.metrics import HTTP_REQUESTS, HTTP_SECONDS, JOBS, MULTIPROC_ENV, QUEUE_DEPTH
+from harvest.metrics import HTTP_REQUESTS, HTTP_SECONDS, JOBS, LONGPOLL_SLOTS, LONGPOLL_WAITERS, MULTIPROC_ENV, QUEUE_DEPTH
 from harvest.metrics_export import authorized, exposition, host_registry, metrics_token, process_tree
 
-__all__ = ["RequestMetrics", "JobCounts", "ReplicaMetrics", "replica_processes", "router", "STATUSES"]
+__all__ = ["RequestMetrics", "JobCounts", "LongPolls", "ReplicaMetrics", "replica_processes", "router", "STATUSES"]
 
 STATUSES = ("pending", "running", "done", "failed", "cancelled")
 UNMATCHED = "unmatched"
@@ -100,6 +103,23 @@ class JobCounts:
         yield queued
 
 
+class LongPolls:
+    """`harvest_longpoll_waiters` and `harvest_longpoll_slots` of this replica, from its
+    watcher (`api.watcher`) at scrape time; both 0 before the lifespan has made the watcher."""
+
+    def __init__(self, state):
+        self.state = state  # the app's state: the watcher is put there by the lifespan, after this is made
+
+    def collect(self):
+        watcher = getattr(self.state, "watcher", None)
+        waiting = GaugeMetricFamily(LONGPOLL_WAITERS, "Long-poll (?wait=) reads this replica holds open now.")
+        waiting.add_metric([], watcher.waiting if watcher is not None else 0)
+        slots = GaugeMetricFamily(LONGPOLL_SLOTS, "Long-poll reads this replica may hold open at once; more are declined.")
+        slots.add_metric([], watcher.max_waiters if watcher is not None else 0)
+        yield waiting
+        yield slots
+
+
 _CHILD_KINDS = (("api.admission_process", "assessing_child"), ("api.inline_process", "inline_engine"))
 
 
@@ -125,12 +145,13 @@ class ReplicaMetrics:
         self.token = token
 
     @classmethod
-    def from_settings(cls, settings, engine: Engine) -> "ReplicaMetrics":
-        """`/metrics` with the job counts of the store of `engine` (the app's). The counts
+    def from_settings(cls, settings, engine: Engine, state) -> "ReplicaMetrics":
+        """`/metrics` with the job counts of the store of `engine` and the long-polls of the
+        watcher on `state` (the app's). The counts
         directory is prometheus_client's own variable, set by the role that started this
         replica before anything imported prometheus_client."""
         directory = os.environ.get(MULTIPROC_ENV)
-        registry = host_registry(Path(directory) if directory else None, replica_processes, [JobCounts(engine)])
+        registry = host_registry(Path(directory) if directory else None, replica_processes, [JobCounts(engine), LongPolls(state)])
         return cls(registry, metrics_token(settings))
 
 

@@ -222,6 +222,30 @@ class FileRuns:
         self._write(run_id, data)
 
 
+def longpoll_waiters(root: str, home: Path) -> int:
+    """The `?wait=` reads the replica at `root` holds open now, as an operator reads them: its
+    `/metrics` (`harvest_longpoll_waiters`), with the metrics token of its `home`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from harvest.metrics_export import metrics_token
+    from harvest.settings import Settings
+
+    token = metrics_token(Settings(home=home))
+    response = httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    response.raise_for_status()
+    family = next(f for f in text_string_to_metric_families(response.text) if f.name == "harvest_longpoll_waiters")
+    return int(family.samples[0].value)
+
+
+def wait_for_longpoll_waiters(root: str, home: Path, count: int, timeout: float = 30) -> None:
+    """Until the replica at `root` holds `count` long-polls open: the waiters a test started
+    are waiting, not still on their way."""
+    deadline = time.monotonic() + timeout
+    while (waiting := longpoll_waiters(root, home)) != count:
+        assert time.monotonic() < deadline, f"{waiting} long-polls held open, not {count}"
+        time.sleep(0.05)
+
+
 class PortInUse(RuntimeError):
     """uvicorn could not bind its port."""
 
@@ -321,6 +345,12 @@ class ApiServer:
         engine = make_engine(self.env["HARVEST_DATABASE_URL"])
         upgrade(engine)
         return engine
+
+    def wait_for_longpoll_waiters(self, count: int, timeout: float = 30) -> None:
+        """Until this replica holds `count` long-polls open (`wait_for_longpoll_waiters`)."""
+        from harvest.settings import get_settings
+
+        wait_for_longpoll_waiters(self.root, Path(self.env.get("HARVEST_HOME") or get_settings().home), count, timeout)
 
     def make_key(self, **limits) -> str:
         from api.auth import create_key
@@ -505,12 +535,12 @@ def drop_pg_schema(url: str, schema: str) -> None:
         conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
-def pg_api_server(home: Path, name: str):
-    """`harvest_api`'s app on PostgreSQL, in a schema of its own (dropped after), for a module's
-    fixture to `yield from`."""
+def pg_api_server(home: Path, name: str, env: dict[str, str] | None = None):
+    """`harvest_api`'s app (with `env` besides) on PostgreSQL, in a schema of its own (dropped
+    after), for a module's fixture to `yield from`."""
     schema = f"harvest_{name}_{uuid.uuid4().hex[:10]}"
     url = pg_schema_url(schema)
-    server = ApiServer(home, name, {**harvest_api_env(home), "HARVEST_DATABASE_URL": url})
+    server = ApiServer(home, name, {**harvest_api_env(home), **(env or {}), "HARVEST_DATABASE_URL": url})
     try:
         yield server.start()
     finally:

@@ -203,7 +203,12 @@ def test_a_key_with_many_requests_in_flight_cannot_keep_another_keys_read_waitin
     with client, _Statements(job_store.engine, marker=bearer_hash(f"Bearer {greedy}"), delay_s=delay) as statements, \
             ThreadPoolExecutor(13) as pool:
         flood = [pool.submit(read, greedy) for _ in range(12)]
-        time.sleep(0.15)
+        # A's share is taken once the replica has refused the 4 past it (at once, without a
+        # statement): then 8 of A's reads are held, and B's is sent behind them.
+        deadline = time.monotonic() + 30
+        while sum(future.done() for future in flood) < 4:
+            assert time.monotonic() < deadline, "the replica refused none of A's reads past its share"
+            time.sleep(0.01)
         status, _, waited = pool.submit(read, other).result()
         answers = [f.result() for f in flood]
     assert status == 200

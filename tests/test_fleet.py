@@ -34,6 +34,7 @@ import psutil
 import psycopg
 import pytest
 
+from tests.api_fixtures import wait_for_longpoll_waiters
 from tests.slow_engine import slow_shards
 from tests.topology import Fleet
 
@@ -295,7 +296,7 @@ def test_the_lease_holders_death_hands_over_and_waiters_still_wake(fleet):
 
     waiter = threading.Thread(target=wait_on_other)
     waiter.start()
-    time.sleep(0.5)  # the waiter is waiting
+    wait_for_longpoll_waiters(other.base_url.removesuffix("/v1"), other.role.home, 1)
     holder.role.kill()
     killed_at = time.monotonic()
     while not other.health()["watcher"]:

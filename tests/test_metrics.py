@@ -240,7 +240,8 @@ def _exported() -> set[str]:
                 kind = family.type
                 suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}[kind]
                 names |= {family.name + suffix for suffix in suffixes}
-    names |= {metrics.JOBS, metrics.QUEUE_DEPTH, metrics.PROCESS_RESIDENT_BYTES, metrics.PROCESS_MAX_RESIDENT_BYTES, metrics.PROCESSES}
+    names |= {metrics.JOBS, metrics.QUEUE_DEPTH, metrics.LONGPOLL_WAITERS, metrics.LONGPOLL_SLOTS, metrics.PROCESS_RESIDENT_BYTES,
+              metrics.PROCESS_MAX_RESIDENT_BYTES, metrics.PROCESSES}
     names |= {sample.name for family in ProcessCollector(registry=None).collect() for sample in family.samples}
     return names
 

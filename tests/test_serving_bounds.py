@@ -54,7 +54,7 @@ def test_one_key_cannot_take_every_long_poll_slot(harvest_api, key):
     mine, theirs = _submit(harvest_api, key)["job_id"], _submit(harvest_api, other)["job_id"]
     holder = threading.Thread(target=_get, args=(harvest_api, key, mine), kwargs={"wait": 4})
     holder.start()
-    time.sleep(0.5)
+    harvest_api.wait_for_longpoll_waiters(1)
     started = time.monotonic()
     second = _get(harvest_api, key, mine, wait=10)
     assert time.monotonic() - started < 1.5

@@ -71,7 +71,12 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     # run the job for real: two runs, each writing through the proxy.
     assert httpx.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["progress"]["shards_done"] == 0
     api.runs.set(f"run-{job_id}", "running")
-    time.sleep(0.5)  # a few watcher ticks list `_parts/` while it is empty
+    # The watcher's tick that shows the job running has also counted its shards: it listed
+    # `_parts/` while the folder was empty (the listing a cache would keep).
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["status"] != "running":
+        assert time.monotonic() < deadline, "the watcher never applied the run's state"
+        time.sleep(0.05)
     env = {**CREDENTIALS, "HARVEST_S3_ENDPOINT_URL": recording_proxy.url, **slow_shards(2.0)}
     request_url = f"s3://{BUCKET}/{PREFIX}/jobs/{job_id}/request.json"
     run_id = start_harvest_run(job_id, request_url, "llama-tiny", "small", "fresh", workers=workers, env=env)
