@@ -11,7 +11,7 @@
       completions.py POST /v1/completions (and the path both inline routes share)
       chat.py        POST /v1/chat/completions
       models.py      GET /v1/models
-    auth.py      API keys (SHA-256 at rest), `current_key`, the activation quota (positions)
+    auth.py      API keys (SHA-256 at rest), Bearer authentication, the activation quota (positions)
     store.py     the job store: atomic admission under the caps, charging by compare-and-set
     db.py        tables, `JobStore` (a store's engines, SQLite/PostgreSQL: made by the app or the
                  command, handed in), transactions, Alembic migrations (api/migrations)

@@ -4,8 +4,9 @@ A key is `acs_` + 32 random url-safe bytes. Only its SHA-256 is stored: the key 
 ~256 bits of entropy, so a slow password hash would add latency to every request and no
 security (nothing to brute-force), which is why token services (GitHub, Stripe) do the same.
 
-For the routes this module provides `current_key` (a FastAPI dependency: Bearer key →
-`ApiKey`, 401 otherwise) and, for inline completions, the activation quota in residual-stream positions per month:
+Routes learn the caller's key through `api.ratelimit`'s dependencies (`authenticate_within_rate`,
+which also takes a token of the key's rate). For inline completions this module keeps the
+activation quota in residual-stream positions per month:
 `reserve_activations` holds the most a response may return (429 `activation_quota_exceeded`
 over the quota) and `settle_activations` keeps what it did return.
 """
@@ -20,8 +21,6 @@ from datetime import datetime
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
 
 from api.db import api_keys, aware, key_lane_limits, locked, reading, transaction, usage, utcnow
 from api.errors import ActivationQuotaExceeded, Unauthorized
@@ -37,7 +36,6 @@ __all__ = [
     "key_hashes",
     "authenticate",
     "key_of",
-    "current_key",
     "reserve_activations",
     "settle_activations",
     "activations_used",
@@ -229,15 +227,6 @@ def key_of(conn, authorization: str | None) -> ApiKey:
     if row is None or row["revoked_at"] is not None:
         raise Unauthorized("Incorrect API key provided.")
     return ApiKey.from_row(row, _limits(conn, [row["id"]])[row["id"]])
-
-
-async def current_key(request: Request) -> ApiKey:
-    """FastAPI dependency: the caller's key in the app's job store, or 401 (routes use
-    `api.ratelimit`'s dependencies, which also limit requests without a valid key per client
-    address)."""
-    # The store the app was made with, read from the app as `api.deps.Store` does: this module
-    # sits below `api.deps` (deps → watcher → store → auth), so it cannot name that dependency.
-    return await run_in_threadpool(authenticate, request.headers.get("authorization"), request.app.state.store.engine)
 
 
 def reserve_activations(key: ApiKey, positions: int, engine: Engine) -> str:
