@@ -60,7 +60,7 @@ def stop_engine_servers_at_the_end(tmp_path_factory):
             pass
 
 
-# The slowest modules, slowest first, as a clean-clone `.ci/run` measured them (its
+# The slowest modules, slowest first, as a full two-process run measured them (its
 # `--durations`, summed by module). Test processes take whole modules in collection order
 # (`make test`: `--dist loadfile --no-loadscope-reorder`), so the longest start first and
 # the short ones fill the ends: no process is left running one long module while the others
