@@ -23,7 +23,6 @@ closes their socket, or dies (they read EOF).
 
 from __future__ import annotations
 
-import importlib
 import os
 import queue
 import sys
@@ -165,8 +164,9 @@ def _serve(conn: Connection) -> int:
     from harvest.cpu_share import lower_priority
 
     lower_priority(WORK_NICE, session=True)
-    for name in ("harvest.tokenize", "transformers"):  # imported before the first submit, not while it waits
-        importlib.import_module(name)
+    # Imported before the first submit, not while it waits: the tokenizer class of the
+    # project's checkpoints (`harvest.tokenize.read_tokenizer`).
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
 
     try:
         while True:

@@ -207,6 +207,13 @@ class InlineEngines:
             from api.inline_process import ProcessEngine
 
             factory = ProcessEngine
+        else:
+            # Engines load in this process's threads. transformers resolves its top-level
+            # names lazily on first access, and that is not thread-safe: a request tokenizing
+            # in one thread while an engine loaded in another got "cannot import name
+            # 'AutoTokenizer'". So they are resolved here, once, before any worker thread. (A
+            # replica's own engines load in their child processes, and it imports none of this.)
+            from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: F401
         self._factory = factory
         self._close_engines = close_engines
         self._options = batcher_options

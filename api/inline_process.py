@@ -31,7 +31,8 @@ import threading
 from multiprocessing.connection import Connection
 
 from api.errors import ReplicaBusy
-from harvest.capture import CaptureSpec, ShardCapture
+from harvest.capture import ShardCapture
+from harvest.capture_spec import CaptureSpec
 from harvest.cpu_share import lower_priority, with_passive_waits
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
 from harvest.heap import give_back_free_memory

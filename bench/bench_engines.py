@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.registry import ModelInfo
 from harvest.tiny_model import build_tiny_model
 from harvest.tokenize import load_tokenizer

@@ -172,7 +172,7 @@ def steady(ids_path: Path, layers: list[int], rounds: int, rows: list[int]) -> d
     then the HF engine at each row size of `rows`."""
     from harvest.settings import get_settings
 
-    from harvest.capture import CaptureSpec
+    from harvest.capture_spec import CaptureSpec
     from harvest.engines.hf import HFEngine
     from harvest.engines.vllm import VLLMEngine
     from harvest.registry import load_registry

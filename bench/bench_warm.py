@@ -255,7 +255,7 @@ def overlap(rounds: int) -> None:
 def cobatch(rounds: int, engine_name: str) -> None:
     import threading
 
-    from harvest.capture import CaptureSpec
+    from harvest.capture_spec import CaptureSpec
     from harvest.engines.choice import load_engine
     from harvest.registry import load_registry
     from harvest.tokenize import load_tokenizer

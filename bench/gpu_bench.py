@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_checkpoint import LLAMA_8B_SHAPES, SMOKE_SHAPES, block_params, build_checkpoint  # noqa: E402
 from gpu_results import Results  # noqa: E402
 
-from harvest.capture import CaptureSpec  # noqa: E402
+from harvest.capture_spec import CaptureSpec  # noqa: E402
 from harvest.layers import default_layers  # noqa: E402
 from harvest.shard_file import StagedShard  # noqa: E402
 

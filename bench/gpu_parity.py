@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.errors import CaptureFailed
 
 __all__ = ["parity"]

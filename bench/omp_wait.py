@@ -31,7 +31,7 @@ PROMPTS, PROMPT_TOKENS = 4, 128
 
 ENGINE = """
 import json, sys, time
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.engines.hf import HFEngine
 from harvest.registry import load_registry
 

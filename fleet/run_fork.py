@@ -64,13 +64,13 @@ def preload() -> None:
     import flows.harvest  # noqa: F401  (torch, the harvest core, the warm-engine client)
     from flows.prefect_clients import share_tls_context, tls_context
     from harvest.registry import load_registry
-    from harvest.tokenize import load_tokenizer
+    from harvest.tokenize import read_tokenizer
 
     share_tls_context()  # a run's ~9 Prefect clients share one context, made here once for every run
     tls_context()
     for name, path in load_registry().checkpoints_on_disk().items():
         try:
-            load_tokenizer.__wrapped__(path)
+            read_tokenizer(path)
         except Exception as exc:  # the run will say what is wrong with it; this is only speed
             print(f"run starter: no preload of {name}'s tokenizer: {exc}", flush=True)
 

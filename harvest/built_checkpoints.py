@@ -28,7 +28,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Writer", "write_atomically", "is_built", "ensure_built", "plain_tokenizer_config"]
+__all__ = ["Writer", "write_atomically", "is_built", "ensure_built", "plain_tokenizer_config", "BUILT_BY",
+           "GENERIC_TOKENIZER_CLASS"]
 
 Writer = Callable[[Path], None]
 """Writes a whole checkpoint into the (empty, existing) folder it is given."""
@@ -36,6 +37,12 @@ Writer = Callable[[Path], None]
 # Present in every finished checkpoint (both builders write it); since the folder is renamed
 # into place whole, its presence means the checkpoint is complete.
 DONE_MARKER = "config.json"
+
+BUILT_BY = "BUILT_BY"
+"""A file every builder writes into its checkpoint: which builder made it, from what."""
+
+GENERIC_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+"""The tokenizer class every built checkpoint names (`plain_tokenizer_config`)."""
 
 
 def write_atomically(target: Path, write: Writer) -> Path:
@@ -79,7 +86,7 @@ def plain_tokenizer_config(folder: Path, model_max_length: int) -> None:
     reader (vLLM's tokenizer loader too) takes `tokenizer.json` as it is, and give the context."""
     path = Path(folder) / "tokenizer_config.json"
     config = json.loads(path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["tokenizer_class"] = GENERIC_TOKENIZER_CLASS
     config["model_max_length"] = model_max_length
     for key in ("is_local", "local_files_only"):  # where it was loaded from: nothing about the tokenizer
         config.pop(key, None)

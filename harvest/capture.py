@@ -22,31 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from harvest.capture_spec import CaptureSpec
 from harvest.errors import CaptureFailed
 from harvest.stats import RunningStats
 
-__all__ = ["CaptureSpec", "ShardCapture", "PromptReducer", "Landing", "host_copy", "StopForward", "block_hooks", "check_capture"]
-
-
-@dataclass(frozen=True)
-class CaptureSpec:
-    """What to keep from each forward pass."""
-
-    layers: list[int]
-    """Block indices to capture, ascending; layer k is block k's output before the final norm."""
-    directions: np.ndarray | None = None
-    """Unit directions, float32 `[n_directions, hidden]`; None keeps the raw residual stream."""
-
-    @property
-    def contents(self) -> str:
-        return "activations" if self.directions is None else "projections"
-
-    @property
-    def stored_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.directions is None else torch.float32
-
-    def n_features(self, hidden_size: int) -> int:
-        return hidden_size if self.directions is None else self.directions.shape[0]
+__all__ = ["ShardCapture", "PromptReducer", "Landing", "host_copy", "StopForward", "block_hooks", "check_capture"]
 
 
 @dataclass

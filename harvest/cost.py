@@ -62,8 +62,7 @@ def bytes_per_token(job: ResolvedJob) -> int:
     """Bytes one token position adds to its shard: a value per layer kept and feature (bf16
     activations, float32 projections) and its int32 id."""
     spec = job.spec
-    itemsize = 2 if spec.directions is None else 4
-    return len(job.layers) * spec.n_features(job.model.hidden_size) * itemsize + 4
+    return len(job.layers) * spec.n_features(job.model.hidden_size) * spec.stored_itemsize + 4
 
 
 def least_tokens(prompts: list[str], *, chars_per_token: int, max_len: int, add_special_tokens: bool) -> np.ndarray:

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harvest.built_checkpoints import plain_tokenizer_config
+from harvest.built_checkpoints import BUILT_BY, plain_tokenizer_config
 
 __all__ = ["GGUFSource", "write_checkpoint_from_gguf", "load_gguf_model"]
 
@@ -93,6 +93,6 @@ def write_checkpoint_from_gguf(source: GGUFSource, folder: Path) -> None:
     plain_tokenizer_config(folder, config.max_position_embeddings)
     with open(gguf, "rb") as handle:
         digest = hashlib.file_digest(handle, "sha256").hexdigest()
-    (Path(folder) / "BUILT_BY").write_text(json.dumps({
+    (Path(folder) / BUILT_BY).write_text(json.dumps({
         "builder": "harvest.gguf_checkpoint", "package": source.package, "file": source.file, "sha256": digest,
     }) + "\n")

@@ -7,15 +7,17 @@ against the registry (layers, directions) so a bad request is refused before a G
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.errors import InvalidRequest
 from harvest.layers import resolve_layers
-from harvest.projection import Directions, decode_directions
 from harvest.registry import ModelInfo, Registry
+
+if TYPE_CHECKING:  # ml_dtypes: a request is read and checked without it (the API and its assessing children)
+    from harvest.projection import Directions
 
 __all__ = ["MAX_PROMPTS", "MAX_TOKENS", "WholeInt", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
 
@@ -97,7 +99,8 @@ class ResolvedJob:
 
     @property
     def contents(self) -> str:
-        return self.spec.contents
+        """What the shards hold: the raw residual stream or its projections."""
+        return "activations" if self.directions is None else "projections"
 
 
 def resolve_job(request: HarvestRequest, registry: Registry) -> ResolvedJob:
@@ -106,6 +109,8 @@ def resolve_job(request: HarvestRequest, registry: Registry) -> ResolvedJob:
     layers = resolve_layers(model, request.layers)
     directions = None
     if request.project_onto is not None:
+        from harvest.projection import decode_directions
+
         p = request.project_onto
         directions = decode_directions(p.data, p.dtype, p.shape, model.hidden_size, p.compression)
     return ResolvedJob(request=request, model=model, layers=layers, directions=directions)

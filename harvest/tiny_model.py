@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harvest.built_checkpoints import ensure_built, plain_tokenizer_config, write_atomically
+from harvest.built_checkpoints import BUILT_BY, ensure_built, plain_tokenizer_config, write_atomically
 
 __all__ = ["TINY_CONFIG", "BOS", "EOS", "write_tiny_model", "build_tiny_model", "ensure_tiny_model"]
 
@@ -91,7 +91,7 @@ def write_tiny_model(folder: Path, *, config_overrides: dict | None = None, voca
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
     model.save_pretrained(staging, safe_serialization=True)
-    (staging / "BUILT_BY").write_text(json.dumps({"builder": "harvest.tiny_model", "seed": SEED}) + "\n")
+    (staging / BUILT_BY).write_text(json.dumps({"builder": "harvest.tiny_model", "seed": SEED}) + "\n")
 
 
 def build_tiny_model(target: Path, *, config_overrides: dict | None = None, vocab_size: int = 2048) -> Path:

@@ -9,12 +9,14 @@ characters than the longest entry of the vocabulary.
 
 from __future__ import annotations
 
+import json
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 __all__ = [
-    "TokenizedPrompt", "load_tokenizer", "tokenize_prompts", "count_tokens", "max_token_chars",
+    "TokenizedPrompt", "load_tokenizer", "read_tokenizer", "tokenize_prompts", "count_tokens", "max_token_chars",
     "COUNT_SLICE_CHARS", "added_bos_token_id",
 ]
 
@@ -35,11 +37,43 @@ class TokenizedPrompt:
         return self.n_original > len(self.ids)
 
 
-@lru_cache(maxsize=8)
+_LOADING = threading.Lock()
+"""Held while a tokenizer loads: transformers resolves its top-level names lazily, and not
+thread-safely, so two threads of a server must not both be the first to ask."""
+
+
 def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer (`read_tokenizer`), read once per process."""
+    with _LOADING:
+        return _read_once(Path(path))
+
+
+def read_tokenizer(path: Path):
+    """The checkpoint's tokenizer, the one `AutoTokenizer` gives. A checkpoint this project
+    built (`harvest.built_checkpoints`: its `BUILT_BY` file) names the generic fast class, and
+    is loaded by that class itself: AutoTokenizer picks the same class, but only after importing
+    every model family's mappings and torch, ~2.5 s of CPU in each process that tokenizes (a
+    the API's assessing children, runs, the CLI) where the class alone costs ~1 s."""
+    path = Path(path)
+    if _built_with_generic_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+_read_once = lru_cache(maxsize=8)(read_tokenizer)
+
+
+def _built_with_generic_tokenizer(path: Path) -> bool:
+    from harvest.built_checkpoints import BUILT_BY, GENERIC_TOKENIZER_CLASS
+
+    config = path / "tokenizer_config.json"
+    if not (path / BUILT_BY).is_file() or not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("tokenizer_class") == GENERIC_TOKENIZER_CLASS
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], *, add_special_tokens: bool, max_len: int) -> list[TokenizedPrompt]:

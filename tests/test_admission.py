@@ -22,9 +22,12 @@ import asyncio
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -36,6 +39,8 @@ from harvest.errors import InvalidRequest
 from harvest.lanes import Lane
 from tests.api_fixtures import ApiServer
 from tests.proc_threads import autogroup_nice, slices_supported, thread_slices, thread_stats
+
+REPO = Path(__file__).resolve().parent.parent
 
 SHARD_LIMIT = 1 << 20
 """max_shard_bytes of the `xl` lane of the `harvest_api` replica (tests/api_fixtures.py)."""
@@ -126,6 +131,26 @@ def _brute_largest_fitting(counts: list[int], per_token: int, limit: int, below:
         if all(sum(c * per_token + 256 for c in shard) + 64 <= limit for shard in shards):
             return size
     return 0
+
+
+def test_an_assessing_child_counts_tokens_without_torch(tiny):
+    """What a child imports is its start's cost, paid by every replica: the request, its
+    checks and the tokenizer need no torch (nor transformers' model classes)."""
+    script = (
+        "import json, sys\n"
+        "from api.admission_process import assess\n"
+        "from api.deps import parse\n"
+        "from harvest.registry import load_registry\n"
+        "from harvest.request import HarvestRequest\n"
+        "body = json.dumps({'model': 'llama-tiny', 'prompts': ['one prompt', 'and another'], 'layers': 'all'}).encode()\n"
+        "fields = assess(parse(HarvestRequest, body, strict=True), load_registry())\n"
+        "print(json.dumps({'tokens': fields['reserved_tokens'], 'loaded': sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules)}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["loaded"] == []
+    assert answer["tokens"] > 0
 
 
 def test_the_largest_fitting_shard_size_is_the_largest_whose_shards_all_fit():

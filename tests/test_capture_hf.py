@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.errors import CaptureFailed
 from harvest.tokenize import load_tokenizer
 from tests.reference import bf16_tolerance, hf_reference_layers

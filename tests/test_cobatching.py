@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.tokenize import load_tokenizer
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
 from tests.reference import bf16_tolerance, hf_reference_layers

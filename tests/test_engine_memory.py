@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_tensors
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.jobfiles import MANIFEST
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job

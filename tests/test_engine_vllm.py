@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 import harvest.engines.vllm_worker as vllm_worker_module
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.engines.base import SamplingSpec
 from harvest.engines.choice import vllm_available
 from harvest.errors import CaptureFailed

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_tensors
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.engines.packing import PAD_BUDGET, packed_inputs, plan_passes
 from harvest.jobfiles import MANIFEST
 from harvest.pipeline import run_job

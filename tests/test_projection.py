@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.errors import InvalidRequest
 from harvest.projection import decode_directions
 from harvest.tokenize import load_tokenizer

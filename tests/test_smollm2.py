@@ -51,6 +51,25 @@ def test_the_model_is_registered_built_from_its_package_and_plain(smollm2):
     assert built["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", MODEL])
+def test_a_built_checkpoints_tokenizer_is_the_one_autotokenizer_gives(name, registry, smollm2):
+    """The project's checkpoints are read by their tokenizer class itself
+    (`harvest.tokenize.read_tokenizer`), not through AutoTokenizer: the same tokenizer."""
+    from transformers import AutoTokenizer
+
+    from harvest.tokenize import read_tokenizer
+
+    path = registry.get(name).require_path()
+    ours, auto = read_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(ours) is type(auto)
+    texts = ["The cat sat on the mat.", "  leading spaces,\ttabs\nand lines ", "Ünïcödé — 漢字 🙂", "<|im_start|>user", "x" * 300]
+    for special in (True, False):
+        assert ours(texts, add_special_tokens=special)["input_ids"] == auto(texts, add_special_tokens=special)["input_ids"]
+    assert ours.get_vocab() == auto.get_vocab()
+    assert (ours.bos_token_id, ours.eos_token_id, ours.all_special_tokens) == (auto.bos_token_id, auto.eos_token_id, auto.all_special_tokens)
+    assert (ours.chat_template, ours.model_max_length) == (auto.chat_template, auto.model_max_length)
+
+
 def test_a_host_without_the_package_lists_the_model_and_answers_503(tmp_path):
     from harvest.registry import Registry
     from harvest.settings import Settings

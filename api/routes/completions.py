@@ -79,11 +79,6 @@ from harvest.registry import Registry
 __all__ = ["router", "inline_engines", "registry_of", "ResponseBudget", "response_budget", "accepted_schema",
            "decode_json", "admit_inline", "serve_inline", "INLINE_RESPONSES"]
 
-# transformers resolves its top-level names lazily on first access, and that is not
-# thread-safe: a request tokenizing in one thread while an engine loads in another got
-# "cannot import name 'AutoTokenizer'". Resolve them here, once, before any worker thread.
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402, F401
-
 log = logging.getLogger(__name__)
 
 # Responses over this many raw bytes are compressed with zstd worker threads.

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harvest.capture import CaptureSpec, ShardCapture
+from harvest.capture import ShardCapture
+from harvest.capture_spec import CaptureSpec
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
 

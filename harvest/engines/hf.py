@@ -20,7 +20,8 @@ from collections import deque
 
 import torch
 
-from harvest.capture import CaptureSpec, Landing, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
+from harvest.capture import Landing, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
+from harvest.capture_spec import CaptureSpec
 from harvest.engines.base import Engine, ValueSink, tokens_per_piece
 from harvest.engines.packing import Pass, packed_inputs, plan_passes
 from harvest.errors import ModelUnavailable

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from harvest.capture import CaptureSpec, ShardCapture
+from harvest.capture import ShardCapture
+from harvest.capture_spec import CaptureSpec
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink, tokens_per_piece
 from harvest.engines.vllm_worker import INDEX_KEY, CapturePlan, in_process
 from harvest.errors import CaptureFailed, ContextLengthExceeded, ModelUnavailable

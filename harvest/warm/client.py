@@ -9,7 +9,8 @@ import sys
 import time
 from multiprocessing.connection import Client, Connection
 
-from harvest.capture import CaptureSpec, ShardCapture
+from harvest.capture import ShardCapture
+from harvest.capture_spec import CaptureSpec
 from harvest.cpu_share import with_passive_waits
 from harvest.engines.base import Engine, EngineLoad, ValueSink
 from harvest.engines.choice import choose_engine, load_engine

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harvest.capture import CaptureSpec, ShardCapture
+from harvest.capture import ShardCapture
+from harvest.capture_spec import CaptureSpec
 from harvest.engines.base import Engine, ValueSink, hand_over
 
 __all__ = ["CobatchedEngine", "Abandoned", "MEASURED_FROM_TOKENS", "next_turn", "joined"]

@@ -27,12 +27,14 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import psutil
-import torch
 
 from harvest.private_files import private_dir, write_private
+
+if TYPE_CHECKING:  # only the values' two functions need torch: the API's assessing children import this without it
+    import torch
 
 __all__ = [
     "unix_socket_path", "GroupFiles", "group_name", "send", "receive", "send_value", "receive_value", "error_reply", "raise_error",
@@ -132,6 +134,8 @@ def receive(conn):
 
 def send_value(conn, position: int, value: torch.Tensor) -> None:
     """One prompt's values: a header message, then the tensor's bytes straight from its memory."""
+    import torch
+
     value = value.detach().contiguous()
     send(conn, ("value", position, list(value.shape), str(value.dtype).removeprefix("torch.")))
     # Flat: a Connection sends len(memoryview) bytes, which for more dimensions is the first.
@@ -141,6 +145,8 @@ def send_value(conn, position: int, value: torch.Tensor) -> None:
 def receive_value(conn, header: tuple) -> tuple[int, torch.Tensor]:
     """The prompt position and tensor of a `("value", …)` header just received, read from the
     raw message that follows it."""
+    import torch
+
     _, position, shape, dtype_name = header
     value = torch.empty(shape, dtype=getattr(torch, dtype_name))
     # Straight into the tensor's memory: one copy of the bytes, never two.

@@ -24,7 +24,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener
 
-from harvest.capture import CaptureSpec
+from harvest.capture_spec import CaptureSpec
 from harvest.engines.choice import EngineChoice, choose_engine, load_engine
 from harvest.heap import TrimEvery, give_back_free_memory
 from harvest.registry import load_registry
