@@ -67,19 +67,60 @@ def stop_engine_servers_at_the_end(tmp_path_factory):
 # idle. A stale order only costs balance, never a result.
 SLOWEST_MODULES = [
     "test_fleet.py", "test_liveness.py", "test_warm_engines.py", "test_client.py", "test_api_stack.py",
-    "test_smollm2.py", "test_inline_e2e.py", "test_openapi_fuzz.py", "test_placement.py", "test_stack.py",
+    "test_inline_e2e.py", "test_placement.py", "test_stack.py",
     "test_client_manners.py", "test_storage_fresh.py", "test_up_s3.py", "test_api_hardening.py",
     "test_keyless_limits.py", "test_notebooks.py", "test_faults_stack.py", "test_openai_client.py",
     "test_submit_overload.py", "test_fidelity.py", "test_flows_ops.py", "test_storage_quota.py",
     "test_watcher_events.py", "test_api_jobs.py",
 ]
 
+# Modules one test process takes as one unit, in this order. The first of each waits out
+# Prefect's windows (heartbeats, crash and cancel automations: minutes, with the CPU idle) in a
+# thread of its own (`tests.background`); the others keep the CPU busy meanwhile (none of them
+# uses the session's Prefect workers), and the tests marked `after_its_partners` (the waiting
+# module's verdicts) run after them.
+RUN_TOGETHER = [
+    ["test_liveness.py", "test_smollm2.py", "test_openapi_fuzz.py"],
+]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "after_its_partners: runs after the modules its module runs with (tests/conftest.py, RUN_TOGETHER)")
+
+
+def _unit_of(module: str) -> str:
+    """The unit of work a test process takes `module` in: its RUN_TOGETHER group, else itself."""
+    return next((group[0] for group in RUN_TOGETHER if module in group), module)
+
 
 def pytest_collection_modifyitems(items):
-    """The slowest modules first (`SLOWEST_MODULES`), the rest after them in file order; the
-    tests of a module keep their order."""
+    """The slowest modules first (`SLOWEST_MODULES`), the rest after them in file order; a
+    RUN_TOGETHER group's modules together where its first module ranks, in the group's order,
+    its `after_its_partners` tests last; otherwise the tests of a module keep their order."""
     rank = {name: place for place, name in enumerate(SLOWEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    in_group = {name: place for group in RUN_TOGETHER for place, name in enumerate(group)}
+
+    def place(item):
+        module = item.path.name
+        late = item.get_closest_marker("after_its_partners") is not None
+        return rank.get(_unit_of(module), len(rank)), late, in_group.get(module, 0)
+
+    items.sort(key=place)  # stable: a module's tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with each RUN_TOGETHER group one unit of work instead of one per module."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class TogetherScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of(Path(super()._split_scope(nodeid)).name)
+
+    return TogetherScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,11 @@ the test knows which worker holds which run without asking Prefect (one pool per
     liveness-unwatched  one throwaway worker, killed too, on a pool the automations do not
                         name: its run stays Running (Prefect alone cannot tell)
 
-All workers send heartbeats (`HEARTBEAT_ENV`). Everything runs concurrently: ~2 minutes.
+All workers send heartbeats (`HEARTBEAT_ENV`). Everything runs concurrently: ~2 minutes, most
+of it waiting out Prefect's windows. So the scenario runs in the background (`tests.background`),
+started once the automations test has left the automations as the session keeps them, while this
+test process runs the modules this one runs with (tests/conftest.py, RUN_TOGETHER); its verdict
+comes after them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from flows.liveness import (
     PENDING_AUTOMATION,
     apply_automations_sync,
 )
+from tests.background import Background
 from tests.prefect_fixtures import deploy_pool
 from tests.slow_engine import slow_shards
 
@@ -100,7 +105,7 @@ def _when(flow_run_id, kind) -> datetime:
     return min(s.timestamp for s in _history(flow_run_id) if s.type == kind)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def liveness(prefect_deployments):
     """This test's pools and deployments (none on a lane's pool), and the automations applied
     for the lanes' pools and the watched ones of this test (they stay for the session, as in
@@ -127,7 +132,16 @@ def _submit(pool: str, n_prompts: int, pause_s: float):
     return start_harvest_run(job_id, url, "llama-tiny", pool, "test", env=slow_shards(pause_s)), files
 
 
-def test_apply_automations_is_idempotent_by_name(liveness):
+VERDICT = "test_dead_hosts_runs_end_crashed_or_cancelled_live_ones_untouched"
+
+
+@pytest.fixture(scope="session")
+def dead_hosts(liveness, lane_workers, prefect_server) -> Background:
+    """The hosts scenario (`_kill_hosts_and_watch`), under way in the background."""
+    return Background("dead hosts", lambda: _kill_hosts_and_watch(lane_workers, prefect_server))
+
+
+def test_apply_automations_is_idempotent_by_name(liveness, request):
     names = [CRASH_AUTOMATION, PENDING_AUTOMATION, CANCEL_AUTOMATION]
     assert apply_automations_sync(liveness) == names
     assert apply_automations_sync(liveness + ["elsewhere"]) == names  # re-applied: updated in place
@@ -141,9 +155,19 @@ def test_apply_automations_is_idempotent_by_name(liveness):
         crash = next(a for a in client.read_automations() if a.name == CRASH_AUTOMATION)
         assert sorted(crash.trigger.match_related.root["prefect.resource.name"]) == sorted(liveness)
         assert crash.trigger.within.total_seconds() == CRASH_AFTER_S and crash.enabled
+    # The automations are as the session keeps them again: the hosts scenario may start now, if
+    # its verdict is to run (it then waits out its windows while the next modules run).
+    if any(item.name == VERDICT for item in request.session.items):
+        request.getfixturevalue("dead_hosts")
 
 
-def test_dead_hosts_runs_end_crashed_or_cancelled_live_ones_untouched(liveness, lane_workers, prefect_server):
+@pytest.mark.after_its_partners
+def test_dead_hosts_runs_end_crashed_or_cancelled_live_ones_untouched(dead_hosts):
+    print(dead_hosts.outcome(timeout=900))
+
+
+def _kill_hosts_and_watch(lane_workers, prefect_server) -> str:
+    """The scenario of the module docstring, its checks included; returns its timings."""
     from flows.submit import cancel_harvest_run
     from prefect.client.schemas.objects import StateType
 
@@ -230,7 +254,7 @@ def test_dead_hosts_runs_end_crashed_or_cancelled_live_ones_untouched(liveness, 
         assert quick_s < 10, quick_s
 
         assert _run(orphan).state.type == StateType.RUNNING  # not a watched pool: left alone
-        print(
+        return (
             f"kill at +{(killed_at - began).total_seconds():.1f} s; kill → Crashed {crash_s:.1f} s (last heartbeat → "
             f"Crashed {silent_s:.1f} s); cancel → Cancelled {cancel_s:.1f} s; live cancel {quick_s:.1f} s; live run "
             f"{(done.end_time - done.start_time).total_seconds():.0f} s, heartbeat gaps {[round(g, 1) for g in gaps]}"
