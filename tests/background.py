@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["Background"]
+__all__ = ["Background", "start_if_awaited"]
 
 T = TypeVar("T")
 
@@ -42,3 +42,11 @@ class Background(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def start_if_awaited(request, fixture: str, verdict: str) -> None:
+    """Set up the session fixture `fixture` (a `Background`) now, from the test `request` is
+    for, if the test `verdict`, which waits for it, is among this session's tests; else no one
+    would wait for it."""
+    if any(item.name == verdict for item in request.session.items):
+        request.getfixturevalue(fixture)

@@ -10,6 +10,15 @@ from pathlib import Path
 # Set before anything imports harvest.settings (it is cached) or Prefect (it reads env at import).
 _SESSION_HOME = Path(os.environ.get("HARVEST_TEST_HOME") or tempfile.mkdtemp(prefix="harvest-test-"))
 os.environ["HARVEST_HOME"] = str(_SESSION_HOME)
+# Test processes (pytest-xdist) each have a session of their own, but share the checkpoints the
+# project builds: the first to need one builds it and the others wait for it
+# (`harvest.built_checkpoints`: a lock beside it, renamed into place whole). The controlling
+# process, which starts them, names the folder.
+_SHARED_MODELS = "HARVEST_TEST_MODELS"
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault(_SHARED_MODELS, tempfile.mkdtemp(prefix="harvest-test-models-"))
+elif not (_SESSION_HOME / "models").exists():
+    (_SESSION_HOME / "models").symlink_to(os.environ[_SHARED_MODELS], target_is_directory=True)
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_HOME / "prefect"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -66,8 +75,8 @@ def stop_engine_servers_at_the_end(tmp_path_factory):
 # the short ones fill the ends: no process is left running one long module while the others
 # idle. A stale order only costs balance, never a result.
 SLOWEST_MODULES = [
-    "test_fleet.py", "test_liveness.py", "test_warm_engines.py", "test_client.py", "test_api_stack.py",
-    "test_inline_e2e.py", "test_placement.py", "test_stack.py",
+    "test_fleet.py", "test_liveness.py", "test_warm_engines.py", "test_api_stack.py", "test_placement.py",
+    "test_stack.py",
     "test_client_manners.py", "test_storage_fresh.py", "test_up_s3.py", "test_api_hardening.py",
     "test_keyless_limits.py", "test_notebooks.py", "test_faults_stack.py", "test_openai_client.py",
     "test_submit_overload.py", "test_fidelity.py", "test_flows_ops.py", "test_storage_quota.py",
@@ -76,10 +85,11 @@ SLOWEST_MODULES = [
 
 # Modules one test process takes as one unit, in this order. The first of each waits out
 # Prefect's windows (heartbeats, crash and cancel automations: minutes, with the CPU idle) in a
-# thread of its own (`tests.background`); the others keep the CPU busy meanwhile (none of them
-# uses the session's Prefect workers), and the tests marked `after_its_partners` (the waiting
-# module's verdicts) run after them.
+# thread of its own (`tests.background`); the others, which touch nothing the waiting scenario
+# uses, keep the CPU busy meanwhile, and the tests marked `after_its_partners` (the scenario's
+# verdict and what must follow it) run after them.
 RUN_TOGETHER = [
+    ["test_fleet.py", "test_client.py", "test_inline_e2e.py"],
     ["test_liveness.py", "test_smollm2.py", "test_openapi_fuzz.py"],
 ]
 

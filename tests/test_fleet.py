@@ -35,13 +35,14 @@ import psycopg
 import pytest
 
 from tests.api_fixtures import wait_for_longpoll_waiters
+from tests.background import Background, start_if_awaited
 from tests.slow_engine import slow_shards
 from tests.topology import Fleet
 
 ORDER = {"pending": 0, "running": 1, "done": 2, "failed": 2, "cancelled": 2}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # up while the modules this one runs with run (conftest RUN_TOGETHER)
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
     with Fleet(
@@ -189,7 +190,7 @@ def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_l
     assert _charged(fleet, cancel_job) == cancelled["reserved_tokens"] == _expected_tokens([f"cancel me {i}" for i in range(30)])
 
 
-def test_progress_read_mid_run_on_s3_rises_shard_by_shard_through_both_replicas_on_both_hosts(fleet):
+def test_progress_read_mid_run_on_s3_rises_shard_by_shard_through_both_replicas_on_both_hosts(fleet, request):
     """Two jobs at once, one on each worker host (a host runs one job at a time), read through
     both replicas while they run: each job's `shards_done` passes through every count from the
     first shard to the last. The replica holding the watcher lease counts each job's shard
@@ -234,6 +235,9 @@ def test_progress_read_mid_run_on_s3_rises_shard_by_shard_through_both_replicas_
     for job, run_id in jobs.items():
         print(f"progress of {job} on {ran_on[run_id]}: " + "; ".join(
             f"{replica}: {sorted(set(values))}" for replica, values in seen[job].items()))
+    # The last test needing both hosts: one of them may die now (in the background, while the
+    # next modules run).
+    start_if_awaited(request, "host_death", HOST_DEATH)
 
 
 def _objects(fleet, prefix) -> dict[str, object]:
@@ -241,7 +245,25 @@ def _objects(fleet, prefix) -> dict[str, object]:
     return {o["Key"].rsplit("/", 1)[-1]: o["LastModified"] for o in listing.get("Contents", [])}
 
 
-def test_a_host_that_dies_mid_job_loses_nothing(fleet):
+HOST_DEATH = "test_a_host_that_dies_mid_job_loses_nothing"
+
+
+@pytest.fixture(scope="session")
+def host_death(fleet) -> Background:
+    """The host-death scenario (`_kill_a_host_mid_job`), under way in the background: most of it
+    is Prefect's crash window, so this test process runs the modules this one runs with
+    meanwhile (tests/conftest.py, RUN_TOGETHER); its verdict and the tests after it come after them."""
+    return Background("host death", lambda: _kill_a_host_mid_job(fleet))
+
+
+@pytest.mark.after_its_partners
+def test_a_host_that_dies_mid_job_loses_nothing(host_death):
+    print(host_death.outcome(timeout=600))
+
+
+def _kill_a_host_mid_job(fleet) -> str:
+    """A job's host SIGKILLed after its third shard: the job ends done on the other host, its
+    earlier shards untouched, charged once. Returns how long it took."""
     a, b = fleet.replicas
     prompts = [f"host death prompt {i}" for i in range(14)]
     job = _submit(fleet, a, prompts)
@@ -277,10 +299,12 @@ def test_a_host_that_dies_mid_job_loses_nothing(fleet):
         run = client.read_flow_run(run_id)
         history = [s.name for s in client.read_flow_run_states(run_id)]
     assert run.run_count == 2 and "Crashed" in history, history
-    print(f"host death: done {recovered_s:.0f} s after the kill, on {survivor.host.name}")
+    return f"host death: done {recovered_s:.0f} s after the kill, on {survivor.host.name}"
 
 
-def test_the_lease_holders_death_hands_over_and_waiters_still_wake(fleet):
+@pytest.mark.after_its_partners
+def test_the_lease_holders_death_hands_over_and_waiters_still_wake(fleet, host_death):
+    host_death.outcome(timeout=600)  # one death at a time: the lease holder reschedules the dead host's run
     holder = next(r for r in fleet.replicas if r.health()["watcher"])
     other = next(r for r in fleet.replicas if r is not holder)
     job = _submit(fleet, other, [f"lease {i}" for i in range(6)])["job_id"]
@@ -314,6 +338,7 @@ def test_the_lease_holders_death_hands_over_and_waiters_still_wake(fleet):
           f"after the job was done ({answer['after_s']:.1f} s into its wait)")
 
 
+@pytest.mark.after_its_partners
 def test_every_role_stops_on_sigterm_leaving_no_process(fleet):
     roles = [r for r in fleet.roles if r.proc.poll() is None]  # the ones the tests left alive
     assert {r.name.split("-")[0] for r in roles} >= {"control", "api", "host"}

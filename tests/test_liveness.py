@@ -42,7 +42,7 @@ from flows.liveness import (
     PENDING_AUTOMATION,
     apply_automations_sync,
 )
-from tests.background import Background
+from tests.background import Background, start_if_awaited
 from tests.prefect_fixtures import deploy_pool
 from tests.slow_engine import slow_shards
 
@@ -155,10 +155,9 @@ def test_apply_automations_is_idempotent_by_name(liveness, request):
         crash = next(a for a in client.read_automations() if a.name == CRASH_AUTOMATION)
         assert sorted(crash.trigger.match_related.root["prefect.resource.name"]) == sorted(liveness)
         assert crash.trigger.within.total_seconds() == CRASH_AFTER_S and crash.enabled
-    # The automations are as the session keeps them again: the hosts scenario may start now, if
-    # its verdict is to run (it then waits out its windows while the next modules run).
-    if any(item.name == VERDICT for item in request.session.items):
-        request.getfixturevalue("dead_hosts")
+    # The automations are as the session keeps them again: the hosts scenario may start (it
+    # waits out its windows while the next modules run).
+    start_if_awaited(request, "dead_hosts", VERDICT)
 
 
 @pytest.mark.after_its_partners
