@@ -171,16 +171,17 @@ class Managed:
 def wait_http(url: str, timeout: float, proc: Managed | None = None, *, ok_only: bool = False) -> None:
     """Wait until `url` answers HTTP (any status below 500; with `ok_only`, a 2xx)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None:
-            proc.check_running()
-        try:
-            status = httpx.get(url, timeout=2).status_code
-            if status < 300 or (status < 500 and not ok_only):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    with httpx.Client(timeout=2) as client:  # one client: each makes a TLS context (~20 ms of CPU)
+        while time.monotonic() < deadline:
+            if proc is not None:
+                proc.check_running()
+            try:
+                status = client.get(url).status_code
+                if status < 300 or (status < 500 and not ok_only):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s" + (f":\n{proc.tail()}" if proc else ""))
 
 

@@ -68,6 +68,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import http_calls
+
 __all__ = [
     "ApiServer", "FileRuns", "set_run", "finish_run", "free_port", "serve_in_thread", "harvest_up",
     "PRODUCTION_APP", "FILE_RUNS_APP", "FLOW_ENV_APP", "harvest_api_env", "pg_schema_url", "drop_pg_schema",
@@ -231,7 +233,7 @@ def longpoll_waiters(root: str, home: Path) -> int:
     from harvest.settings import Settings
 
     token = metrics_token(Settings(home=home))
-    response = httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    response = http_calls.get(f"{root}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30)
     response.raise_for_status()
     family = next(f for f in text_string_to_metric_families(response.text) if f.name == "harvest_longpoll_waiters")
     return int(family.samples[0].value)
@@ -316,7 +318,7 @@ class ApiServer:
                     raise PortInUse(output)
                 raise RuntimeError(f"the API exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
+                if http_calls.get(f"{self.root}/health", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import FLOW_ENV_APP, ApiServer, drop_pg_schema, harvest_api_env, pg_schema_url
 from tests.fault_proxy import FaultProxy
 from tests.flow_env_runs import write_flow_env
@@ -51,7 +51,7 @@ class FaultsApi:
         write_flow_env(self.env_file, {**self.registry_env, **extra})
 
     def read(self, job_id: str, **params) -> dict:
-        answer = httpx.get(f"{self.base_url}/harvest/{job_id}", headers=self.auth, params=params, timeout=90)
+        answer = http_calls.get(f"{self.base_url}/harvest/{job_id}", headers=self.auth, params=params, timeout=90)
         assert answer.status_code == 200, answer.text
         return answer.json()
 

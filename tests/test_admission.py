@@ -37,6 +37,7 @@ import pytest
 from api.errors import ReplicaBusy
 from harvest.errors import InvalidRequest
 from harvest.lanes import Lane
+from tests import http_calls
 from tests.api_fixtures import ApiServer
 from tests.proc_threads import autogroup_nice, slices_supported, thread_slices, thread_stats
 
@@ -65,7 +66,7 @@ def _longest_entry(tokenizer) -> int:
 
 def _post(server: ApiServer, key: str, body, route: str = "harvest", **kwargs) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{server.base_url}/{route}", content=content, timeout=kwargs.pop("timeout", 120),
+    return http_calls.post(f"{server.base_url}/{route}", content=content, timeout=kwargs.pop("timeout", 120),
                       headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, **kwargs)
 
 
@@ -386,7 +387,7 @@ def test_the_replica_asks_for_the_shortest_slice_and_its_assessing_children_go_b
 
     pid = replica.process.pid
     if not slices_supported():  # before Linux 6.12 the slice is ignored (the fallback): the replica still serves
-        assert httpx.get(f"{replica.root}/health", timeout=60).status_code == 200
+        assert http_calls.get(f"{replica.root}/health", timeout=60).status_code == 200
         return
     default = thread_slices(os.getpid())[threading.get_native_id()]  # this test's own thread: the kernel's default
     deadline = time.monotonic() + 60
@@ -427,7 +428,7 @@ def test_malformed_input_on_routes_without_a_key_is_4xx_never_500(replica):
     job = "0b7c2a9e-5a8e-4a3e-9a51-0d6f1f1d2c3b"
     for query in ("expires=1&signature=%C3%A9", "expires=%C2%B2&signature=abc", "expires=%D9%A3&signature=" + "0" * 64,
                   "expires=1&signature=" + "é" * 64, "expires=99999999999999999999999&signature=" + "0" * 64):
-        response = httpx.get(f"{replica.base_url}/files/{job}/manifest.json?{query}", timeout=30)
+        response = http_calls.get(f"{replica.base_url}/files/{job}/manifest.json?{query}", timeout=30)
         assert response.status_code == 403, (query, response.text)
         assert response.json()["error"]["code"] == "link_invalid"
     key = replica.make_key(name="nested", small=50)
@@ -462,7 +463,7 @@ def test_an_assessing_child_that_dies_costs_one_submit_a_503_and_is_started_agai
         refused = answer.result()
     _error(refused, 503, "replica_busy", None)
     assert int(refused.headers["Retry-After"]) >= 1
-    jobs = httpx.get(f"{replica.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+    jobs = http_calls.get(f"{replica.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).json()["data"]
     assert len(jobs) == 1  # the first small job only: nothing admitted for the killed submit
     assert _post(replica, key, ok).status_code == 202
     idle = _assessors(pid)

@@ -11,11 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 import api.errors
 import harvest.errors as errors
+
+from tests import http_calls
 
 REPO = Path(__file__).resolve().parent.parent
 VOCABULARY = (errors, api.errors)
@@ -63,7 +64,7 @@ def test_pydantic_errors_read_the_same_through_both_routes_and_the_cli(harvest_a
     auth = {"Authorization": f"Bearer {key}"}
 
     def post(path, body):
-        response = httpx.post(f"{harvest_api.base_url}{path}", headers=auth, json=body, timeout=60)
+        response = http_calls.post(f"{harvest_api.base_url}{path}", headers=auth, json=body, timeout=60)
         assert response.status_code == 400, response.text
         return response.json()["error"]
 

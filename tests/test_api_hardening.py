@@ -18,6 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import insert, select
 
+from tests import http_calls
 from tests.api_fixtures import ApiServer, harvest_api_env
 
 OK = {"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]}
@@ -56,11 +57,11 @@ def test_routes_that_take_no_body_refuse_a_large_one_with_413(guarded):
     big = b"x" * (128 * 1024)
     for method, path in (("DELETE", "/harvest/some-job"), ("GET", "/harvest"), ("GET", "/models"),
                          ("GET", "/files/j/manifest.json")):
-        response = httpx.request(method, f"{guarded.base_url}{path}", headers=_auth(key), content=big, timeout=30)
+        response = http_calls.request(method, f"{guarded.base_url}{path}", headers=_auth(key), content=big, timeout=30)
         error = _error(response, 413, "request_too_large")
         assert "64 KB" in error["message"], error
     # Small bodies on them are still let through (and ignored), as HTTP allows.
-    assert httpx.request("GET", f"{guarded.base_url}/harvest", headers=_auth(key), content=b"{}").status_code == 200
+    assert http_calls.request("GET", f"{guarded.base_url}/harvest", headers=_auth(key), content=b"{}").status_code == 200
 
 
 def test_a_streamed_body_without_length_is_capped_on_the_completions_route(guarded):
@@ -72,7 +73,7 @@ def test_a_streamed_body_without_length_is_capped_on_the_completions_route(guard
             yield b"a" * (1024 * 1024)
         yield b'"}'
 
-    response = httpx.post(f"{guarded.base_url}/completions", headers={**_auth(key), "Content-Type": "application/json"},
+    response = http_calls.post(f"{guarded.base_url}/completions", headers={**_auth(key), "Content-Type": "application/json"},
                           content=chunks(), timeout=60)
     assert "8 MB" in _error(response, 413, "request_too_large")["message"]
 
@@ -96,7 +97,7 @@ def test_an_unexpected_error_answers_the_error_body_with_a_request_id_that_the_l
             ))
     finally:
         engine.dispose()
-    response = httpx.get(f"{guarded.base_url}/harvest/00000000-0000-4000-8000-00000000b0b0", headers=_auth(key))
+    response = http_calls.get(f"{guarded.base_url}/harvest/00000000-0000-4000-8000-00000000b0b0", headers=_auth(key))
     error = _error(response, 500, "internal_error")
     request_id = response.headers["X-Request-ID"]
     assert re.fullmatch(r"req_[0-9a-f]{24}", request_id)
@@ -114,21 +115,21 @@ def test_an_unexpected_error_answers_the_error_body_with_a_request_id_that_the_l
 
 def test_every_answer_carries_its_own_request_id(guarded):
     key = guarded.make_key(name="ids")
-    answers = [httpx.get(f"{guarded.base_url}/harvest", headers=_auth(key)),
-               httpx.get(f"{guarded.base_url}/harvest/nope", headers=_auth(key)),
-               httpx.get(f"{guarded.base_url}/harvest")]
+    answers = [http_calls.get(f"{guarded.base_url}/harvest", headers=_auth(key)),
+               http_calls.get(f"{guarded.base_url}/harvest/nope", headers=_auth(key)),
+               http_calls.get(f"{guarded.base_url}/harvest")]
     assert [a.status_code for a in answers] == [200, 404, 401]
     ids = [a.headers["X-Request-ID"] for a in answers]
     assert len(set(ids)) == 3 and all(i.startswith("req_") for i in ids)
 
 
 def test_unknown_routes_and_methods_answer_the_error_body_and_allow(guarded):
-    response = httpx.get(f"{guarded.base_url}/nothing-here")
+    response = http_calls.get(f"{guarded.base_url}/nothing-here")
     _error(response, 404, "route_not_found")
     for method, path, allowed in (("PUT", "/harvest", "GET, POST"), ("PATCH", "/harvest/x", "DELETE, GET"),
                                   ("POST", "/models", "GET"), ("DELETE", "/completions", "POST"),
                                   ("HEAD", "/harvest", "GET, POST")):  # no implicit HEAD: Allow says so
-        response = httpx.request(method, f"{guarded.base_url}{path}")
+        response = http_calls.request(method, f"{guarded.base_url}{path}")
         if method != "HEAD":  # a HEAD answer has no body
             _error(response, 405, "method_not_allowed")
         assert response.status_code == 405 and response.headers["Allow"] == allowed, (method, path, response.headers.get("Allow"))
@@ -138,7 +139,7 @@ def test_unknown_routes_and_methods_answer_the_error_body_and_allow(guarded):
 
 def test_an_unavailable_model_is_named_without_server_paths(guarded):
     key = guarded.make_key(name="paths")
-    error = _error(httpx.post(f"{guarded.base_url}/harvest", headers=_auth(key), json={**OK, "model": "llama-8b", "layers": [8]},
+    error = _error(http_calls.post(f"{guarded.base_url}/harvest", headers=_auth(key), json={**OK, "model": "llama-8b", "layers": [8]},
                               timeout=60), 503, "harvest_unavailable")
     assert "llama-8b" in error["message"] and "meta-llama/Llama-3.1-8B" in error["message"]
     assert str(guarded.home) not in error["message"] and "looked in" not in error["message"], error
@@ -149,14 +150,14 @@ def test_an_unavailable_model_is_named_without_server_paths(guarded):
 
 def test_a_key_over_its_read_rate_gets_429_with_retry_after_and_others_are_not_starved(guarded):
     greedy, patient = guarded.make_key(name="greedy"), guarded.make_key(name="patient")
-    codes = [httpx.get(f"{guarded.base_url}/harvest", headers=_auth(greedy)).status_code for _ in range(6)]
+    codes = [http_calls.get(f"{guarded.base_url}/harvest", headers=_auth(greedy)).status_code for _ in range(6)]
     assert codes[:4] == [200] * 4 and 429 in codes[4:], codes
-    refused = httpx.get(f"{guarded.base_url}/models", headers=_auth(greedy))
+    refused = http_calls.get(f"{guarded.base_url}/models", headers=_auth(greedy))
     error = _error(refused, 429, "rate_limit_exceeded")
     assert int(refused.headers["Retry-After"]) >= 1 and "at most 4 at once" in error["message"]
-    assert httpx.get(f"{guarded.base_url}/harvest", headers=_auth(patient)).status_code == 200
+    assert http_calls.get(f"{guarded.base_url}/harvest", headers=_auth(patient)).status_code == 200
     time.sleep(int(refused.headers["Retry-After"]) + 0.2)  # Retry-After is honest: a token is back
-    assert httpx.get(f"{guarded.base_url}/harvest", headers=_auth(greedy)).status_code == 200
+    assert http_calls.get(f"{guarded.base_url}/harvest", headers=_auth(greedy)).status_code == 200
 
 
 def test_submits_have_their_own_rate_shared_by_every_replica(guarded, harvest_home):
@@ -168,16 +169,16 @@ def test_submits_have_their_own_rate_shared_by_every_replica(guarded, harvest_ho
         # children's imports (`api.admission_process`), time in which this key's bucket would refill.
         for server in (guarded, replica):
             warm = guarded.make_key(name=f"warm-{server.base_url[-5:]}", small=10)
-            assert httpx.post(f"{server.base_url}/harvest", headers=_auth(warm), json=OK, timeout=60).status_code == 202
+            assert http_calls.post(f"{server.base_url}/harvest", headers=_auth(warm), json=OK, timeout=60).status_code == 202
         # Its own submit rate, a token a minute after a burst of 2: however long a submit takes
         # on a busy box, no token comes back between these four.
         key = guarded.make_key(name="two-replicas", small=10, rate_submit_per_s=1 / 60, rate_submit_burst=2)
-        answers = [httpx.post(f"{server.base_url}/harvest", headers=_auth(key), json=OK, timeout=60)
+        answers = [http_calls.post(f"{server.base_url}/harvest", headers=_auth(key), json=OK, timeout=60)
                    for server in (guarded, replica, guarded, replica)]
         assert [a.status_code for a in answers[:2]] == [202, 202]
         assert {a.json()["error"]["code"] for a in answers[2:]} == {"rate_limit_exceeded"}
         # Reads are a separate bucket: still allowed.
-        assert httpx.get(f"{replica.base_url}/harvest", headers=_auth(key)).status_code == 200
+        assert http_calls.get(f"{replica.base_url}/harvest", headers=_auth(key)).status_code == 200
     finally:
         replica.stop()
 
@@ -196,9 +197,9 @@ def test_a_key_can_have_its_own_rates(guarded):
     made = subprocess.run([*cli, "create", "--name", "own-rates", "--read-burst", "2", "--read-per-s", "0.5"],
                           env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     own = made.stdout.strip().splitlines()[-1]
-    codes = [httpx.get(f"{guarded.base_url}/harvest", headers=_auth(own)).status_code for _ in range(3)]
+    codes = [http_calls.get(f"{guarded.base_url}/harvest", headers=_auth(own)).status_code for _ in range(3)]
     assert codes == [200, 200, 429], codes
-    refused = httpx.get(f"{guarded.base_url}/harvest", headers=_auth(own))
+    refused = http_calls.get(f"{guarded.base_url}/harvest", headers=_auth(own))
     assert "at most 2 at once and 0.5 a second" in _error(refused, 429, "rate_limit_exceeded")["message"]
     assert int(refused.headers["Retry-After"]) == 2  # a token every 2 s
     listing = json.loads(subprocess.run([*cli, "list", "--json"], env=env, capture_output=True, text=True, check=True,
@@ -221,14 +222,14 @@ def test_a_start_that_fails_after_the_run_was_created_cancels_that_run(guarded):
     flag = _runs_dir(guarded) / "start-fails-after-create"
     flag.touch()
     try:
-        response = httpx.post(f"{guarded.base_url}/harvest", headers=_auth(key), json=OK, timeout=60)
+        response = http_calls.post(f"{guarded.base_url}/harvest", headers=_auth(key), json=OK, timeout=60)
     finally:
         flag.unlink()
     error = _error(response, 503, "harvest_unavailable")
     job_id = error["message"].split("Job ")[1].split(" ")[0]
     run = guarded.runs.get(f"run-{job_id}")
     assert run is not None and run["status"] == "cancelled" and run["cancels"] == 1
-    body = httpx.get(f"{guarded.base_url}/harvest/{job_id}", headers=_auth(key)).json()
+    body = http_calls.get(f"{guarded.base_url}/harvest/{job_id}", headers=_auth(key)).json()
     assert body["status"] == "failed" and "charged nothing" in body["error"] and "Error" not in body["error"]
     _assert_ledger(guarded, job_id, [("failed", 0)])
 
@@ -239,7 +240,7 @@ def test_when_the_cancel_fails_too_the_watcher_cancels_the_run_later(guarded):
     (runs / "start-fails-after-create").touch()
     (runs / "cancel-fails").touch()
     try:
-        response = httpx.post(f"{guarded.base_url}/harvest", headers=_auth(key), json=OK, timeout=60)
+        response = http_calls.post(f"{guarded.base_url}/harvest", headers=_auth(key), json=OK, timeout=60)
         job_id = _error(response, 503, "harvest_unavailable")["message"].split("Job ")[1].split(" ")[0]
         time.sleep(1.0)  # watcher ticks while the backend still refuses: the run goes on
         assert guarded.runs.get(f"run-{job_id}")["status"] == "pending"

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_tensors
 
+from tests import http_calls
 from tests.api_fixtures import finish_run, set_run
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Interpretability research reads the residual stream.", "Hi"]
@@ -37,7 +38,7 @@ def _auth(key: str) -> dict:
 
 
 def _submit(server, key, **body) -> dict:
-    response = httpx.post(
+    response = http_calls.post(
         f"{server.base_url}/harvest", headers=_auth(key), timeout=60,
         json={"model": "llama-tiny", "prompts": PROMPTS, "layers": [2, 4, 7], "shard_size": 2, **body},
     )
@@ -46,7 +47,7 @@ def _submit(server, key, **body) -> dict:
 
 
 def _get(server, key, job_id, **params) -> httpx.Response:
-    return httpx.get(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), params=params, timeout=90)
+    return http_calls.get(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), params=params, timeout=90)
 
 
 def _until(server, key, job_id, status, timeout=10.0) -> dict:
@@ -80,7 +81,7 @@ def test_submit_answers_202_with_the_pending_harvest(harvest_api, key):
     request_file = Path(harvest_api.env["HARVEST_STORAGE_URL"][len("file://"):]) / "jobs" / job["job_id"] / "request.json"
     assert request_file.exists()  # written before the run started
     assert harvest_api.runs.get(f"run-{job['job_id']}")["request_url"].endswith(f"jobs/{job['job_id']}/request.json")
-    httpx.delete(f"{harvest_api.base_url}/harvest/{job['job_id']}", headers=_auth(key))
+    http_calls.delete(f"{harvest_api.base_url}/harvest/{job['job_id']}", headers=_auth(key))
 
 
 def test_the_stored_request_names_the_layers_admission_resolved(harvest_api, key):
@@ -89,7 +90,7 @@ def test_the_stored_request_names_the_layers_admission_resolved(harvest_api, key
     job = _submit(harvest_api, key, layers=None)
     request_file = Path(harvest_api.env["HARVEST_STORAGE_URL"][len("file://"):]) / "jobs" / job["job_id"] / "request.json"
     assert json.loads(request_file.read_text())["layers"] == job["layers"] == [2, 4, 6]
-    httpx.delete(f"{harvest_api.base_url}/harvest/{job['job_id']}", headers=_auth(key))
+    http_calls.delete(f"{harvest_api.base_url}/harvest/{job['job_id']}", headers=_auth(key))
 
 
 def test_a_done_job_has_a_result_with_links_that_need_no_key(harvest_api, key, done_job):
@@ -104,16 +105,16 @@ def test_a_done_job_has_a_result_with_links_that_need_no_key(harvest_api, key, d
     assert result["timings"]["real_tokens"] == job["tokens"] and result["timings"]["padded_tokens"] >= 0
     assert result["bytes_written"] > 0 and job["urls_expired"] is False
     # The documented reading code, with plain HTTP and no key.
-    shard = load_tensors(httpx.get(result["shard_urls"][0], timeout=30).content)
+    shard = load_tensors(http_calls.get(result["shard_urls"][0], timeout=30).content)
     assert shard["prompt_0"].dtype == torch.bfloat16
     n_tokens = shard["tokens_0"].shape[0]
     assert tuple(shard["prompt_0"].shape) == (3, n_tokens, done_job_hidden(harvest_api))
-    second = load_tensors(httpx.get(result["shard_urls"][1], timeout=30).content)
+    second = load_tensors(http_calls.get(result["shard_urls"][1], timeout=30).content)
     assert set(second) == {"prompt_2", "tokens_2"}
-    manifest = httpx.get(result["manifest_url"], timeout=30).json()
+    manifest = http_calls.get(result["manifest_url"], timeout=30).json()
     assert manifest["version"] == 2 and manifest["job_id"] == job["job_id"]
     assert manifest["tokens"] == job["tokens"] == result["tokens"]
-    stats = load_tensors(httpx.get(result["stats_url"], timeout=30).content)
+    stats = load_tensors(http_calls.get(result["stats_url"], timeout=30).content)
     assert stats["layer_indices"].tolist() == [2, 4, 7]
 
 
@@ -148,7 +149,7 @@ def test_expired_tampered_or_foreign_links_are_403(harvest_api, key, done_job):
     parsed = urlparse(url)
     query = parse_qs(parsed.query)
     base = f"{parsed.scheme}://{parsed.netloc}{parsed.path}"
-    assert httpx.get(url).status_code == 200
+    assert http_calls.get(url).status_code == 200
 
     tampered_signature = query["signature"][0][:-1] + ("0" if query["signature"][0][-1] != "0" else "1")
     later = int(query["expires"][0]) + 3600
@@ -162,7 +163,7 @@ def test_expired_tampered_or_foreign_links_are_403(harvest_api, key, done_job):
         sign(harvest_api.root, done_job["job_id"], "request.json", int(time.time()) + 60),  # not a result file
     ]
     for link in refused:
-        response = httpx.get(link)
+        response = http_calls.get(link)
         assert response.status_code == 403, (link, response.text)
         assert response.json()["error"]["code"] == "link_invalid"
 
@@ -205,7 +206,7 @@ def test_links_ignore_the_clients_host_header(harvest_api, key, done_job):
 
 
 def _get_with(server, key, job_id, headers) -> httpx.Response:
-    return httpx.get(f"{server.base_url}/harvest/{job_id}", headers={**_auth(key), **headers}, timeout=90)
+    return http_calls.get(f"{server.base_url}/harvest/{job_id}", headers={**_auth(key), **headers}, timeout=90)
 
 
 def test_after_retention_the_job_says_urls_expired_with_no_links(harvest_api, key, hf_engine):
@@ -241,24 +242,24 @@ def test_swept_files_read_as_urls_expired(harvest_api, key, hf_engine):
 def test_another_keys_job_is_404_and_lists_are_per_key(harvest_api, key, done_job):
     other = harvest_api.make_key(name="other")
     for method in ("GET", "DELETE"):
-        response = httpx.request(method, f"{harvest_api.base_url}/harvest/{done_job['job_id']}", headers=_auth(other))
+        response = http_calls.request(method, f"{harvest_api.base_url}/harvest/{done_job['job_id']}", headers=_auth(other))
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "harvest_job_not_found"
-    assert httpx.get(f"{harvest_api.base_url}/harvest", headers=_auth(other)).json()["data"] == []
+    assert http_calls.get(f"{harvest_api.base_url}/harvest", headers=_auth(other)).json()["data"] == []
     # and its own list pages newest first
     mine = [_submit(harvest_api, other, prompts=["a"])["job_id"] for _ in range(3)]
-    page = httpx.get(f"{harvest_api.base_url}/harvest", params={"limit": 2}, headers=_auth(other)).json()
+    page = http_calls.get(f"{harvest_api.base_url}/harvest", params={"limit": 2}, headers=_auth(other)).json()
     assert page["object"] == "list" and page["has_more"] is True
     assert [j["job_id"] for j in page["data"]] == mine[::-1][:2]
-    rest = httpx.get(f"{harvest_api.base_url}/harvest", params={"limit": 2, "after": page["last_id"]},
+    rest = http_calls.get(f"{harvest_api.base_url}/harvest", params={"limit": 2, "after": page["last_id"]},
                      headers=_auth(other)).json()
     assert [j["job_id"] for j in rest["data"]] == [mine[0]] and rest["has_more"] is False
     for job_id in mine:
-        httpx.delete(f"{harvest_api.base_url}/harvest/{job_id}", headers=_auth(other))
+        http_calls.delete(f"{harvest_api.base_url}/harvest/{job_id}", headers=_auth(other))
 
 
 def _cancel(server, key, job_id) -> httpx.Response:
-    return httpx.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), timeout=30)
+    return http_calls.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(key), timeout=30)
 
 
 def ledger(server, job_ids) -> dict[str, list[tuple]]:
@@ -331,7 +332,7 @@ def test_twenty_simultaneous_submits_against_a_limit_of_three_admit_three(harves
 
     def submit():
         barrier.wait()
-        answers.append(httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
+        answers.append(http_calls.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
                                   json={"model": "llama-tiny", "prompts": ["race"]}))
 
     threads = [threading.Thread(target=submit) for _ in range(20)]
@@ -342,7 +343,7 @@ def test_twenty_simultaneous_submits_against_a_limit_of_three_admit_three(harves
     codes = sorted(r.status_code for r in answers)
     assert codes == [202] * 3 + [429] * 17
     assert {r.json()["error"]["code"] for r in answers if r.status_code == 429} == {"harvest_concurrency_exceeded"}
-    listed = httpx.get(f"{harvest_api.base_url}/harvest", headers=_auth(key)).json()["data"]
+    listed = http_calls.get(f"{harvest_api.base_url}/harvest", headers=_auth(key)).json()["data"]
     assert len(listed) == 3
     for job in listed:
         _cancel(harvest_api, key, job["job_id"])
@@ -393,7 +394,7 @@ def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harv
     flag = Path(harvest_api.env["HARVEST_TEST_RUNS_DIR"]) / "start-fails"
     flag.touch()
     try:
-        response = httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
+        response = http_calls.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
                               json={"model": "llama-tiny", "prompts": ["x"]})
     finally:
         flag.unlink()
@@ -448,7 +449,7 @@ def test_keys_create_prints_the_key_alone_on_the_last_line(harvest_api):
     key = out.stdout.strip().splitlines()[-1]
     assert key.startswith("acs_") and " " not in key
     one = _submit(harvest_api, key, prompts=["a"])
-    refused = httpx.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), json={"model": "llama-tiny", "prompts": ["b"]})
+    refused = http_calls.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), json={"model": "llama-tiny", "prompts": ["b"]})
     assert refused.status_code == 429 and "1 harvest on small models" in refused.json()["error"]["message"]
     _cancel(harvest_api, key, one["job_id"])
     listing = subprocess.run([sys.executable, "-m", "fleet.cli", "keys", "list"], env=env, capture_output=True,

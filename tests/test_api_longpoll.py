@@ -9,9 +9,9 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.test_api_jobs import _auth, _get, _submit
 from tests.api_fixtures import set_run
 
@@ -30,7 +30,7 @@ def test_long_poll_answers_on_the_status_change(harvest_api, key):
     assert response.json()["status"] == "running" and response.json()["started_at"]
     assert 0.9 < elapsed < 3.0, elapsed
     assert "X-Acs-Longpoll" not in response.headers
-    httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))
+    http_calls.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))
 
 
 def test_long_poll_answers_after_wait_seconds_without_a_change(harvest_api, key):
@@ -40,7 +40,7 @@ def test_long_poll_answers_after_wait_seconds_without_a_change(harvest_api, key)
     assert 1.4 < time.monotonic() - started < 3.0
     assert response.status_code == 200 and response.json()["status"] == "pending"
     # A cancel wakes a waiter at once too.
-    threading.Timer(0.5, lambda: httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))).start()
+    threading.Timer(0.5, lambda: http_calls.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(key))).start()
     started = time.monotonic()
     assert _get(harvest_api, key, job, wait=20).json()["status"] == "cancelled"
     assert time.monotonic() - started < 2.5
@@ -71,4 +71,4 @@ def test_waiters_over_the_limit_are_declined_and_waiters_never_poll_the_backend(
     assert during <= 2.0 / 0.2 + 4, during
     assert _get(harvest_api, third, jobs[third], wait=0.2).headers.get("X-Acs-Longpoll") is None  # slots came back
     for k, job in jobs.items():
-        httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(k))
+        http_calls.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(k))

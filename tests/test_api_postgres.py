@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import pg_api_server, set_run
 
 
@@ -28,7 +29,7 @@ def test_race_and_charging_on_postgresql(pg_api):
 
     def submit():
         barrier.wait()
-        answers.append(httpx.post(f"{pg_api.base_url}/harvest", headers=auth, timeout=60,
+        answers.append(http_calls.post(f"{pg_api.base_url}/harvest", headers=auth, timeout=60,
                                   json={"model": "llama-tiny", "prompts": ["race"]}))
 
     threads = [threading.Thread(target=submit) for _ in range(20)]
@@ -41,14 +42,14 @@ def test_race_and_charging_on_postgresql(pg_api):
 
     set_run(pg_api, jobs[0]["job_id"], "running")
     for _ in range(100):
-        if httpx.get(f"{pg_api.base_url}/harvest/{jobs[0]['job_id']}", headers=auth).json()["status"] == "running":
+        if http_calls.get(f"{pg_api.base_url}/harvest/{jobs[0]['job_id']}", headers=auth).json()["status"] == "running":
             break
-    started = httpx.delete(f"{pg_api.base_url}/harvest/{jobs[0]['job_id']}", headers=auth).json()
+    started = http_calls.delete(f"{pg_api.base_url}/harvest/{jobs[0]['job_id']}", headers=auth).json()
     assert (started["status"], started["tokens"]) == ("cancelled", jobs[0]["reserved_tokens"])
     for job in jobs[1:]:
-        early = httpx.delete(f"{pg_api.base_url}/harvest/{job['job_id']}", headers=auth).json()
+        early = http_calls.delete(f"{pg_api.base_url}/harvest/{job['job_id']}", headers=auth).json()
         assert (early["status"], early["tokens"]) == ("cancelled", 0)
-    listed = httpx.get(f"{pg_api.base_url}/harvest", headers=auth).json()["data"]
+    listed = http_calls.get(f"{pg_api.base_url}/harvest", headers=auth).json()["data"]
     assert {j["job_id"] for j in listed} == {j["job_id"] for j in jobs}
     # Charged once each, by the ledger on PostgreSQL: the started one its reservation, the others 0.
     from sqlalchemy import text

@@ -12,6 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests import http_calls
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,7 +23,7 @@ def key(harvest_api) -> str:
 
 
 def _post(server, key, body, **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}, json=body, timeout=60, **kwargs)
+    return http_calls.post(f"{server.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}, json=body, timeout=60, **kwargs)
 
 
 def _error(response: httpx.Response, status: int, code: str, param: str | None) -> dict:
@@ -95,13 +97,13 @@ def test_a_model_whose_weights_are_not_here_is_503(harvest_api, key):
 
 
 def test_malformed_json_is_400(harvest_api, key):
-    response = httpx.post(
+    response = http_calls.post(
         f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
         content=b'{"model": "llama-tiny", "prompts": [', timeout=30,
     )
     _error(response, 400, "invalid_request", None)
     for body in (b"", b"[1, 2]", b"null"):
-        response = httpx.post(
+        response = http_calls.post(
             f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
             content=body, timeout=30,
         )
@@ -116,7 +118,7 @@ def test_over_two_million_estimated_tokens_is_400_on_prompts(harvest_api, key):
 
 def test_body_over_50_mb_is_413(harvest_api, key):
     body = b'{"model": "llama-tiny", "prompts": ["' + b"a" * (50 * 1024 * 1024) + b'"]}'
-    response = httpx.post(
+    response = http_calls.post(
         f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
         content=body, timeout=60,
     )
@@ -128,7 +130,7 @@ def test_body_over_50_mb_is_413(harvest_api, key):
             yield b"a" * (1024 * 1024)
         yield b'"]}'
 
-    response = httpx.post(
+    response = http_calls.post(
         f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
         content=chunks(), timeout=60,
     )
@@ -139,38 +141,38 @@ def test_body_over_50_mb_is_413(harvest_api, key):
 def test_missing_or_wrong_key_is_401(harvest_api, header):
     headers = {} if header is None else {"Authorization": header}
     for method, path in (("POST", "/harvest"), ("GET", "/harvest"), ("GET", "/harvest/x"), ("DELETE", "/harvest/x")):
-        response = httpx.request(method, f"{harvest_api.base_url}{path}", headers=headers, json=OK, timeout=30)
+        response = http_calls.request(method, f"{harvest_api.base_url}{path}", headers=headers, json=OK, timeout=30)
         _error(response, 401, "invalid_api_key", None)
 
 
 def test_revoked_key_is_401(harvest_api):
     key = harvest_api.make_key(name="to-revoke")
-    assert httpx.get(f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert http_calls.get(f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     env = {**os.environ, "HARVEST_DATABASE_URL": harvest_api.env["HARVEST_DATABASE_URL"]}
     out = subprocess.run([sys.executable, "-m", "fleet.cli", "keys", "revoke", key[:10]], env=env, cwd=REPO,
                          capture_output=True, text=True, check=True)
     assert "revoked 1" in out.stdout
-    _error(httpx.get(f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}), 401, "invalid_api_key", None)
+    _error(http_calls.get(f"{harvest_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}), 401, "invalid_api_key", None)
 
 
 def test_unknown_job_and_bad_wait(harvest_api, key):
     auth = {"Authorization": f"Bearer {key}"}
     for method in ("GET", "DELETE"):
-        response = httpx.request(method, f"{harvest_api.base_url}/harvest/5b1c5b1e-0000-4000-8000-000000000000", headers=auth)
+        response = http_calls.request(method, f"{harvest_api.base_url}/harvest/5b1c5b1e-0000-4000-8000-000000000000", headers=auth)
         _error(response, 404, "harvest_job_not_found", "job_id")
     job = _post(harvest_api, key, OK).json()["job_id"]
     try:
         for wait in ("61", "-1", "soon"):
-            response = httpx.get(f"{harvest_api.base_url}/harvest/{job}", params={"wait": wait}, headers=auth)
+            response = http_calls.get(f"{harvest_api.base_url}/harvest/{job}", params={"wait": wait}, headers=auth)
             _error(response, 400, "invalid_request", "wait")
-        _error(httpx.get(f"{harvest_api.base_url}/harvest", params={"limit": 0}, headers=auth), 400, "invalid_request", "limit")
+        _error(http_calls.get(f"{harvest_api.base_url}/harvest", params={"limit": 0}, headers=auth), 400, "invalid_request", "limit")
     finally:
-        httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=auth)
+        http_calls.delete(f"{harvest_api.base_url}/harvest/{job}", headers=auth)
 
 
 def _cancel_all(server, key, jobs):
     for job in jobs:
-        httpx.delete(f"{server.base_url}/harvest/{job}", headers={"Authorization": f"Bearer {key}"})
+        http_calls.delete(f"{server.base_url}/harvest/{job}", headers={"Authorization": f"Bearer {key}"})
 
 
 def test_concurrency_cap_names_the_lane(harvest_api):
@@ -189,7 +191,7 @@ def test_concurrency_cap_names_the_lane(harvest_api):
         assert _post(harvest_api, key, OK).status_code == 202
     finally:
         _cancel_all(harvest_api, key, small + large)
-        body = httpx.get(f"{harvest_api.base_url}/harvest?limit=100", headers={"Authorization": f"Bearer {key}"}).json()
+        body = http_calls.get(f"{harvest_api.base_url}/harvest?limit=100", headers={"Authorization": f"Bearer {key}"}).json()
         _cancel_all(harvest_api, key, [j["job_id"] for j in body["data"] if j["status"] == "pending"])
 
 
@@ -239,4 +241,4 @@ def test_refused_submits_create_nothing(harvest_api):
     auth = {"Authorization": f"Bearer {key}"}
     _post(harvest_api, key, {**OK, "layers": [99]})
     _post(harvest_api, key, {**OK, "model": "gpt-5"})
-    assert httpx.get(f"{harvest_api.base_url}/harvest", headers=auth).json()["data"] == []
+    assert http_calls.get(f"{harvest_api.base_url}/harvest", headers=auth).json()["data"] == []

@@ -10,10 +10,10 @@ import sys
 import time
 from urllib.parse import parse_qs, urlparse
 
-import httpx
 import pytest
 from safetensors.torch import load as load_tensors
 
+from tests import http_calls
 from tests.api_fixtures import ApiServer, finish_run, free_port, harvest_api_env
 
 BUCKET = "harvest-test"
@@ -82,7 +82,7 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
 
     key = s3_api.make_key(name="s3")
     auth = {"Authorization": f"Bearer {key}"}
-    submitted = httpx.post(f"{s3_api.base_url}/harvest", headers=auth, timeout=60,
+    submitted = http_calls.post(f"{s3_api.base_url}/harvest", headers=auth, timeout=60,
                            json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3, 5]})
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["job_id"]
@@ -93,7 +93,7 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
     finish_run(s3_api, job_id, hf_engine, storage=Storage(f"s3://{BUCKET}/service", fs, f"{BUCKET}/service"))
 
     deadline = time.monotonic() + 15
-    while (job := httpx.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json())["status"] != "done":
+    while (job := http_calls.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json())["status"] != "done":
         assert time.monotonic() < deadline, job
         time.sleep(0.2)
     result = job["result"]
@@ -105,16 +105,16 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
     assert 7 * 24 * 3600 - 120 <= int(query["X-Amz-Expires"][0]) <= 7 * 24 * 3600
 
     # Plain HTTP, no key and no AWS credentials, as curl or a browser would.
-    shard = load_tensors(httpx.get(result["shard_urls"][0], timeout=30).content)
+    shard = load_tensors(http_calls.get(result["shard_urls"][0], timeout=30).content)
     assert str(shard["prompt_0"].dtype) == "torch.bfloat16" and shard["prompt_0"].shape[0] == 3
     assert shard["tokens_0"].shape[0] == shard["prompt_0"].shape[1]
-    manifest = httpx.get(result["manifest_url"], timeout=30).json()
+    manifest = http_calls.get(result["manifest_url"], timeout=30).json()
     assert manifest["job_id"] == job_id and manifest["layer_indices"] == [1, 3, 5]
     assert job["tokens"] == manifest["tokens"]
 
     # A second read within the replica's reuse window hands back the same signed links
     # (api.links.LinkCache: signing 4,098 S3 links costs ~0.75 s of CPU per read); they
     # still work, and their expiry is the one the result states.
-    again = httpx.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()
+    again = http_calls.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()
     assert again["result"]["shard_urls"] == result["shard_urls"] and again["urls_expire_at"] == job["urls_expire_at"]
-    assert httpx.get(again["result"]["shard_urls"][0], timeout=30).content == httpx.get(result["shard_urls"][0], timeout=30).content
+    assert http_calls.get(again["result"]["shard_urls"][0], timeout=30).content == http_calls.get(result["shard_urls"][0], timeout=30).content

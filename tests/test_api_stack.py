@@ -13,9 +13,9 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import PRODUCTION_APP, ApiServer, harvest_up
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,19 +132,19 @@ def test_api_killed_mid_job_follows_the_same_flow_run(stack):
     try:
         key = server.make_key(name="restart")
         auth = {"Authorization": f"Bearer {key}"}
-        submitted = httpx.post(f"{server.base_url}/harvest", headers=auth, timeout=60, json={
+        submitted = http_calls.post(f"{server.base_url}/harvest", headers=auth, timeout=60, json={
             "model": "llama-tiny", "prompts": [f"prompt number {i}" for i in range(40)], "shard_size": 4})
         assert submitted.status_code == 202, submitted.text
         job_id, run_id = submitted.json()["job_id"], submitted.json()["run_id"]
         server.kill()
         server.start()
-        first = httpx.get(f"{server.base_url}/harvest/{job_id}", headers=auth).json()
+        first = http_calls.get(f"{server.base_url}/harvest/{job_id}", headers=auth).json()
         assert first["status"] in ("pending", "running", "done"), first
         deadline = time.monotonic() + 180
         body = first
         while body["status"] not in ("done", "failed", "cancelled"):
             assert time.monotonic() < deadline, body
-            body = httpx.get(f"{server.base_url}/harvest/{job_id}", headers=auth, params={"wait": 30}, timeout=60).json()
+            body = http_calls.get(f"{server.base_url}/harvest/{job_id}", headers=auth, params={"wait": 30}, timeout=60).json()
         assert body["status"] == "done", body
         assert body["run_id"] == run_id  # the same flow run, re-attached, not a new one
         assert body["tokens"] == body["result"]["tokens"] > 0

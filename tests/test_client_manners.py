@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from harvest_client import ActivationDataset, Client, HarvestClientError, UnsafeManifest
 from harvest_client.download import Downloader
+from tests import http_calls
 from tests.fault_proxy import FaultProxy
 
 pytest_plugins = ["tests.client_fixtures"]
@@ -86,7 +87,7 @@ def test_the_same_idempotency_key_answers_the_same_job_and_another_request_409(a
 
     def post(api_key: str, payload, **headers) -> httpx.Response:
         content = payload if isinstance(payload, str) else json.dumps(payload)
-        return httpx.post(f"{api_server.base_url}/harvest", content=content, timeout=60,
+        return http_calls.post(f"{api_server.base_url}/harvest", content=content, timeout=60,
                           headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json", **headers})
 
     first = post(key, body, **{"Idempotency-Key": idem})
@@ -102,7 +103,7 @@ def test_the_same_idempotency_key_answers_the_same_job_and_another_request_409(a
     too_long = post(key, body, **{"Idempotency-Key": "k" * 300})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "Idempotency-Key"
 
-    listed = httpx.get(f"{api_server.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+    listed = http_calls.get(f"{api_server.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).json()["data"]
     assert [job["job_id"] for job in listed] == [first.json()["job_id"]]  # one job, whatever was sent
 
 
@@ -129,7 +130,7 @@ def test_a_harvest_killed_before_saving_its_job_id_resumes_into_the_same_job(cli
         proxy.stop()
     state = json.loads((out / "harvest.json").read_text())
     assert [part["job_id"] for part in state["parts"]] == [None]  # the id was never saved
-    made = httpx.get(f"{client_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+    made = http_calls.get(f"{client_api.base_url}/harvest", headers={"Authorization": f"Bearer {key}"}).json()["data"]
     assert len(made) == 1
 
     with Client(client_api.base_url, key) as client:

@@ -6,19 +6,20 @@ answers 401; health checks stay open.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from flows.prefect_auth import basic_header, client_auth, server_auth
 
+from tests import http_calls
+
 
 def test_the_session_prefect_api_answers_401_without_its_password(prefect_server):
     url = f"{prefect_server.api_url}/flow_runs/filter"
-    assert httpx.post(url, json={}, timeout=10).status_code == 401
-    assert httpx.post(url, json={}, headers=basic_header("harvest-test:wrong"), timeout=10).status_code == 401
-    answer = httpx.post(url, json={}, headers=basic_header(prefect_server.auth), timeout=10)
+    assert http_calls.post(url, json={}, timeout=10).status_code == 401
+    assert http_calls.post(url, json={}, headers=basic_header("harvest-test:wrong"), timeout=10).status_code == 401
+    answer = http_calls.post(url, json={}, headers=basic_header(prefect_server.auth), timeout=10)
     assert answer.status_code == 200, answer.text
-    assert httpx.get(f"{prefect_server.api_url}/health", timeout=5).status_code == 200
+    assert http_calls.get(f"{prefect_server.api_url}/health", timeout=5).status_code == 200
 
 
 def test_a_password_is_generated_once_owner_only_and_found_by_clients(tmp_path, monkeypatch):

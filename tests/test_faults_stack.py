@@ -16,6 +16,7 @@ import httpx
 import psycopg
 from sqlalchemy import create_engine, text
 
+from tests import http_calls
 from tests.slow_engine import slow_shards
 
 pytest_plugins = ["tests.faults_fixtures"]
@@ -38,7 +39,7 @@ def _assert_charged_once(faults_api, job: dict) -> None:
 
 
 def _submit(faults_api, request: dict, timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"{faults_api.base_url}/harvest", headers=faults_api.auth, json=request, timeout=timeout)
+    return http_calls.post(f"{faults_api.base_url}/harvest", headers=faults_api.auth, json=request, timeout=timeout)
 
 
 def _prefect_runs_of(job_id: str) -> list:
@@ -182,7 +183,7 @@ def test_api_killed_between_admission_and_run_start_is_started_once_by_the_watch
         runs = _prefect_runs_of(job_id)
         assert len(runs) == 1 and str(runs[0].id) == job["run_id"], runs
         _assert_charged_once(faults_api, job)
-        listed = httpx.get(f"{faults_api.base_url}/harvest", headers=faults_api.auth).json()["data"]
+        listed = http_calls.get(f"{faults_api.base_url}/harvest", headers=faults_api.auth).json()["data"]
         assert job_id in {j["job_id"] for j in listed}  # the owner sees it, though the submit never answered
     finally:
         engine.dispose()

@@ -14,7 +14,6 @@ import base64
 import hashlib
 import json
 
-import httpx
 import numpy as np
 from safetensors.numpy import load as load_numpy
 from safetensors.torch import load as load_torch
@@ -24,6 +23,7 @@ from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage
 from harvest.tokenize import load_tokenizer
+from tests import http_calls
 from tests.reference import hf_reference_layers
 from tests.test_pipeline import RecordingStorage
 
@@ -72,7 +72,7 @@ def test_stats_file_dtypes_as_the_spec_says(registry, hf_engine, tiny):
 
 
 def _get(url: str) -> bytes:
-    answer = httpx.get(url, timeout=60)  # presigned: no key
+    answer = http_calls.get(url, timeout=60)  # presigned: no key
     assert answer.status_code == 200, (url, answer.text[:300])
     return answer.content
 
@@ -82,7 +82,7 @@ def test_projection_job_through_the_api_matches_numpy_float64(faults_api, hf_eng
     raw = (rng.standard_normal((3, tiny.hidden_size)) * np.array([[0.5], [3.0], [40.0]])).astype("<f4")
     layers = [0, tiny.n_layers - 1]  # the last block is read before the final norm
     prompts = PROMPTS[:3]
-    answer = httpx.post(f"{faults_api.base_url}/harvest", headers=faults_api.auth, timeout=60, json={
+    answer = http_calls.post(f"{faults_api.base_url}/harvest", headers=faults_api.auth, timeout=60, json={
         "model": "llama-tiny", "prompts": prompts, "layers": layers, "shard_size": 2,
         "project_onto": {"data": base64.b64encode(raw.tobytes()).decode(), "dtype": "float32", "shape": [3, tiny.hidden_size]},
     })
@@ -127,7 +127,7 @@ def test_projection_job_through_the_api_matches_numpy_float64(faults_api, hf_eng
     storage = faults_api.server.storage()
     assert job["job_id"] in sweep(storage, days=0, dry_run=True)  # the sweep would take it
     JobFiles.for_job(job["job_id"], storage).delete()  # what the sweep does to each job it takes
-    gone = httpx.get(result["shard_urls"][0], timeout=30)
+    gone = http_calls.get(result["shard_urls"][0], timeout=30)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "file_not_found", gone.text
     after = faults_api.read(job["job_id"])
     assert after["urls_expired"] is True and "shard_urls" not in after["result"]
@@ -142,7 +142,7 @@ def test_a_job_on_the_large_lane_runs_end_to_end(faults_api, tiny):
     # registry its environment names; lane, pool, deployment, caps and charging are the same.
     faults_api.flow_env(HARVEST_SLOTS="null")
     try:
-        answer = httpx.post(f"{faults_api.base_url}/harvest", headers=faults_api.auth, timeout=60,
+        answer = http_calls.post(f"{faults_api.base_url}/harvest", headers=faults_api.auth, timeout=60,
                             json={"model": "llama-tiny-large", "prompts": PROMPTS[:2], "layers": [2, 5]})
     finally:
         faults_api.flow_env()

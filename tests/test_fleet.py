@@ -29,11 +29,11 @@ import threading
 import time
 from datetime import datetime, timezone
 
-import httpx
 import psutil
 import psycopg
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import wait_for_longpoll_waiters
 from tests.background import Background, start_if_awaited
 from tests.slow_engine import slow_shards
@@ -59,13 +59,13 @@ def _auth(fleet) -> dict:
 
 def _submit(fleet, replica, prompts, **fields) -> dict:
     body = {"model": "llama-tiny", "prompts": prompts, "layers": [2, 5], "shard_size": 1, **fields}
-    response = httpx.post(f"{replica.base_url}/harvest", json=body, headers=_auth(fleet), timeout=120)
+    response = http_calls.post(f"{replica.base_url}/harvest", json=body, headers=_auth(fleet), timeout=120)
     assert response.status_code == 202, response.text
     return response.json()
 
 
 def _get(fleet, replica, job_id, wait: float = 0) -> dict:
-    response = httpx.get(f"{replica.base_url}/harvest/{job_id}", params={"wait": wait} if wait else None,
+    response = http_calls.get(f"{replica.base_url}/harvest/{job_id}", params={"wait": wait} if wait else None,
                          headers=_auth(fleet), timeout=wait + 30)
     assert response.status_code == 200, response.text
     return response.json()
@@ -133,7 +133,7 @@ def _expected_tokens(prompts) -> int:
 _PROBE = """
 import base64, sys, httpx
 headers = {"Authorization": "Basic " + base64.b64encode(sys.argv[2].encode()).decode()} if len(sys.argv) > 2 else {}
-print(httpx.post(sys.argv[1] + "/flow_runs/filter", json={}, headers=headers, timeout=10).status_code)
+print(http_calls.post(sys.argv[1] + "/flow_runs/filter", json={}, headers=headers, timeout=10).status_code)
 """
 
 
@@ -162,7 +162,7 @@ def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_l
 
     running = _until(fleet, b, cancel_job, ("running",))  # long-polled through the other replica
     assert running["started_at"]
-    cancelled = httpx.delete(f"{b.base_url}/harvest/{cancel_job}", headers=_auth(fleet), timeout=60).json()
+    cancelled = http_calls.delete(f"{b.base_url}/harvest/{cancel_job}", headers=_auth(fleet), timeout=60).json()
     assert cancelled["status"] == "cancelled" and cancelled["tokens"] == cancelled["reserved_tokens"]
     assert _get(fleet, a, cancel_job)["status"] == "cancelled"
 
@@ -176,13 +176,13 @@ def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_l
 
     # Presigned links from replica A, fetched with no key at all, match the manifest.
     links = _get(fleet, a, done_job)["result"]
-    manifest = httpx.get(links["manifest_url"], timeout=30)
+    manifest = http_calls.get(links["manifest_url"], timeout=30)
     assert manifest.status_code == 200
     manifest = manifest.json()
     assert [s["file"] for s in manifest["shards"]] == [f"shard_{k:05d}.safetensors" for k in range(4)]
     for url, shard in zip(links["shard_urls"], manifest["shards"]):
         assert "X-Amz-Signature" in url
-        data = httpx.get(url, timeout=30).content
+        data = http_calls.get(url, timeout=30).content
         assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
 
     # Charged once: what the host's manifest says ran, which is what the tokenizer counts here.

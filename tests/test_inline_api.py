@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import http_calls
 from tests.api_fixtures import serve_in_thread
 from tests.test_inline_engine import assert_within_one_bf16_rounding, hf_reference
 from tests.test_residual_codec import decode_residual_stream
@@ -78,7 +79,7 @@ def test_models_lists_capabilities(client, base_url, tiny):
     }
     assert models["llama-8b"]["capabilities"]["n_layers"] == 32
     assert models["llama-405b"]["capabilities"]["lane"] == "large"
-    _error(httpx.get(f"{base_url}/models"), 401, "invalid_api_key")
+    _error(http_calls.get(f"{base_url}/models"), 401, "invalid_api_key")
 
 
 def test_residual_stream_equals_hf_reference(client, hf_engine, tiny):
@@ -143,7 +144,7 @@ def test_refusals(client, base_url):
     assert _error(_complete(client, best_guess=True), 400, "invalid_request")["param"] == "best_guess"
     assert _error(_complete(client, prompt=["a", "b"]), 400, "invalid_request")["param"] == "prompt"
     _error(client.post("/completions", content=b"{not json", headers={"Content-Type": "application/json"}), 400, "invalid_request")
-    _error(httpx.post(f"{base_url}/completions", json={"model": "llama-tiny", "prompt": "x"}), 401, "invalid_api_key")
+    _error(http_calls.post(f"{base_url}/completions", json={"model": "llama-tiny", "prompt": "x"}), 401, "invalid_api_key")
 
 
 def test_activation_quota_counts_the_positions_returned(base_url, client, job_store):

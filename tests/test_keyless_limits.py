@@ -14,9 +14,9 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import FILE_RUNS_APP, REPO, free_port
 
 BURST = 5
@@ -77,7 +77,7 @@ class Replica:
             engine.dispose()
 
     def models(self, headers: dict | None = None) -> int:
-        return httpx.get(f"{self.base_url}/models", headers=headers or {}, timeout=30).status_code
+        return http_calls.get(f"{self.base_url}/models", headers=headers or {}, timeout=30).status_code
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +143,12 @@ def test_the_forwarded_address_is_the_clients_behind_a_trusted_proxy(behind_prox
 
 
 def test_health_tells_the_host_only_to_a_valid_key(untrusted):
-    plain = httpx.get(f"{untrusted.root}/health", timeout=10)
+    plain = http_calls.get(f"{untrusted.root}/health", timeout=10)
     assert plain.status_code == 200 and plain.json() == {"status": "ok"}, plain.text
-    wrong = httpx.get(f"{untrusted.root}/health", headers=_auth("acs_" + "z" * 43), timeout=10)
+    wrong = http_calls.get(f"{untrusted.root}/health", headers=_auth("acs_" + "z" * 43), timeout=10)
     assert wrong.status_code == 200 and wrong.json() == {"status": "ok"}, wrong.text
     key = untrusted.make_key("health")
-    detail = httpx.get(f"{untrusted.root}/health", headers=_auth(key), timeout=10).json()
+    detail = http_calls.get(f"{untrusted.root}/health", headers=_auth(key), timeout=10).json()
     assert detail["status"] == "ok" and set(detail) == {"status", "replica", "watcher"}, detail
     assert isinstance(detail["watcher"], bool)
 

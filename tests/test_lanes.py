@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import TEST_LANES, finish_run, set_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,16 +73,16 @@ def _keys_json(harvest_api) -> dict[str, dict]:
 
 
 def test_an_added_lane_in_models_caps_and_usage(harvest_api, hf_engine):
-    models = httpx.get(f"{harvest_api.base_url}/models", headers={"Authorization": f"Bearer {harvest_api.make_key(name='m')}"}).json()
+    models = http_calls.get(f"{harvest_api.base_url}/models", headers={"Authorization": f"Bearer {harvest_api.make_key(name='m')}"}).json()
     lanes = {m["id"]: m["capabilities"]["lane"] for m in models["data"]}
     assert lanes["llama-tiny-xl"] == "xl" and lanes["llama-tiny"] == "small"
 
     key = harvest_api.make_key(name="xl-user")  # no xl cap of its own: the lane's default, 2
     auth = {"Authorization": f"Bearer {key}"}
     body = {"model": "llama-tiny-xl", "prompts": ["an xl prompt"]}
-    held = [httpx.post(f"{harvest_api.base_url}/harvest", json=body, headers=auth, timeout=60) for _ in range(2)]
+    held = [http_calls.post(f"{harvest_api.base_url}/harvest", json=body, headers=auth, timeout=60) for _ in range(2)]
     assert [r.status_code for r in held] == [202, 202]
-    refused = httpx.post(f"{harvest_api.base_url}/harvest", json=body, headers=auth, timeout=60)
+    refused = http_calls.post(f"{harvest_api.base_url}/harvest", json=body, headers=auth, timeout=60)
     assert refused.status_code == 429
     error = refused.json()["error"]
     assert error["code"] == "harvest_concurrency_exceeded" and "on xl models" in error["message"]
@@ -96,15 +96,15 @@ def test_an_added_lane_in_models_caps_and_usage(harvest_api, hf_engine):
     xl_started, xl_pending = (r.json()["job_id"] for r in held)
     set_run(harvest_api, xl_started, "running")
     _until(harvest_api, key, xl_started, "running")
-    small = [httpx.post(f"{harvest_api.base_url}/harvest", json={"model": "llama-tiny", "prompts": [f"usage {i}", "two"]},
+    small = [http_calls.post(f"{harvest_api.base_url}/harvest", json={"model": "llama-tiny", "prompts": [f"usage {i}", "two"]},
                         headers=auth, timeout=60).json()["job_id"] for i in range(2)]
     for job in small:
         finish_run(harvest_api, job, hf_engine)
     ended = [_until(harvest_api, key, job, "done") for job in small]
     for job in (xl_started, xl_pending):
-        assert httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=auth, timeout=60).status_code == 200
+        assert http_calls.delete(f"{harvest_api.base_url}/harvest/{job}", headers=auth, timeout=60).status_code == 200
     time.sleep(0.5)
-    jobs = [httpx.get(f"{harvest_api.base_url}/harvest/{j}", headers=auth).json() for j in (*small, xl_started, xl_pending)]
+    jobs = [http_calls.get(f"{harvest_api.base_url}/harvest/{j}", headers=auth).json() for j in (*small, xl_started, xl_pending)]
     row = _keys_json(harvest_api)["xl-user"]
     # Each done job's tokens are what its manifest says ran (the API's result echoes it).
     assert [j["tokens"] for j in ended] == [j["result"]["tokens"] for j in ended]

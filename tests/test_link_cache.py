@@ -22,6 +22,8 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from sqlalchemy import update
 
+from tests import http_calls
+
 N_SHARDS = 4096
 
 
@@ -116,7 +118,7 @@ def test_reads_of_a_done_job_sign_its_links_once_until_they_near_expiry_and_only
         assert abs(expires - (first_at + get_settings(ApiSettings).url_expiry_s)) <= 2
 
         # Another key: 404, no links, nothing signed for it; a cancelled job: no links.
-        foreign = httpx.get(f"{base}/harvest/{done}", headers={"Authorization": f"Bearer {stranger}"}, timeout=60)
+        foreign = http_calls.get(f"{base}/harvest/{done}", headers={"Authorization": f"Bearer {stranger}"}, timeout=60)
         assert foreign.status_code == 404 and "shard_urls" not in foreign.text
         assert client.get(f"/harvest/{cancelled}").json().get("result") is None
         assert cache.held == N_SHARDS + 2  # the done job's links only

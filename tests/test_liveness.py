@@ -42,6 +42,7 @@ from flows.liveness import (
     PENDING_AUTOMATION,
     apply_automations_sync,
 )
+from tests import http_calls
 from tests.background import Background, start_if_awaited
 from tests.prefect_fixtures import deploy_pool
 from tests.slow_engine import slow_shards
@@ -83,8 +84,6 @@ def _now() -> datetime:
 
 def _heartbeats(api_url: str, flow_run_id) -> list[datetime]:
     """When the run's `prefect.flow-run.heartbeat` events occurred, as Prefect recorded them."""
-    import httpx
-
     body = {
         "filter": {
             "event": {"name": ["prefect.flow-run.heartbeat"]},
@@ -95,7 +94,7 @@ def _heartbeats(api_url: str, flow_run_id) -> list[datetime]:
     }
     # The control plane is closed: the session's server takes its password (prefect_fixtures).
     user, password = os.environ["PREFECT_API_AUTH_STRING"].split(":", 1)
-    answer = httpx.post(f"{api_url}/events/filter", json=body, timeout=10, auth=(user, password))
+    answer = http_calls.post(f"{api_url}/events/filter", json=body, timeout=10, auth=(user, password))
     answer.raise_for_status()
     return [datetime.fromisoformat(e["occurred"].replace("Z", "+00:00")) for e in answer.json()["events"]]
 

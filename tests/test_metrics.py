@@ -24,6 +24,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import http_calls
+
 pytest_plugins = ["tests.client_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +49,7 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 
 def scrape(url: str, token: str) -> dict:
-    response = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    response = http_calls.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
     return parse(response.text)
@@ -63,7 +65,7 @@ def token(harvest_home: Path) -> str:
 
 
 def _refused(url: str, **headers: str) -> None:
-    response = httpx.get(url, headers=headers, timeout=30)
+    response = http_calls.get(url, headers=headers, timeout=30)
     assert response.status_code == 401, (response.status_code, response.text[:200])
     assert "harvest_" not in response.text
 
@@ -78,13 +80,13 @@ def test_metrics_refuse_without_the_token(client_api, lane_workers, token):
     _refused(api, Authorization=f"Bearer {key}")  # a researcher's API key does not open it
     _refused(api, Authorization=f"Bearer {token}x")
     _refused(api, Authorization=f"Basic {token}")
-    assert httpx.get(api, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+    assert http_calls.get(api, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
 
     exporter = lane_workers.exporters[lane_workers.small]
     assert exporter.server.server_address[0] == "127.0.0.1"  # this host only, by default
     _refused(exporter.url)
     _refused(exporter.url, Authorization=f"Bearer {key}")
-    assert httpx.get(exporter.url, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+    assert http_calls.get(exporter.url, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
     # From another address of this host (what another machine reaches), nothing listens.
     outside = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
                if a.family == socket.AF_INET and not a.address.startswith("127.")]

@@ -4,8 +4,9 @@ body, every `$ref` resolving, keys declared. Read from the running API (`/openap
 
 from __future__ import annotations
 
-import httpx
 import pytest
+
+from tests import http_calls
 
 KEYED = {"POST /v1/harvest", "GET /v1/harvest", "GET /v1/harvest/{job_id}", "DELETE /v1/harvest/{job_id}",
          "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}
@@ -23,7 +24,7 @@ REFUSALS = {
 
 @pytest.fixture(scope="module")
 def document(harvest_api) -> dict:
-    return httpx.get(f"{harvest_api.root}/openapi.json", timeout=60).json()
+    return http_calls.get(f"{harvest_api.root}/openapi.json", timeout=60).json()
 
 
 def _operations(document):
@@ -145,6 +146,6 @@ def test_a_seed_past_64_bits_is_a_400_naming_it(harvest_api):
     """Before: 500 (the engine's generator overflowed), failing the whole shared batch."""
     key = harvest_api.make_key()
     for route, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-        answer = httpx.post(f"{harvest_api.root}/v1/{route}", headers={"Authorization": f"Bearer {key}"},
+        answer = http_calls.post(f"{harvest_api.root}/v1/{route}", headers={"Authorization": f"Bearer {key}"},
                             json={"model": "llama-tiny", "max_tokens": 1, "seed": 2**64, **body}, timeout=60)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "seed", answer.text

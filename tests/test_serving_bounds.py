@@ -18,6 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import event
 
+from tests import http_calls
 from tests.api_fixtures import serve_in_thread, set_run
 from tests.test_api_jobs import _auth, _get, _submit, _until, done_job  # noqa: F401 - done_job is a fixture
 
@@ -32,7 +33,7 @@ def key(harvest_api) -> str:
 def test_the_list_carries_no_links_and_a_read_does(harvest_api, key, done_job):
     """Before, each page signed every link of every done job on the event loop (100 jobs ×
     4,096 shards was 409,600 signatures a call)."""
-    page = httpx.get(f"{harvest_api.base_url}/harvest", headers=_auth(key), params={"limit": 100}, timeout=60).json()
+    page = http_calls.get(f"{harvest_api.base_url}/harvest", headers=_auth(key), params={"limit": 100}, timeout=60).json()
     listed = next(j for j in page["data"] if j["job_id"] == done_job["job_id"])
     assert listed["status"] == "done" and listed["result"]["n_shards"] == done_job["result"]["n_shards"]
     assert listed["result"]["tokens"] == done_job["result"]["tokens"]
@@ -41,7 +42,7 @@ def test_the_list_carries_no_links_and_a_read_does(harvest_api, key, done_job):
     read = _get(harvest_api, key, done_job["job_id"]).json()
     assert len(read["result"]["shard_urls"]) == read["result"]["n_shards"] and read["result"]["manifest_url"]
     # The page size stays capped.
-    too_many = httpx.get(f"{harvest_api.base_url}/harvest", headers=_auth(key), params={"limit": 101}, timeout=60)
+    too_many = http_calls.get(f"{harvest_api.base_url}/harvest", headers=_auth(key), params={"limit": 101}, timeout=60)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "limit"
 
 
@@ -68,7 +69,7 @@ def test_one_key_cannot_take_every_long_poll_slot(harvest_api, key):
     assert 0.8 < time.monotonic() - started < 4
     holder.join()
     for job, owner in ((mine, key), (theirs, other)):
-        httpx.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(owner), timeout=30)
+        http_calls.delete(f"{harvest_api.base_url}/harvest/{job}", headers=_auth(owner), timeout=30)
 
 
 # --- callers without a valid key ---------------------------------------------------------------

@@ -24,6 +24,8 @@ import httpx
 import psutil
 import pytest
 
+from tests import http_calls
+
 REPO = Path(__file__).resolve().parent.parent
 READY = ("ACS_API_BASE", "ACS_API_KEY", "PREFECT_UI")
 
@@ -105,11 +107,11 @@ def test_the_control_plane_refuses_calls_without_its_password(stack):
     assert secret.stat().st_mode & 0o777 == 0o600
     auth = secret.read_text().strip()
     api = stack.lines["PREFECT_UI"] + "/api"
-    assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
-    assert httpx.post(f"{api}/flow_runs/filter", json={}, headers=basic_header("harvest:wrong"), timeout=10).status_code == 401
-    answer = httpx.post(f"{api}/flow_runs/filter", json={}, headers=basic_header(auth), timeout=10)
+    assert http_calls.post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
+    assert http_calls.post(f"{api}/flow_runs/filter", json={}, headers=basic_header("harvest:wrong"), timeout=10).status_code == 401
+    answer = http_calls.post(f"{api}/flow_runs/filter", json={}, headers=basic_header(auth), timeout=10)
     assert answer.status_code == 200, answer.text
-    assert httpx.get(f"{api}/health", timeout=5).status_code == 200  # health checks stay open
+    assert http_calls.get(f"{api}/health", timeout=5).status_code == 200  # health checks stay open
 
 
 def test_a_killed_api_comes_back_alone_on_its_port(stack):
@@ -123,7 +125,7 @@ def test_a_killed_api_comes_back_alone_on_its_port(stack):
     while True:
         assert time.monotonic() < deadline, "".join(stack.errors)[-3000:]
         try:
-            if httpx.get(health, timeout=2).status_code == 200:
+            if http_calls.get(health, timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
@@ -159,7 +161,7 @@ def test_a_schedule_fires_by_itself_and_its_dated_part_appears(stack):
     dated = stack.home / "storage" / "corpus" / "every-minute"
 
     def runs(*states: str) -> list[dict]:
-        answer = httpx.post(f"{api}/flow_runs/filter", headers=auth, timeout=10, json={
+        answer = http_calls.post(f"{api}/flow_runs/filter", headers=auth, timeout=10, json={
             "deployments": {"name": {"any_": ["every-minute"]}}, "flow_runs": {"state": {"type": {"any_": list(states)}}},
         })
         assert answer.status_code == 200, answer.text
@@ -191,22 +193,22 @@ def test_make_run_starts_serves_a_harvest_and_stops_clean(stack):
     try:
         base, key = lines["ACS_API_BASE"], lines["ACS_API_KEY"]
         assert base == f"http://127.0.0.1:{env['HARVEST_PORT']}/v1" and key
-        assert httpx.get(lines["PREFECT_UI"] + "/api/health", timeout=5).status_code == 200
+        assert http_calls.get(lines["PREFECT_UI"] + "/api/health", timeout=5).status_code == 200
         assert (home / "dev-key").read_text().strip() == key  # kept for the next start
 
         auth = {"Authorization": f"Bearer {key}"}
-        answer = httpx.post(f"{base}/harvest", headers=auth, json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3]}, timeout=30)
+        answer = http_calls.post(f"{base}/harvest", headers=auth, json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3]}, timeout=30)
         assert answer.status_code == 202, answer.text
         job_id = answer.json()["job_id"]
         deadline = time.monotonic() + 180
         while True:
-            body = httpx.get(f"{base}/harvest/{job_id}", params={"wait": 30}, headers=auth, timeout=60).json()
+            body = http_calls.get(f"{base}/harvest/{job_id}", params={"wait": 30}, headers=auth, timeout=60).json()
             if body["status"] in ("done", "failed", "cancelled") or time.monotonic() > deadline:
                 break
         assert body["status"] == "done", body
         assert body["result"]["n_shards"] == 1 and body["result"]["tokens"] > 0
         link = body["result"]["shard_urls"][0]
-        shard = httpx.get(link, timeout=30)  # presigned: no key needed
+        shard = http_calls.get(link, timeout=30)  # presigned: no key needed
         assert shard.status_code == 200 and len(shard.content) > 0
         # Secrets are owner-only, and no log line holds what forges or replays a link.
         for secret in ("dev-key", "stack.json", "signing.key"):

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 import uuid
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import ApiServer, harvest_api_env
 from tests.fault_proxy import FaultProxy
 from tests.slow_engine import slow_shards
@@ -62,19 +62,19 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     api = s3_reader_api
     auth = {"Authorization": f"Bearer {api.make_key(name='fresh')}"}
     prompts = [f"fresh prompt {i}" for i in range(N_SHARDS)]
-    submitted = httpx.post(f"{api.base_url}/harvest", headers=auth, timeout=60,
+    submitted = http_calls.post(f"{api.base_url}/harvest", headers=auth, timeout=60,
                            json={"model": "llama-tiny", "prompts": prompts, "shard_size": 1, "layers": [1, 5]})
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["job_id"]
 
     # Warm the reader up on this job's folder first (the listing a cache would keep), then
     # run the job for real: two runs, each writing through the proxy.
-    assert httpx.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["progress"]["shards_done"] == 0
+    assert http_calls.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["progress"]["shards_done"] == 0
     api.runs.set(f"run-{job_id}", "running")
     # The watcher's tick that shows the job running has also counted its shards: it listed
     # `_parts/` while the folder was empty (the listing a cache would keep).
     deadline = time.monotonic() + 30
-    while httpx.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["status"] != "running":
+    while http_calls.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["status"] != "running":
         assert time.monotonic() < deadline, "the watcher never applied the run's state"
         time.sleep(0.05)
     env = {**CREDENTIALS, "HARVEST_S3_ENDPOINT_URL": recording_proxy.url, **slow_shards(2.0)}
@@ -85,7 +85,7 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     deadline = time.monotonic() + 240
     while (status := harvest_stack.status(run_id).status) not in ("done", "failed", "cancelled"):
         assert time.monotonic() < deadline, "the run did not end"
-        seen.append(httpx.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["progress"]["shards_done"])
+        seen.append(http_calls.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["progress"]["shards_done"])
         time.sleep(0.1)
     assert status == "done", harvest_stack.status(run_id)
 
@@ -101,7 +101,7 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
 
     api.runs.set(f"run-{job_id}", "done")  # what Prefect says; the reader must find the manifest
     deadline = time.monotonic() + 30
-    while (job := httpx.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json())["status"] != "done":
+    while (job := http_calls.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json())["status"] != "done":
         assert time.monotonic() < deadline, job
         time.sleep(0.2)
     assert job["progress"] == {"shards_done": N_SHARDS, "n_shards": N_SHARDS}

@@ -18,6 +18,7 @@ from sqlalchemy import func, select, update
 
 from api.db import charge_ledger, jobs, utcnow
 from api.store import key_usage
+from tests import http_calls
 from tests.api_fixtures import finish_run, pg_api_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def _auth(key: str) -> dict:
 
 
 def _post(server, key, body=OK) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/harvest", headers=_auth(key), json=body, timeout=60)
+    return http_calls.post(f"{server.base_url}/harvest", headers=_auth(key), json=body, timeout=60)
 
 
 def _cli(server, *args) -> subprocess.CompletedProcess:
@@ -74,7 +75,7 @@ def test_quota_refuses_frees_after_retention_and_is_reported(server, hf_engine):
         job_id = _post(server, probe).json()["job_id"]
         with engine.connect() as conn:
             size, key_id_probe = conn.execute(select(jobs.c.output_bytes, jobs.c.key_id).where(jobs.c.id == job_id)).one()
-        httpx.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(probe))
+        http_calls.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(probe))
         assert size > 0 and key_id_probe
 
         quota = 2 * size + size // 2  # two jobs fit, a third does not
@@ -97,7 +98,7 @@ def test_quota_refuses_frees_after_retention_and_is_reported(server, hf_engine):
         # admitted figure leaves out), as the usage report says.
         finish_run(server, first, hf_engine)
         for _ in range(20):
-            job = httpx.get(f"{server.base_url}/harvest/{first}?wait=5", headers=_auth(key)).json()
+            job = http_calls.get(f"{server.base_url}/harvest/{first}?wait=5", headers=_auth(key)).json()
             if job["status"] == "done":
                 break
         assert job["status"] == "done", job
@@ -116,7 +117,7 @@ def test_quota_refuses_frees_after_retention_and_is_reported(server, hf_engine):
 
         # Cancelled before they started, the others wrote nothing: nothing is held.
         for job_id in (second, third.json()["job_id"]):
-            httpx.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(key))
+            http_calls.delete(f"{server.base_url}/harvest/{job_id}", headers=_auth(key))
         assert _held(engine, key_id) == 0
     finally:
         engine.dispose()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import PRODUCTION_APP, ApiServer
 from tests.fault_proxy import FaultProxy
 
@@ -44,11 +44,11 @@ def test_a_submit_to_an_overloaded_prefect_answers_503_with_retry_after_within_t
     auth = {"Authorization": f"Bearer {overloaded_api.make_key(name='overload')}"}
     # A first submit, refused for its model, brings the replica's assessing children up (their
     # imports take tens of seconds on a loaded machine): the bound below is the run start's.
-    refused = httpx.post(f"{overloaded_api.base_url}/harvest", headers=auth, timeout=300,
+    refused = http_calls.post(f"{overloaded_api.base_url}/harvest", headers=auth, timeout=300,
                          json={"model": "no-such-model", "prompts": ["The sky is"], "layers": [1]})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_found", refused.text
     started = time.monotonic()
-    answer = httpx.post(f"{overloaded_api.base_url}/harvest", headers=auth, timeout=300,
+    answer = http_calls.post(f"{overloaded_api.base_url}/harvest", headers=auth, timeout=300,
                         json={"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]})
     elapsed = time.monotonic() - started
     assert answer.status_code == 503, answer.text
@@ -59,7 +59,7 @@ def test_a_submit_to_an_overloaded_prefect_answers_503_with_retry_after_within_t
     assert elapsed < START_BOUND_S + 15, f"the submit took {elapsed:.1f} s"
     assert stalled_prefect.count("POST", "/create_flow_run") >= 1  # it did ask Prefect
 
-    (job,) = httpx.get(f"{overloaded_api.base_url}/harvest", headers=auth).json()["data"]
+    (job,) = http_calls.get(f"{overloaded_api.base_url}/harvest", headers=auth).json()["data"]
     assert job["status"] == "failed" and job["tokens"] == 0  # recorded, charged nothing
     with get_client(sync_client=True) as client:  # straight to Prefect, not through the proxy
         runs = client.read_flow_runs(flow_run_filter=job_runs_filter(job["job_id"]))

@@ -14,9 +14,9 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.api_fixtures import harvest_up
 from tests.slow_engine import slow_shards
 from tests.test_api_s3 import BUCKET, CREDENTIALS, _boto_credentials, moto_endpoint  # noqa: F401
@@ -41,13 +41,13 @@ def test_progress_on_harvest_up_with_s3_rises_shard_by_shard(s3_stack):
 
     base, auth = s3_stack["ACS_API_BASE"], {"Authorization": f"Bearer {s3_stack['ACS_API_KEY']}"}
     body = {"model": "llama-tiny", "prompts": [f"up on s3 {i}" for i in range(N_SHARDS)], "shard_size": 1, "layers": [1, 5]}
-    submitted = httpx.post(f"{base}/harvest", headers=auth, json=body, timeout=60)
+    submitted = http_calls.post(f"{base}/harvest", headers=auth, json=body, timeout=60)
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["job_id"]
 
     seen: list[int] = []
     deadline = time.monotonic() + 300
-    while (job := httpx.get(f"{base}/harvest/{job_id}", headers=auth, timeout=30).json())["status"] not in ("done", "failed", "cancelled"):
+    while (job := http_calls.get(f"{base}/harvest/{job_id}", headers=auth, timeout=30).json())["status"] not in ("done", "failed", "cancelled"):
         assert time.monotonic() < deadline, (job, seen)
         if job["status"] == "running":
             seen.append(job["progress"]["shards_done"])

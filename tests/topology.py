@@ -38,6 +38,7 @@ import psutil
 import psycopg
 
 from fleet.processes import Managed, free_port
+from tests import http_calls
 from tests.netns import Host, Network
 
 __all__ = ["Fleet", "Role", "MotoS3", "PG_ADMIN", "CREDENTIALS"]
@@ -118,10 +119,8 @@ class Replica:
     the watcher lease."""
 
     def health(self) -> dict:
-        import httpx
-
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        return httpx.get(self.base_url.removesuffix("/v1") + "/health", headers=headers, timeout=5).json()
+        return http_calls.get(self.base_url.removesuffix("/v1") + "/health", headers=headers, timeout=5).json()
 
 
 @dataclass
