@@ -17,11 +17,10 @@ demo: install
 	bash infra/demo.sh
 
 # Two test processes (pytest-xdist), each taking whole modules (`--dist loadfile`: a module's
-# stack stays in one process), the slowest modules first (tests/conftest.py, SLOWEST_MODULES;
+# stack stays in one process; a RUN_TOGETHER group of modules is one unit), the slowest first (tests/conftest.py, SLOWEST_MODULES;
 # `--no-loadscope-reorder` keeps that order). Each has its own session (its own Prefect server,
 # its own HARVEST_HOME). The suite is CPU-bound on a 2-core machine: two processes keep both
-# cores busy (~21 minutes, one takes ~31); three took longer (29 min 25 s, the cores 99 % busy).
-# TEST_WORKERS=0 runs one process.
+# cores busy (~14 minutes); three took longer (the cores 99 % busy). TEST_WORKERS=0 runs one.
 TEST_WORKERS ?= 2
 
 test: install

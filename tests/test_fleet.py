@@ -133,7 +133,7 @@ def _expected_tokens(prompts) -> int:
 _PROBE = """
 import base64, sys, httpx
 headers = {"Authorization": "Basic " + base64.b64encode(sys.argv[2].encode()).decode()} if len(sys.argv) > 2 else {}
-print(http_calls.post(sys.argv[1] + "/flow_runs/filter", json={}, headers=headers, timeout=10).status_code)
+print(httpx.post(sys.argv[1] + "/flow_runs/filter", json={}, headers=headers, timeout=10).status_code)
 """
 
 
