@@ -52,8 +52,8 @@ def read_tokenizer(path: Path):
     """The checkpoint's tokenizer, the one `AutoTokenizer` gives. A checkpoint this project
     built (`harvest.built_checkpoints`: its `BUILT_BY` file) names the generic fast class, and
     is loaded by that class itself: AutoTokenizer picks the same class, but only after importing
-    every model family's mappings and torch, ~2.5 s of CPU in each process that tokenizes (a
-    the API's assessing children, runs, the CLI) where the class alone costs ~1 s."""
+    every model family's mappings and torch, ~2.5 s of CPU in each process that tokenizes (the
+    API's assessing children, runs, the CLI) where the class alone costs ~1 s."""
     path = Path(path)
     if _built_with_generic_tokenizer(path):
         from transformers import PreTrainedTokenizerFast

@@ -67,7 +67,7 @@ def _longest_entry(tokenizer) -> int:
 def _post(server: ApiServer, key: str, body, route: str = "harvest", **kwargs) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return http_calls.post(f"{server.base_url}/{route}", content=content, timeout=kwargs.pop("timeout", 120),
-                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, **kwargs)
+                           headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, **kwargs)
 
 
 def _error(response: httpx.Response, status: int, code: str, param: str | None) -> str:

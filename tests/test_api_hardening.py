@@ -74,7 +74,7 @@ def test_a_streamed_body_without_length_is_capped_on_the_completions_route(guard
         yield b'"}'
 
     response = http_calls.post(f"{guarded.base_url}/completions", headers={**_auth(key), "Content-Type": "application/json"},
-                          content=chunks(), timeout=60)
+                               content=chunks(), timeout=60)
     assert "8 MB" in _error(response, 413, "request_too_large")["message"]
 
 
@@ -140,7 +140,7 @@ def test_unknown_routes_and_methods_answer_the_error_body_and_allow(guarded):
 def test_an_unavailable_model_is_named_without_server_paths(guarded):
     key = guarded.make_key(name="paths")
     error = _error(http_calls.post(f"{guarded.base_url}/harvest", headers=_auth(key), json={**OK, "model": "llama-8b", "layers": [8]},
-                              timeout=60), 503, "harvest_unavailable")
+                                   timeout=60), 503, "harvest_unavailable")
     assert "llama-8b" in error["message"] and "meta-llama/Llama-3.1-8B" in error["message"]
     assert str(guarded.home) not in error["message"] and "looked in" not in error["message"], error
     assert not re.search(r"(^|\s)(/(?!v1/)|~/)\S", error["message"]), error  # no server path (API routes are fine)

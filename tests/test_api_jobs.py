@@ -252,7 +252,7 @@ def test_another_keys_job_is_404_and_lists_are_per_key(harvest_api, key, done_jo
     assert page["object"] == "list" and page["has_more"] is True
     assert [j["job_id"] for j in page["data"]] == mine[::-1][:2]
     rest = http_calls.get(f"{harvest_api.base_url}/harvest", params={"limit": 2, "after": page["last_id"]},
-                     headers=_auth(other)).json()
+                          headers=_auth(other)).json()
     assert [j["job_id"] for j in rest["data"]] == [mine[0]] and rest["has_more"] is False
     for job_id in mine:
         http_calls.delete(f"{harvest_api.base_url}/harvest/{job_id}", headers=_auth(other))
@@ -333,7 +333,7 @@ def test_twenty_simultaneous_submits_against_a_limit_of_three_admit_three(harves
     def submit():
         barrier.wait()
         answers.append(http_calls.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
-                                  json={"model": "llama-tiny", "prompts": ["race"]}))
+                                       json={"model": "llama-tiny", "prompts": ["race"]}))
 
     threads = [threading.Thread(target=submit) for _ in range(20)]
     for t in threads:
@@ -395,7 +395,7 @@ def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harv
     flag.touch()
     try:
         response = http_calls.post(f"{harvest_api.base_url}/harvest", headers=_auth(key), timeout=60,
-                              json={"model": "llama-tiny", "prompts": ["x"]})
+                                   json={"model": "llama-tiny", "prompts": ["x"]})
     finally:
         flag.unlink()
     assert response.status_code == 503

@@ -30,7 +30,7 @@ def test_race_and_charging_on_postgresql(pg_api):
     def submit():
         barrier.wait()
         answers.append(http_calls.post(f"{pg_api.base_url}/harvest", headers=auth, timeout=60,
-                                  json={"model": "llama-tiny", "prompts": ["race"]}))
+                                       json={"model": "llama-tiny", "prompts": ["race"]}))
 
     threads = [threading.Thread(target=submit) for _ in range(20)]
     for t in threads:

@@ -83,7 +83,7 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
     key = s3_api.make_key(name="s3")
     auth = {"Authorization": f"Bearer {key}"}
     submitted = http_calls.post(f"{s3_api.base_url}/harvest", headers=auth, timeout=60,
-                           json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3, 5]})
+                                json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3, 5]})
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["job_id"]
     s3 = boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())

@@ -88,7 +88,7 @@ def test_the_same_idempotency_key_answers_the_same_job_and_another_request_409(a
     def post(api_key: str, payload, **headers) -> httpx.Response:
         content = payload if isinstance(payload, str) else json.dumps(payload)
         return http_calls.post(f"{api_server.base_url}/harvest", content=content, timeout=60,
-                          headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json", **headers})
+                               headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json", **headers})
 
     first = post(key, body, **{"Idempotency-Key": idem})
     again = post(key, json.dumps(body, indent=3), **{"Idempotency-Key": idem})  # same request, spaced otherwise

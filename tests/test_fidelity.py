@@ -143,7 +143,7 @@ def test_a_job_on_the_large_lane_runs_end_to_end(faults_api, tiny):
     faults_api.flow_env(HARVEST_SLOTS="null")
     try:
         answer = http_calls.post(f"{faults_api.base_url}/harvest", headers=faults_api.auth, timeout=60,
-                            json={"model": "llama-tiny-large", "prompts": PROMPTS[:2], "layers": [2, 5]})
+                                 json={"model": "llama-tiny-large", "prompts": PROMPTS[:2], "layers": [2, 5]})
     finally:
         faults_api.flow_env()
     assert answer.status_code == 202, answer.text

@@ -66,7 +66,7 @@ def _submit(fleet, replica, prompts, **fields) -> dict:
 
 def _get(fleet, replica, job_id, wait: float = 0) -> dict:
     response = http_calls.get(f"{replica.base_url}/harvest/{job_id}", params={"wait": wait} if wait else None,
-                         headers=_auth(fleet), timeout=wait + 30)
+                              headers=_auth(fleet), timeout=wait + 30)
     assert response.status_code == 200, response.text
     return response.json()
 

@@ -97,7 +97,7 @@ def test_an_added_lane_in_models_caps_and_usage(harvest_api, hf_engine):
     set_run(harvest_api, xl_started, "running")
     _until(harvest_api, key, xl_started, "running")
     small = [http_calls.post(f"{harvest_api.base_url}/harvest", json={"model": "llama-tiny", "prompts": [f"usage {i}", "two"]},
-                        headers=auth, timeout=60).json()["job_id"] for i in range(2)]
+                             headers=auth, timeout=60).json()["job_id"] for i in range(2)]
     for job in small:
         finish_run(harvest_api, job, hf_engine)
     ended = [_until(harvest_api, key, job, "done") for job in small]

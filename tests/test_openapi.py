@@ -147,5 +147,5 @@ def test_a_seed_past_64_bits_is_a_400_naming_it(harvest_api):
     key = harvest_api.make_key()
     for route, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
         answer = http_calls.post(f"{harvest_api.root}/v1/{route}", headers={"Authorization": f"Bearer {key}"},
-                            json={"model": "llama-tiny", "max_tokens": 1, "seed": 2**64, **body}, timeout=60)
+                                 json={"model": "llama-tiny", "max_tokens": 1, "seed": 2**64, **body}, timeout=60)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "seed", answer.text

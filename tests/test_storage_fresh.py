@@ -63,7 +63,7 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     auth = {"Authorization": f"Bearer {api.make_key(name='fresh')}"}
     prompts = [f"fresh prompt {i}" for i in range(N_SHARDS)]
     submitted = http_calls.post(f"{api.base_url}/harvest", headers=auth, timeout=60,
-                           json={"model": "llama-tiny", "prompts": prompts, "shard_size": 1, "layers": [1, 5]})
+                                json={"model": "llama-tiny", "prompts": prompts, "shard_size": 1, "layers": [1, 5]})
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["job_id"]
 

@@ -45,11 +45,11 @@ def test_a_submit_to_an_overloaded_prefect_answers_503_with_retry_after_within_t
     # A first submit, refused for its model, brings the replica's assessing children up (their
     # imports take tens of seconds on a loaded machine): the bound below is the run start's.
     refused = http_calls.post(f"{overloaded_api.base_url}/harvest", headers=auth, timeout=300,
-                         json={"model": "no-such-model", "prompts": ["The sky is"], "layers": [1]})
+                              json={"model": "no-such-model", "prompts": ["The sky is"], "layers": [1]})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_found", refused.text
     started = time.monotonic()
     answer = http_calls.post(f"{overloaded_api.base_url}/harvest", headers=auth, timeout=300,
-                        json={"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]})
+                             json={"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]})
     elapsed = time.monotonic() - started
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "harvest_unavailable"

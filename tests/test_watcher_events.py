@@ -32,7 +32,7 @@ def test_a_runs_end_reaches_the_job_at_once_not_at_the_next_tick(slow_ticking_ap
     api, auth = slow_ticking_api.base_url, {"Authorization": f"Bearer {slow_ticking_api.make_key(name='events')}"}
     for n in range(2):  # the second starts long after the submit's own kick has been spent
         job = http_calls.post(f"{api}/harvest", headers=auth, timeout=60,
-                         json={"model": "llama-tiny", "prompts": [f"job {n}: the sky is"], "layers": [1]}).json()
+                              json={"model": "llama-tiny", "prompts": [f"job {n}: the sky is"], "layers": [1]}).json()
         while job["status"] not in ("done", "failed", "cancelled"):
             job = http_calls.get(f"{api}/harvest/{job['job_id']}", params={"wait": 60}, headers=auth, timeout=90).json()
         assert job["status"] == "done", job
