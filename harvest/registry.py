@@ -13,11 +13,13 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harvest.architectures import Architecture, block_path, read_architecture, shapes_from_config
 from harvest.built_checkpoints import Writer, ensure_built, is_built
 from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable, echo
 from harvest.gguf_checkpoint import GGUFSource
 from harvest.lanes import load_lanes
 from harvest.settings import Settings, get_settings
+from harvest.tiny_families import FAMILIES, write_family_model
 from harvest.tiny_model import write_tiny_model
 
 log = logging.getLogger("harvest.registry")
@@ -50,6 +52,9 @@ class ModelInfo:
     """For a project-built checkpoint not built yet: where `require_path` builds it."""
     build_entry: dict | None = field(default=None, compare=False)
     """Its registry entry (which builder, from what source); plain data, so ModelInfo pickles."""
+    architecture: Architecture | None = None
+    """transformers' class and where its blocks are, from its config (or the entry's
+    `architecture` and `model_type` while the weights are absent); None when neither says."""
 
     @property
     def display_name(self) -> str:
@@ -86,6 +91,7 @@ class ModelInfo:
             raise ValueError(f"models.toml: {self.name} declares {self.n_layers} layers of {self.hidden_size}, "
                              f"but its built config says {shapes['n_layers']} of {shapes['hidden_size']}")
         object.__setattr__(self, "path", path)  # frozen for callers; set once, as the registry would have
+        object.__setattr__(self, "architecture", read_architecture(path))
 
     def capabilities(self) -> dict:
         return {
@@ -96,12 +102,19 @@ class ModelInfo:
             "harvest": self.harvest,
             "inline": self.inline,
             "lane": self.lane,
+            **(self.architecture.describe() if self.architecture else {}),
         }
 
 
 def builder_for(name: str, entry: dict) -> Writer | None:
     """The writer of a registry entry with `builtin = true`: from its `gguf` source when it
-    names one (None when that package is not installed here), else the embedded tiny model."""
+    names one (None when that package is not installed here), the tiny checkpoint of its
+    `family` (`harvest.tiny_families`) when it names one, else the embedded tiny Llama."""
+    family = entry.get("family")
+    if family is not None:
+        if family not in FAMILIES:
+            raise ValueError(f"models.toml: {name} has family {family!r}; the families are {', '.join(FAMILIES)}")
+        return lambda folder: write_family_model(folder, family)
     source = entry.get("gguf")
     if source is None:
         return write_tiny_model
@@ -147,13 +160,8 @@ def _is_repo_id(weights: str) -> bool:
 
 
 def _shapes_from_config(path: Path) -> dict:
-    config = json.loads((path / "config.json").read_text())
-    config = config.get("text_config", config)  # multimodal wrappers nest the text model
-    return {
-        "n_layers": config["num_hidden_layers"],
-        "hidden_size": config["hidden_size"],
-        "max_position_embeddings": config["max_position_embeddings"],
-    }
+    """The checkpoint's shapes, whatever its family calls them (`harvest.architectures`)."""
+    return shapes_from_config(json.loads((path / "config.json").read_text()))
 
 
 class Registry:
@@ -225,6 +233,12 @@ class Registry:
             shapes = declared
         else:
             raise ValueError(f"models.toml: {name} has no weights here and declares no shapes")
+        if path is not None:
+            architecture = read_architecture(path)
+        elif "architecture" in entry and "model_type" in entry:
+            architecture = Architecture(entry["architecture"], entry["model_type"], block_path(entry["model_type"]))
+        else:
+            architecture = None
         max_model_len = min(entry.get("max_model_len", shapes["max_position_embeddings"]), shapes["max_position_embeddings"])
         tensor_parallel_size = entry.get("tensor_parallel_size", 1)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -244,6 +258,7 @@ class Registry:
             tensor_parallel_size=tensor_parallel_size,
             build_target=build_target,
             build_entry=dict(entry) if build_target is not None else None,
+            architecture=architecture,
         )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harvest.built_checkpoints import BUILT_BY, ensure_built, plain_tokenizer_config, write_atomically
 
-__all__ = ["TINY_CONFIG", "BOS", "EOS", "write_tiny_model", "build_tiny_model", "ensure_tiny_model"]
+__all__ = ["TINY_CONFIG", "BOS", "EOS", "train_tokenizer", "write_tiny_model", "build_tiny_model", "ensure_tiny_model"]
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -45,7 +45,10 @@ TINY_CONFIG = dict(
 )
 
 
-def _train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, *, bos: str = BOS, eos: str = EOS, add_bos: bool = True):
+    """A byte-level BPE tokenizer trained on the shipped corpus, with `bos` and `eos` as its
+    special tokens; with `add_bos` it prepends `bos` when the caller asks for special tokens,
+    as Llama 3's tokenizer does (GPT-2's and Pythia's add nothing)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -53,16 +56,16 @@ def _train_tokenizer(vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
+        special_tokens=list(dict.fromkeys([bos, eos])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train([str(CORPUS)], trainer)
-    bos_id = tokenizer.token_to_id(BOS)
-    # Prepend BOS when the caller asks for special tokens, as Llama 3's tokenizer does.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
+    if add_bos:
+        bos_id = tokenizer.token_to_id(bos)
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
     return tokenizer
 
 
@@ -72,7 +75,7 @@ def write_tiny_model(folder: Path, *, config_overrides: dict | None = None, voca
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     staging = Path(folder)
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(staging)

@@ -1,15 +1,16 @@
 """The Hugging Face transformers engine: the numerical reference (`HARVEST_ENGINE=hf`; `auto` on the CPU).
 
 Prompts are packed, never padded to each other: a forward pass runs rows of whole prompts
-back to back, each prompt with its own positions and a mask that keeps it to itself
-(`harvest.engines.packing`), so no compute goes to filler (a pass of several rows keeps its
+back to back, each prompt with its own positions and a mask that keeps it to itself, its
+sliding window included (`harvest.engines.packing`, `harvest.engines.hf_model`), so no compute goes to filler (a pass of several rows keeps its
 filler within `PAD_BUDGET`) and each prompt's activations equal its own forward pass's. A pass
 holds at most `batch_size` prompts (the request's hint), never more tokens than
 `HARVEST_ENGINE_BATCH_TOKENS`, nor more captured values than `HARVEST_ENGINE_PIECE_BYTES`
 (a longer prompt runs alone): memory follows the settings, not the request. Each pass's
 values go to the shard's sink (`harvest.engines.base.ValueSink`) before the next pass runs
 (on a GPU: once the next pass is queued, so the two overlap; two passes' values at most). Forward hooks sit on
-the requested blocks only, and the forward pass stops after the deepest of them. On the CPU
+the requested blocks only (wherever the family keeps them: `harvest.engines.hf_model`), and
+the forward pass stops after the deepest of them. On the CPU
 the model runs in float32; on a GPU in the checkpoint's dtype.
 """
 
@@ -23,6 +24,7 @@ import torch
 from harvest.capture import Landing, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
 from harvest.capture_spec import CaptureSpec
 from harvest.engines.base import Engine, ValueSink, tokens_per_piece
+from harvest.engines.hf_model import decoder, decoder_blocks, packed_attention_mask
 from harvest.engines.packing import Pass, packed_inputs, plan_passes
 from harvest.errors import ModelUnavailable
 from harvest.registry import ModelInfo
@@ -42,15 +44,12 @@ def load_hf_model(model: ModelInfo, device: torch.device | None = None):
 
 
 def check_packable(hf_model, name: str) -> None:
-    """Refuse a model whose attention would let packed prompts see each other: the packed
-    mask comes from transformers' sdpa and eager paths, and a sliding window would replace it."""
-    config = hf_model.config
-    attention = getattr(config, "_attn_implementation", None)
-    sliding = getattr(config, "sliding_window", None) is not None and (
-        getattr(config, "use_sliding_window", True) or "sliding_attention" in (getattr(config, "layer_types", None) or []))
-    if attention not in ("sdpa", "eager") or sliding:
-        raise ModelUnavailable(f"Model {name!r} cannot run on the HF engine's packed passes (attention {attention!r}"
-                               f"{', sliding window' if sliding else ''}); use HARVEST_ENGINE=vllm for it.")
+    """Refuse an attention implementation that would not take the packed passes' 4-D masks
+    (`harvest.engines.hf_model`): transformers' sdpa and eager do, on every family."""
+    attention = getattr(hf_model.config, "_attn_implementation", None)
+    if attention not in ("sdpa", "eager"):
+        raise ModelUnavailable(f"Model {name!r} loaded with attention {attention!r}, which the HF engine's packed passes "
+                               "cannot mask; load it with sdpa or eager attention.")
 
 
 class HFEngine(Engine):
@@ -61,10 +60,8 @@ class HFEngine(Engine):
         self.hf_model = load_hf_model(model, device)
         check_packable(self.hf_model, model.name)
         self.device = next(self.hf_model.parameters()).device
-
-    @property
-    def blocks(self):
-        return self.hf_model.model.layers
+        self.blocks = decoder_blocks(self.hf_model, model.name)
+        self.decoder = decoder(self.hf_model)
 
     def passes(self, lengths: list[int], batch_size: int | None = None, max_tokens: int | None = None) -> list[Pass]:
         """The packed forward passes for prompts of these lengths (`harvest.engines.packing`):
@@ -111,10 +108,10 @@ class HFEngine(Engine):
             input_ids, positions, places = packed_inputs(prompts, plan)
             padded += plan.padded_tokens
             with block_hooks(self.blocks, spec.layers) as captured:
+                positions = positions.to(self.device)
+                mask = packed_attention_mask(self.hf_model.config, positions, self.hf_model.dtype)
                 try:
-                    # No attention mask: positions that restart mark each prompt, and
-                    # transformers keeps every prompt's attention to itself.
-                    self.hf_model.model(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device), use_cache=False)
+                    self.decoder(input_ids=input_ids.to(self.device), attention_mask=mask, position_ids=positions, use_cache=False)
                 except StopForward:
                     pass
             check_capture(captured, spec.layers, tuple(input_ids.shape))

@@ -20,9 +20,10 @@ import torch
 from transformers import DynamicCache
 
 from harvest.capture import check_capture
-from harvest.engines.packing import Pass, packed_inputs, segments
+from harvest.engines.hf_model import decoder, final_logits, packed_attention_mask
+from harvest.engines.packing import Pass, packed_inputs
 
-__all__ = ["Prefilled", "packed_prefill", "block_causal_mask"]
+__all__ = ["Prefilled", "packed_prefill"]
 
 
 @dataclass
@@ -40,20 +41,6 @@ class Prefilled:
     passes: int
     padded_tokens: int
     """Filler tokens the packed passes ran."""
-
-
-def block_causal_mask(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask `[rows, 1, width, width]`: 0 where a token may attend (an earlier or the
-    same token of its own prompt, a prompt being a run of positions counting up from 0), the
-    dtype's lowest value elsewhere."""
-    segment = segments(positions)
-    same = segment[:, :, None] == segment[:, None, :]
-    width = positions.shape[-1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
-    allowed = same & causal
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
 
 
 @torch.inference_mode()
@@ -74,15 +61,17 @@ def packed_prefill(hf_model, prompts: list[list[int]], plans: list[Pass], cache,
     for plan in plans:
         input_ids, positions, places = packed_inputs(prompts, plan)
         input_ids, positions = input_ids.to(device), positions.to(device)
-        own = DynamicCache(config=config)
+        # A cache without the config's layer types keeps every key: a sliding layer's own
+        # cache would keep only a row's last window, and the columns below would be lost.
+        own = DynamicCache()
         captured.clear()
-        out = hf_model.model(input_ids=input_ids, attention_mask=block_causal_mask(positions, dtype), position_ids=positions,
-                             past_key_values=own, use_cache=True)
+        mask = packed_attention_mask(config, positions, dtype, always=True)
+        out = decoder(hf_model)(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=own, use_cache=True)
         if layers:
             check_capture(captured, layers, tuple(input_ids.shape))
         # Only each prompt's last position is sampled from: the LM head runs on those alone.
         last = out.last_hidden_state[[row for _, row, _ in places], [column + lengths[index] - 1 for index, _, column in places]]
-        for (index, row, column), row_logits in zip(places, hf_model.get_output_embeddings()(last).float(), strict=True):
+        for (index, row, column), row_logits in zip(places, final_logits(hf_model, last).float(), strict=True):
             logits[index] = row_logits
             if layers:
                 n = lengths[index]
