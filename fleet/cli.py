@@ -1,6 +1,6 @@
 """The `harvest` command (the console script): which module runs each subcommand.
 
-Each subcommand lives with the layer it drives: `run` with the core pipeline, the roles and
+Each subcommand lives with the layer it drives: `run` and `models check` with the core, the roles and
 `up` here, the schedule and the sweep with the flows, API keys and the spend cap with the API.
 Each module has `main(argv) -> int` taking the whole argv (subcommand first) and is imported
 only when called, so `harvest run` starts without Prefect or FastAPI.
@@ -15,6 +15,7 @@ __all__ = ["COMMANDS", "main"]
 
 COMMANDS = {
     "run": "harvest.cli",
+    "models": "harvest.parity",
     "up": "fleet.stack",
     "server": "fleet.roles",
     "api": "fleet.roles",

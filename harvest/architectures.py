@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Architecture", "read_architecture", "block_path", "shapes_from_config", "SHAPE_ALIASES"]
+__all__ = ["Architecture", "read_architecture", "block_path", "shapes_from_config", "attention_shapes", "SHAPE_ALIASES"]
 
 SHAPE_ALIASES = {
     "n_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -64,6 +64,18 @@ def shapes_from_config(config: dict) -> dict:
             raise ValueError(f"config.json ({text.get('model_type', 'unknown family')}) gives no {ours}: looked for {', '.join(names)}")
         shapes[ours] = value
     return shapes
+
+
+def attention_shapes(config: dict) -> dict:
+    """`heads`, `kv_heads` and `head_dim` of a parsed `config.json` (GPT-2 says `n_head`; a
+    family without grouped queries has as many key/value heads as heads)."""
+    text = _text_config(config)
+    heads = text.get("num_attention_heads") or text.get("n_head")
+    if not isinstance(heads, int):
+        raise ValueError(f"config.json ({text.get('model_type', 'unknown family')}) gives no attention heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or shapes_from_config(config)["hidden_size"] // heads
+    return {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
 
 
 @dataclass(frozen=True)

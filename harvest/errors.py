@@ -96,7 +96,9 @@ class ModelNotFound(InvalidRequest):
 
 
 class HarvestUnsupported(InvalidRequest):
-    """The model is served, but not for bulk harvests."""
+    """The model is served, but not for bulk harvests, or not on the engine this host runs
+    (vLLM refuses an architecture it cannot load: the message names the model, the engine and
+    what to use instead)."""
 
     code = "harvest_unsupported"
 

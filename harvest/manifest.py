@@ -31,6 +31,13 @@ class ModelEntry(BaseModel):
     """Served name."""
     weights: str
     """Checkpoint id (Hugging Face repo id or path)."""
+    architecture: str | None = None
+    """transformers' class of the checkpoint, e.g. `GPT2LMHeadModel`, `Gemma2ForCausalLM`."""
+    model_type: str | None = None
+    """transformers' family key, e.g. `gpt2`, `gemma2`."""
+    layer_module: str | None = None
+    """The module whose output layer k is, with `{k}` for the index: `transformer.h.{k}` for
+    GPT-2, `gpt_neox.layers.{k}` for GPT-NeoX, `model.layers.{k}` for most families."""
 
 
 class Manifest(BaseModel):

@@ -370,7 +370,8 @@ def finalize(
     norms = stats.mean_token_norm.tolist()
     manifest = Manifest(
         job_id=job_id,
-        model=ModelEntry(name=job.model.name, weights=job.model.weights),
+        model=ModelEntry(name=job.model.name, weights=job.model.weights,
+                         **(job.model.architecture.describe() if job.model.architecture else {})),
         layer_indices=job.layers,
         residual_stream_convention=RESIDUAL_STREAM_CONVENTION,
         contents=job.contents,

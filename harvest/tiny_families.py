@@ -7,7 +7,7 @@ the project builds one small checkpoint per family: random weights from a fixed 
 the family's own config class and `AutoModelForCausalLM.from_config`, saved in the standard
 layout and loaded by the same code as any real checkpoint. Each has what makes its family
 differ: GPT-2's absolute positions and `transformer.h`, GPT-NeoX's partial rotary and parallel
-residual, Gemma's scaled embeddings, softcapping and interleaved sliding and global layers,
+residual, Gemma's scaled and tied embeddings, softcapping and interleaved sliding and global layers,
 Mistral's sliding window, the MoE routers, AFMoE's dense first layer, shared experts and the
 router fields vLLM's `afmoe` reads (Trinity's own config has them; transformers' `AfmoeConfig`
 does not).
@@ -84,10 +84,10 @@ FAMILIES: dict[str, Family] = {
                         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)),
     "gemma2": Family("gemma2", "<bos>", "<eos>", True,
                      dict(sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=32, attn_logit_softcapping=50.0,
-                          final_logit_softcapping=30.0), GEMMA_CHAT),
+                          final_logit_softcapping=30.0, tie_word_embeddings=True), GEMMA_CHAT),
     "gemma3_text": Family("gemma3_text", "<bos>", "<eos>", True,
                           dict(sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=32, layer_types=SLIDING_THEN_GLOBAL,
-                               final_logit_softcapping=30.0), GEMMA_CHAT),
+                               final_logit_softcapping=30.0, tie_word_embeddings=True), GEMMA_CHAT),
     "gpt2": Family("gpt2", "<|endoftext|>", "<|endoftext|>", False, dict(n_positions=MAX_POSITIONS)),
     "gpt_neox": Family("gpt_neox", "<|endoftext|>", "<|endoftext|>", False, dict(rotary_pct=0.25, use_parallel_residual=True)),
     "olmo2": Family("olmo2", "<|endoftext|>", "<|endoftext|>", False),
@@ -120,7 +120,7 @@ def write_family_model(folder: Path, family: str) -> None:
     plain_tokenizer_config(folder, MAX_POSITIONS)
 
     bos_id, eos_id = tokenizer.token_to_id(spec.bos), tokenizer.token_to_id(spec.eos)
-    config = AutoConfig.for_model(spec.model_type, **COMMON, **spec.config, vocab_size=VOCAB, bos_token_id=bos_id,
+    config = AutoConfig.for_model(spec.model_type, **{**COMMON, **spec.config}, vocab_size=VOCAB, bos_token_id=bos_id,
                                   eos_token_id=eos_id, pad_token_id=eos_id)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -2,7 +2,9 @@
 
 Clients read their limits here rather than hard-coding them (the caps are operational
 settings): `n_layers`, `hidden_size`, `max_model_len`, `max_activation_prompt_tokens`,
-`harvest`, `lane`, plus `inline` (whether the model serves inline activations).
+`harvest`, `lane`, plus `inline` (whether the model serves inline activations), and what the
+checkpoint is: `architecture` (transformers' class), `model_type` and `layer_module`, the
+module whose output layer k is (`transformer.h.{k}` for GPT-2, `model.layers.{k}` for most).
 """
 
 from __future__ import annotations

