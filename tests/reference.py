@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["hf_reference_layers", "bf16_tolerance"]
+__all__ = ["hf_reference_layers", "bf16_tolerance", "decoder_blocks_of"]
+
+
+def decoder_blocks_of(hf_model) -> tuple[str, torch.nn.ModuleList]:
+    """The model's own decoder blocks, found without the service's code: the one module list
+    of `num_hidden_layers` modules (`model.layers`, GPT-2's `transformer.h`, …), and its path."""
+    n_layers = hf_model.config.num_hidden_layers
+    found = [(name, m) for name, m in hf_model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers]
+    assert len(found) == 1, [name for name, _ in found]
+    return found[0]
 
 
 @torch.inference_mode()
@@ -17,7 +26,7 @@ def hf_reference_layers(hf_model, ids: list[int], layers: list[int]) -> np.ndarr
     """
     n_layers = hf_model.config.num_hidden_layers
     last: dict[str, torch.Tensor] = {}
-    handle = hf_model.model.layers[n_layers - 1].register_forward_hook(
+    handle = decoder_blocks_of(hf_model)[1][n_layers - 1].register_forward_hook(
         lambda _m, _a, out: last.__setitem__("h", out[0] if isinstance(out, tuple) else out)
     )
     try:
