@@ -7,7 +7,7 @@ most families since, `transformer.h` for GPT-2, `gpt_neox.layers` for GPT-NeoX (
 the names of the shapes: GPT-2's config says `n_layer`, `n_embd` and `n_positions` where Llama's
 says `num_hidden_layers`, `hidden_size` and `max_position_embeddings` (transformers maps them
 with each config class's `attribute_map`; loading a config class costs torch's import, which
-the API replica and its assessing children never pay, so the aliases are read here from the
+the API's processes that only count tokens and list models never pay, so the aliases are read here from the
 JSON). This module reads files only: no torch, no transformers.
 
 The engines find the blocks with `block_path` and check what they find there

@@ -5,7 +5,7 @@ compute on filler. So the prompts run packed, as a harvest's do (`harvest.engine
 rows of whole prompts back to back, each with positions from 0. A prefill must also fill the
 KV cache, and transformers only recognises packed positions without a cache, so the mask is
 given explicitly: a 4-D additive mask that lets each token see the earlier tokens of its own
-prompt only (the same block-diagonal causal mask transformers builds for packed sequences).
+prompt only, and on a sliding layer only its window (`harvest.engines.hf_model`).
 The keys and values each pass leaves in its own cache are then laid out left-padded, one row
 per prompt, in the decode cache, which is exactly what a padded prefill would have left there
 (keys carry their rotary positions, counted from each prompt's first token); decoding goes on

@@ -3,8 +3,11 @@
 Our own worker extension (`harvest.engines.vllm_worker`, on top of vllm-lens) hooks only the
 requested blocks, fails a shard whose capture broke instead of returning partial data, and
 reduces each shard on the device in one session (two RPCs), so only the stored values and one
-float64 statistics partial reach the host. Layer k is block k's output, the sum of the pair
-(mlp_out, residual) vLLM's Llama blocks return. Prefix caching is off (a cached prefix would
+float64 statistics partial reach the host. Layer k is block k's output: the sum of the pair
+(mlp_out, residual) vLLM's own blocks return, or the tensor of transformers' block that vLLM's
+Transformers backend runs (GPT-NeoX, OLMo-2). An architecture outside the installed vLLM's
+registry, or one it computes wrongly as measured here (`WRONG_ON_CPU`), is refused with 400
+`harvest_unsupported` before anything loads. Prefix caching is off (a cached prefix would
 skip its positions); each prompt runs with `max_tokens=1`, prefill only. The engine runs
 in-process unless `VLLM_ENABLE_V1_MULTIPROCESSING` says otherwise: faster to start, and the
 reduced shard reaches the driver as tensors, never serialised.
