@@ -36,6 +36,7 @@ Rows: `--rows 64,128,...` adds, in the `steady` process, the HF engine's capture
 in 32-prompt shards at each `HARVEST_ENGINE_ROW_TOKENS` (what chose its default).
 
     .venv/bin/python bench/bench_peers.py [--rounds 3] [--skip make_run,saelens,...] [--json out.json]
+        [--model gemma2-135m]   # another family at SmolLM2's size (bench/bench_models.py)
 
 (the first run builds the peers' own venv, `.venv-peers`, with `bench/peers_venv.sh`).
 """
@@ -57,6 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
+from bench_models import BENCH_MODELS, use  # noqa: E402
 from peer_arms import compare, load_values  # noqa: E402
 from stack import harvest_up  # noqa: E402
 
@@ -87,7 +89,7 @@ def _tokenized(texts: list[str]) -> list[list[int]]:
 def _model_dir() -> Path:
     from harvest.registry import load_registry
 
-    return load_registry().get(MODEL).require_path()
+    return load_registry().get(os.environ.get("BENCH_MODEL", MODEL)).require_path()
 
 
 def peer_arm(arm: str, work: Path, layers: list[int], python: Path) -> dict:
@@ -108,7 +110,7 @@ def harvest_run(work: Path, name: str, layers: str, env: dict[str, str] | None =
     """`harvest run` as a user types it, timed from spawn to exit."""
     out = work / name.replace(" ", "_").replace(",", "")
     shutil.rmtree(out, ignore_errors=True)
-    command = [str(REPO / ".venv" / "bin" / "harvest"), "run", "--model", MODEL, "--prompts", str(work / "corpus.jsonl"),
+    command = [str(REPO / ".venv" / "bin" / "harvest"), "run", "--model", os.environ.get("BENCH_MODEL", MODEL), "--prompts", str(work / "corpus.jsonl"),
                "--out", str(out), "--layers", layers]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
@@ -146,7 +148,8 @@ def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int) 
     try:
         with harvest_up(home) as (base, key):
             client = Client(api_base=base, api_key=key)
-            client.harvest(MODEL, texts[::-1][:16], out=str(work / "make_run_warmup"), layers=layers, progress=False)
+            model = os.environ.get("BENCH_MODEL", MODEL)
+            client.harvest(model, texts[::-1][:16], out=str(work / "make_run_warmup"), layers=layers, progress=False)
             for r in range(rounds):
                 out = work / f"make_run_{r}"
                 shutil.rmtree(out, ignore_errors=True)
@@ -154,7 +157,7 @@ def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int) 
                 # first job): the same paragraphs, the round's number in front of the first.
                 corpus = [f"{r}. {texts[0]}"] + texts[1:]
                 started = time.perf_counter()
-                summary = client.harvest(MODEL, corpus, out=str(out), layers=layers, progress=False)
+                summary = client.harvest(model, corpus, out=str(out), layers=layers, progress=False)
                 results.append({"arm": "make run", "whole_s": time.perf_counter() - started, "corpus_s": time.perf_counter() - started,
                                 "tokens": summary.tokens, "out": str(out)})
     finally:
@@ -178,7 +181,7 @@ def steady(ids_path: Path, layers: list[int], rounds: int, rows: list[int]) -> d
     from harvest.registry import load_registry
 
     ids = json.loads(ids_path.read_text())["prompts"]
-    model = load_registry().get(MODEL)
+    model = load_registry().get(os.environ.get("BENCH_MODEL", MODEL))
     engines = {"hf": HFEngine(model), "vllm": VLLMEngine(model)}
     spec = CaptureSpec(layers=layers)
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -219,9 +222,13 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated arms to leave out")
     parser.add_argument("--json", help="write every figure here too")
     parser.add_argument("--rows", default="", help="row sizes for the HF engine's rows sweep (steady process)")
+    parser.add_argument("--model", default=MODEL, help=f"{MODEL} (default) or a bench model: {', '.join(BENCH_MODELS)}")
     parser.add_argument("--steady-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.model != MODEL:
+        use(args.model)  # the tokenizer is SmolLM2's: the corpus's tokens are the same
+        os.environ["BENCH_MODEL"] = args.model
     layers = [int(x) for x in args.layers.split(",")]
     if args.steady_only:
         rows = [int(r) for r in args.rows.split(",") if r]
@@ -237,9 +244,9 @@ def main() -> None:
     with open(work / "corpus.jsonl", "w") as f:
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")
-    n_blocks = 30
+    n_blocks = json.loads((_model_dir() / "config.json").read_text())["num_hidden_layers"]
     lengths = sorted(map(len, ids))
-    print(f"corpus: {len(ids)} paragraphs of {CORPUS}, {sum(lengths)} tokens, {lengths[0]}-{lengths[-1]} each "
+    print(f"model: {os.environ.get('BENCH_MODEL', MODEL)}; corpus: {len(ids)} paragraphs of {CORPUS}, {sum(lengths)} tokens, {lengths[0]}-{lengths[-1]} each "
           f"(median {lengths[len(lengths) // 2]}); layers {layers}; {args.rounds} round(s); work {work}", flush=True)
 
     runs: dict[str, list[dict]] = {}
