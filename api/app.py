@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,7 +54,7 @@ from api.routes.models import router as models_router
 from api.runs import PrefectRuns, RunStore
 from api.settings import ApiSettings
 from api.watcher import Watcher
-from harvest.errors import HarvestError, InvalidRequest, ModelUnavailable, invalid_from_pydantic
+from harvest.errors import HarvestError, InvalidRequest, ModelUnavailable, echo, invalid_from_pydantic
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
@@ -120,6 +120,16 @@ async def store_unreachable(request: Request, exc: OperationalError) -> JSONResp
     return await harvest_error(request, unavailable)
 
 
+async def store_refused_value(request: Request, exc: DataError) -> JSONResponse:
+    """The job store refused a value the request carried (PostgreSQL takes no NUL character in
+    text; a number past a column's range): the client's input, so a 400, never a 500. The
+    routes keep such values from the store where they can (`api.store`); this is the net."""
+    log.warning("job store refused a value for %s %s: %s", request.method, echo(request.url.path, quote=False),
+                type(exc.orig).__name__)
+    return await harvest_error(request, InvalidRequest(
+        "The request holds a value the job store cannot keep (a NUL character, or a number out of range)."))
+
+
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     return await harvest_error(request, invalid_from_pydantic(list(exc.errors())))
 
@@ -140,10 +150,13 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     """The router's own refusals, in the error body like every other."""
     if exc.status_code == 405:
         error: HarvestError = MethodNotAllowed(
-            f"{request.method} is not allowed on {request.url.path}.", allow=_allowed_methods(request)
+            f"{echo(request.method, quote=False)} is not allowed on {echo(request.url.path, quote=False)}.", allow=_allowed_methods(request)
         )
     elif exc.status_code == 404:
-        error = RouteNotFound(f"There is no route {request.url.path}. The API's routes are under /v1 (see /openapi.json).")
+        # The path comes back cut to `echo`'s bound: a 60,000-character path is no reason
+        # for a 60 KB answer.
+        error = RouteNotFound(f"There is no route {echo(request.url.path, quote=False)}. "
+                              "The API's routes are under /v1 (see /openapi.json).")
     elif exc.status_code < 500:
         error = InvalidRequest(str(exc.detail))
     else:
@@ -216,6 +229,7 @@ def create_app(
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(OperationalError, store_unreachable)
+    app.add_exception_handler(DataError, store_refused_value)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(RequestGuard)
     app.add_middleware(RequestMetrics)  # outermost: counts every answer, the guard's own included

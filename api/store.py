@@ -251,6 +251,10 @@ def admit(
 
 
 def _row(conn, job_id: str):
+    if "\x00" in job_id:
+        # No job's id holds a NUL, and PostgreSQL refuses one in any text (psycopg's
+        # DataError): the answer is the one SQLite gives, no such job.
+        return None
     return conn.execute(select(jobs).where(jobs.c.id == job_id)).mappings().first()
 
 

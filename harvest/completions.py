@@ -338,7 +338,8 @@ def check_prompt_length(model: ModelInfo, layers: list[int] | None, n_prompt: in
     if n_prompt + max_tokens > model.max_model_len:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
-            f"{some}{n_prompt + max_tokens} tokens ({some}{n_prompt} in the prompt, {max_tokens} for the "
+            # max_tokens is the client's number, of any length: echoed within `echo`'s bound.
+            f"{some}{echo(n_prompt + max_tokens)} tokens ({some}{n_prompt} in the prompt, {echo(max_tokens)} for the "
             "completion). Please reduce the prompt or max_tokens.",
             param="max_tokens",
         )

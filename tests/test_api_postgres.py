@@ -64,3 +64,20 @@ def test_race_and_charging_on_postgresql(pg_api):
         (job["job_id"], "cancelled", 0) for job in jobs[1:]}
     created = [j["created_at"] for j in listed]
     assert created == sorted(created, reverse=True)  # newest first
+
+
+def test_a_nul_byte_in_a_job_id_or_cursor_is_the_404_sqlite_gives(pg_api):
+    """PostgreSQL takes no NUL in text (psycopg raises DataError): such an id names no job, as on
+    SQLite, and nothing reaches a 500. A NUL inside a stored value is refused with a 400."""
+    key = pg_api.make_key(name="pg-nul", small=3)
+    auth = {"Authorization": f"Bearer {key}"}
+    for path, params in (("/harvest/%00", None), ("/harvest/a%00b", None), ("/harvest", {"after": "\x00"})):
+        response = http_calls.get(f"{pg_api.base_url}{path}", headers=auth, params=params, timeout=60)
+        assert response.status_code == 404, (path, response.status_code, response.text[:300])
+        assert response.json()["error"]["code"] == "not_found"
+    response = http_calls.delete(f"{pg_api.base_url}/harvest/%00", headers=auth, timeout=60)
+    assert response.status_code == 404, response.text[:300]
+    # A NUL inside a prompt is text: the job is admitted and its request stored whole.
+    submitted = http_calls.post(f"{pg_api.base_url}/harvest", headers=auth, timeout=60,
+                                json={"model": "llama-tiny", "prompts": ["a\x00b"]})
+    assert submitted.status_code == 202, submitted.text[:300]

@@ -68,3 +68,31 @@ def test_echo_is_printable_bounded_and_says_how_long_the_value_was():
         assert shown.isprintable() and len(shown) < 2 * ECHO_CHARS + 32, shown
         assert shown.endswith(f"… ({len(value):,} characters)")
     assert echo([1] * 1_000_000) == "[1, 1, 1, 1, ...]"
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/completions", '{"model": "llama-tiny", "prompt": "\\ud800 hello", "max_tokens": 1}'),
+    ("/completions", '{"model": "llama-tiny", "prompt": ["ok", "\\udfff"], "max_tokens": 1}'),
+    ("/chat/completions", '{"model": "llama-tiny", "messages": [{"role": "user", "content": "hi \\udc00"}], "max_tokens": 1}'),
+], ids=["completion", "completion-list", "chat"])
+def test_a_lone_surrogate_is_a_400_naming_its_field(client, route, body):
+    """JSON's escapes can spell half a UTF-16 pair, which is no text: it was a 500 on the inline
+    routes (the tokenizer's TypeError), while the same prompt on /harvest got a 400."""
+    response = client.post(route, content=body, headers={"Content-Type": "application/json"})
+    field = "messages" if route == "/chat/completions" else "prompt"
+    message = _refused(response, "invalid_request", field)
+    assert "surrogate" in message
+    # A whole pair is one character, and fine.
+    paired = body.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00").replace("\\udc00", "\\ud83d\\ude00")
+    assert client.post(route, content=paired, headers={"Content-Type": "application/json"}).status_code == 200
+
+
+def test_a_long_path_and_a_long_number_come_back_cut(client):
+    """A 60,000-character path got a 60,165-byte 404, and a max_tokens of 4,000 digits an
+    8,290-byte 400: both echoes are cut to `echo`'s bound."""
+    response = client.get("/" + "p" * 60_000)
+    assert response.status_code == 404 and len(response.content) < 1024, len(response.content)
+    assert "(60,004 characters)" in response.json()["error"]["message"]  # "/v1/" and the 60,000
+    body = '{"model": "llama-tiny", "prompt": "Hi", "max_tokens": ' + "9" * 4000 + "}"
+    response = client.post("/completions", content=body, headers={"Content-Type": "application/json"})
+    _refused(response, "context_length_exceeded", "max_tokens")

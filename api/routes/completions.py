@@ -72,7 +72,7 @@ from harvest.completions import (
     parse_completion_request,
     prepare_completion,
 )
-from harvest.errors import InvalidRequest
+from harvest.errors import InvalidRequest, echo
 from harvest.inline_stream import completion_events
 from harvest.registry import Registry
 
@@ -220,11 +220,47 @@ Respond = Callable[..., CompletionBody]
 
 
 def decode_json(raw: bytes) -> object:
-    """An inline body's JSON, or the 400."""
+    """An inline body's JSON, or the 400: a string holding a lone surrogate (`"\\ud800"`, which
+    JSON's escapes can spell but no text is) is refused naming its top-level field, before a
+    tokenizer or an encoder meets it."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: arrays nested too deep (`[[[[…`)
         raise InvalidRequest("The request body is not valid JSON.") from None
+    field = _field_with_lone_surrogate(body)
+    if field is not None:
+        raise InvalidRequest("The request holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                             "text: send the character itself, or its escaped pair.", param=echo(field, quote=False))
+    return body
+
+
+def _field_with_lone_surrogate(body: object) -> str | None:
+    """The top-level field (or `body`) of the first string or key that is not encodable text;
+    walked without recursion, as the body may nest deep."""
+    pending = list(body.items()) if isinstance(body, dict) else [("body", body)]
+    for top, value in pending:
+        stack = [top, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return top if isinstance(top, str) and _encodable(top) else "body"
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def admit_inline(request: Request, budget: AdmissionBudget, key: ApiKey,
