@@ -74,7 +74,7 @@ def test_a_nul_byte_in_a_job_id_or_cursor_is_the_404_sqlite_gives(pg_api):
     for path, params in (("/harvest/%00", None), ("/harvest/a%00b", None), ("/harvest", {"after": "\x00"})):
         response = http_calls.get(f"{pg_api.base_url}{path}", headers=auth, params=params, timeout=60)
         assert response.status_code == 404, (path, response.status_code, response.text[:300])
-        assert response.json()["error"]["code"] == "not_found"
+        assert response.json()["error"]["code"] == "harvest_job_not_found"
     response = http_calls.delete(f"{pg_api.base_url}/harvest/%00", headers=auth, timeout=60)
     assert response.status_code == 404, response.text[:300]
     # A NUL inside a prompt is text: the job is admitted and its request stored whole.
