@@ -150,7 +150,8 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     """The router's own refusals, in the error body like every other."""
     if exc.status_code == 405:
         error: HarvestError = MethodNotAllowed(
-            f"{echo(request.method, quote=False)} is not allowed on {echo(request.url.path, quote=False)}.", allow=_allowed_methods(request)
+            f"{echo(request.method, quote=False)} is not allowed on {echo(request.url.path, quote=False)}.",
+            allow=_allowed_methods(request),
         )
     elif exc.status_code == 404:
         # The path comes back cut to `echo`'s bound: a 60,000-character path is no reason

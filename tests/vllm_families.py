@@ -16,6 +16,7 @@ def main(out: Path, names: list[str]) -> None:
     from safetensors.torch import save_file
 
     from harvest.capture_spec import CaptureSpec
+    from harvest.engines.base import SamplingSpec
     from harvest.engines.vllm import VLLMEngine
     from harvest.errors import HarvestUnsupported
     from harvest.registry import load_registry
@@ -31,19 +32,13 @@ def main(out: Path, names: list[str]) -> None:
         spec = CaptureSpec(layers=job["layers"])
         packed = engine.capture(job["prompts"], spec).values
         alone = [engine.capture([p], spec).values[0] for p in job["prompts"]]
-        completions = engine.generate(job["inline"], [SamplingSpecFrom(s) for s in job["sampling"]], job["layers"])
+        completions = engine.generate(job["inline"], [SamplingSpec(**s) for s in job["sampling"]], job["layers"])
         engine.close()
         tensors = {f"packed_{i}": v.contiguous() for i, v in enumerate(packed)}
         tensors |= {f"alone_{i}": v.contiguous() for i, v in enumerate(alone)}
         tensors |= {f"inline_{i}": g.residual.contiguous() for i, g in enumerate(completions)}
         save_file(tensors, str(out / f"{name}.safetensors"))
         (out / f"{name}.tokens.json").write_text(json.dumps([g.token_ids for g in completions]))
-
-
-def SamplingSpecFrom(fields: dict):  # noqa: N802 - reads as the constructor it stands for
-    from harvest.engines.base import SamplingSpec
-
-    return SamplingSpec(**fields)
 
 
 if __name__ == "__main__":

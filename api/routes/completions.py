@@ -242,12 +242,9 @@ def _field_with_lone_surrogate(body: object) -> str | None:
         stack = [top, value]
         while stack:
             item = stack.pop()
-            if isinstance(item, str):
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    return top if isinstance(top, str) and _encodable(top) else "body"
-            elif isinstance(item, dict):
+            if isinstance(item, str) and not _encodable(item):
+                return top if _encodable(top) else "body"
+            if isinstance(item, dict):
                 stack.extend(item.keys())
                 stack.extend(item.values())
             elif isinstance(item, list):
@@ -256,6 +253,7 @@ def _field_with_lone_surrogate(body: object) -> str | None:
 
 
 def _encodable(text: str) -> bool:
+    """Whether `text` is text: Python strings can hold lone surrogates, UTF-8 cannot."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -2,16 +2,17 @@
 
 Prompts are packed, never padded to each other: a forward pass runs rows of whole prompts
 back to back, each prompt with its own positions and a mask that keeps it to itself, its
-sliding window included (`harvest.engines.packing`, `harvest.engines.hf_model`), so no compute goes to filler (a pass of several rows keeps its
-filler within `PAD_BUDGET`) and each prompt's activations equal its own forward pass's. A pass
+sliding window included (`harvest.engines.packing`, `harvest.engines.hf_model`), so no
+compute goes to filler (a pass of several rows keeps its filler within `PAD_BUDGET`) and each
+prompt's activations equal its own forward pass's, in every family. A pass
 holds at most `batch_size` prompts (the request's hint), never more tokens than
 `HARVEST_ENGINE_BATCH_TOKENS`, nor more captured values than `HARVEST_ENGINE_PIECE_BYTES`
 (a longer prompt runs alone): memory follows the settings, not the request. Each pass's
 values go to the shard's sink (`harvest.engines.base.ValueSink`) before the next pass runs
 (on a GPU: once the next pass is queued, so the two overlap; two passes' values at most). Forward hooks sit on
 the requested blocks only (wherever the family keeps them: `harvest.engines.hf_model`), and
-the forward pass stops after the deepest of them. On the CPU
-the model runs in float32; on a GPU in the checkpoint's dtype.
+the forward pass stops after the deepest of them. On the CPU the model runs in float32; on a
+GPU in the checkpoint's dtype.
 """
 
 from __future__ import annotations
