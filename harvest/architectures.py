@@ -7,11 +7,11 @@ most families since, `transformer.h` for GPT-2, `gpt_neox.layers` for GPT-NeoX (
 the names of the shapes: GPT-2's config says `n_layer`, `n_embd` and `n_positions` where Llama's
 says `num_hidden_layers`, `hidden_size` and `max_position_embeddings` (transformers maps them
 with each config class's `attribute_map`; loading a config class costs torch's import, which
-the API's processes that only count tokens and list models never pay, so the aliases are read here from the
-JSON). This module reads files only: no torch, no transformers.
+the API's processes that only count tokens and list models never pay, so the aliases are read
+here from the JSON). This module reads files only: no torch, no transformers.
 
 The engines find the blocks with `block_path` and check what they find there
-(`harvest.engines.hf_blocks`); `GET /v1/models` and the manifest name the same path, so a
+(`harvest.engines.hf_model`); `GET /v1/models` and the manifest name the same path, so a
 researcher can hook the same module in transformers, nnsight or TransformerLens.
 """
 

@@ -56,17 +56,17 @@ def decoder(hf_model) -> torch.nn.Module:
     return hf_model.get_submodule(_blocks_path(hf_model).rpartition(".")[0])
 
 
-def block_causal_mask(positions: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
-    """Additive mask `[rows, 1, width, width]`: 0 where a token may attend (an earlier or the
-    same token of its own prompt, a prompt being a run of positions counting up from 0, and
-    within the last `window` tokens when given), the dtype's lowest value elsewhere."""
-    segment = segments(positions)
-    width = positions.shape[-1]
-    query = torch.arange(width, device=positions.device)
+def block_causal_mask(segment: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive mask `[rows, 1, width, width]` for tokens of packed sequences `segment`
+    (`harvest.engines.packing.segments`): 0 where a token may attend (an earlier or the same
+    token of its own sequence, and within the last `window` tokens when given), the dtype's
+    lowest value elsewhere."""
+    width = segment.shape[-1]
+    query = torch.arange(width, device=segment.device)
     allowed = (segment[:, :, None] == segment[:, None, :]) & (query[None, :] <= query[:, None])[None]
     if window is not None:
         allowed &= (query[None, :] > query[:, None] - window)[None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
@@ -75,16 +75,17 @@ def packed_attention_mask(config, positions: torch.Tensor, dtype: torch.dtype, *
     """What to pass as `attention_mask` for a packed pass of `positions` `[rows, width]`: None
     when every row is one prompt (the model's own mask is right) unless `always`, else one mask,
     or a dict of masks by layer type for families that mix sliding and global layers."""
-    if not always and not bool((segments(positions) != 0).any()):
+    segment = segments(positions)  # once per pass, for every mask below
+    if not always and not bool((segment != 0).any()):
         return None
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        masks = {"full_attention": block_causal_mask(positions, dtype)}
+        masks = {"full_attention": block_causal_mask(segment, dtype)}
         if "sliding_attention" in layer_types:
-            masks["sliding_attention"] = block_causal_mask(positions, dtype, window)
+            masks["sliding_attention"] = block_causal_mask(segment, dtype, window)
         return masks
-    return block_causal_mask(positions, dtype, window)
+    return block_causal_mask(segment, dtype, window)
 
 
 def final_logits(hf_model, hidden: torch.Tensor) -> torch.Tensor:
