@@ -5,9 +5,9 @@ GPT-2's absolute positions and `transformer.h`, GPT-NeoX's `gpt_neox.layers`, sl
 (Mistral's on every layer, Gemma-2's alternating, Gemma-3's and AFMoE's three then a global
 one), softcapping and scaled embeddings (Gemma), mixtures of experts (Qwen3-MoE, AFMoE).
 
-The reference is transformers itself, loaded here on its own: each prompt run alone, a hook on
-each of the model's own decoder blocks (found as its one list of `num_hidden_layers` modules,
-not through the service's table). A layer matches when every token's cosine is ≥ 0.9999 and
+The reference is transformers itself, loaded here on its own: each prompt run alone, its
+`hidden_states` (the last block through a hook on the model's own block, found as its one list
+of `num_hidden_layers` modules, not through the service's table: tests/reference.py). A layer matches when every token's cosine is ≥ 0.9999 and
 the relative RMS error ≤ 1 % (the files hold bf16: one rounding is ~0.2 %). Prompts run from 1
 token to `max_model_len`, past the sliding window of 16; the HF engine packs them (the test
 checks that a row holds a prompt longer than the window beside another prompt) and runs them
@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from tests import http_calls
 from tests.api_fixtures import finish_run
-from tests.reference import decoder_blocks_of
+from tests.reference import decoder_blocks_of, hf_reference_layers
 from tests.test_residual_codec import decode_residual_stream
 
 FAMILIES = {
@@ -68,21 +68,13 @@ class Reference:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.blocks_path, self.blocks = decoder_blocks_of(self.model)
+        self.blocks_path, _ = decoder_blocks_of(self.model)
         self.layers = list(range(self.model.config.num_hidden_layers))
 
-    @torch.inference_mode()
     def layers_of(self, ids: list[int]) -> torch.Tensor:
-        """`[layers, tokens, hidden]` float32 of the prompt run alone."""
-        seen = {}
-        handles = [b.register_forward_hook(lambda _m, _a, out, k=k: seen.__setitem__(k, out[0] if isinstance(out, tuple) else out))
-                   for k, b in enumerate(self.blocks)]
-        try:
-            self.model(input_ids=torch.tensor([ids]))
-        finally:
-            for handle in handles:
-                handle.remove()
-        return torch.stack([seen[k][0] for k in self.layers])
+        """`[layers, tokens, hidden]` float32 of the prompt run alone (`hidden_states`, the last
+        block through a hook on the model's own block: tests/reference.py)."""
+        return torch.from_numpy(hf_reference_layers(self.model, ids, self.layers))
 
     @torch.inference_mode()
     def greedy(self, ids: list[int], n: int) -> list[int]:
