@@ -108,6 +108,10 @@ def _constrain_models(schemas: dict, registry) -> None:
     for inline in ("CompletionRequest", "ChatRequest"):
         schemas[inline]["properties"]["model"]["enum"] = [m.name for m in models]
     _bound_layers(schemas["HarvestRequest"]["properties"]["layers"], harvestable)
+    # A direction's size is the chosen model's hidden size: at most the widest model's (a size
+    # that fits another model than the chosen one stays a 400 naming the model's own).
+    hidden = schemas["ProjectOnto"]["properties"]["shape"]["prefixItems"][1]
+    hidden["maximum"] = max((m.hidden_size for m in harvestable), default=1)
     inline_models = [m for m in models if m.inline]
     for inline in ("CompletionRequest", "ChatRequest"):
         _bound_layers(schemas[inline]["properties"]["output_residual_stream"], inline_models)

@@ -15,10 +15,10 @@ import ml_dtypes
 import numpy as np
 
 from harvest.errors import InvalidRequest, echo
+from harvest.request import MAX_DIRECTIONS
 
 __all__ = ["MAX_DIRECTIONS", "DTYPES", "Directions", "decode_directions"]
 
-MAX_DIRECTIONS = 64
 DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 PARAM = "project_onto"
 

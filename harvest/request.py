@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
 from harvest.capture_spec import CaptureSpec
@@ -19,10 +20,12 @@ from harvest.registry import ModelInfo, Registry
 if TYPE_CHECKING:  # ml_dtypes: a request is read and checked without it (the API and its assessing children)
     from harvest.projection import Directions
 
-__all__ = ["MAX_PROMPTS", "MAX_TOKENS", "WholeInt", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
+__all__ = ["MAX_PROMPTS", "MAX_TOKENS", "MAX_DIRECTIONS", "WholeInt", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
 
 MAX_PROMPTS = 4096
 MAX_TOKENS = 2_000_000
+MAX_DIRECTIONS = 64
+"""Most directions one `project_onto` may hold."""
 
 
 def _whole(value: Any) -> Any:
@@ -47,8 +50,12 @@ class ProjectOnto(BaseModel):
     """base64 of the raw little-endian bytes, `n_directions × hidden × itemsize` long."""
     dtype: Literal["float32", "float16", "bfloat16"]
     """Element type of `data`."""
-    shape: list[WholeInt]
-    """`[n_directions, hidden_size]`; at most 64 directions."""
+    shape: tuple[
+        Annotated[WholeInt, Ge(1), Le(MAX_DIRECTIONS)],
+        Annotated[WholeInt, Ge(1)],
+    ]
+    """`[n_directions, hidden_size]`: 1 to 64 directions, each of the model's hidden size (a bound
+    that differs per model, so the schema states only that it is positive)."""
     compression: str | None = "none"
     """Only "none" is accepted."""
 
@@ -112,7 +119,7 @@ def resolve_job(request: HarvestRequest, registry: Registry) -> ResolvedJob:
         from harvest.projection import decode_directions
 
         p = request.project_onto
-        directions = decode_directions(p.data, p.dtype, p.shape, model.hidden_size, p.compression)
+        directions = decode_directions(p.data, p.dtype, list(p.shape), model.hidden_size, p.compression)
     return ResolvedJob(request=request, model=model, layers=layers, directions=directions)
 
 

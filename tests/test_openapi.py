@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from harvest.registry import load_registry
+from harvest.settings import Settings
 from tests import http_calls
 
 KEYED = {"POST /v1/harvest", "GET /v1/harvest", "GET /v1/harvest/{job_id}", "DELETE /v1/harvest/{job_id}",
@@ -122,7 +124,7 @@ def _branch(field: dict, type_: str) -> dict:
     return None
 
 
-def test_every_range_the_server_enforces_is_stated_as_json_schema(document):
+def test_every_range_the_server_enforces_is_stated_as_json_schema(document, harvest_api):
     """Before: `batch_size`, `logprobs` and `seed` carried `ge`/`le` (or nothing), so
     `batch_size: -232` was schema-valid, and `seed: 2**64` reached the engine (a 500)."""
     assert list(_pydantic_bounds(document)) == []
@@ -140,6 +142,15 @@ def test_every_range_the_server_enforces_is_stated_as_json_schema(document):
     assert stated(completion["logprobs"]) == stated(chat["top_logprobs"]) == {"minimum": 0, "maximum": 5}
     assert stated(completion["max_tokens"]) == stated(chat["max_tokens"]) == {"minimum": 1}
     assert stated(completion["best_of"]) == {"minimum": 1, "maximum": 1}
+    # Before: `shape` took any list of any integers (schemathesis sent `[]`, `[-3685, -3187]` and
+    # 15 items, and the server's 400 read as "schema-valid request rejected").
+    shape = schemas["ProjectOnto"]["properties"]["shape"]
+    assert (shape["minItems"], shape["maxItems"]) == (2, 2)
+    directions, hidden = shape["prefixItems"]
+    assert stated(directions) == {"minimum": 1, "maximum": 64}
+    served = load_registry(Settings(models_file=harvest_api.env["HARVEST_MODELS_FILE"], lanes_file=harvest_api.env["HARVEST_LANES_FILE"]))
+    widest = max(m.hidden_size for m in served.all() if m.harvest)
+    assert stated(hidden) == {"minimum": 1, "maximum": widest}
 
 
 def test_a_seed_past_64_bits_is_a_400_naming_it(harvest_api):
