@@ -1,9 +1,10 @@
 """Fuzz the API with schemathesis `--checks all` against its own `/openapi.json`, on loopback.
 
     .venv/bin/python bench/fuzz_api.py [--examples 150] [--seed 1] [--min-cases 1000] [--min-per-route N]
-                                       [--phases P,Q] [--method M ...]
+                                       [--phases P,Q] [--method M ...] [--store sqlite|postgres]
 
-Starts the real app under uvicorn (the test fixtures' `ApiServer`: SQLite job store, local
+Starts the real app under uvicorn (the test fixtures' `ApiServer`: SQLite job store, or with
+`--store postgres` the PostgreSQL server at 127.0.0.1:5432 in a schema of its own; local
 files, runs as files, the real tiny model for inline completions) in a fresh HARVEST_HOME,
 makes a valid key, and runs schemathesis over every route with that key. Prints the cases
 generated, the failures per check and the responses by status, and exits non-zero on any
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,6 +101,36 @@ def fuzz_env(home: Path) -> dict[str, str]:
         # fuzzed jobs never change status, so each long-poll would hold the run up to 60 s.
         "HARVEST_LONGPOLL_MAX_WAITERS": "0",
     }
+
+
+@contextmanager
+def fuzz_server(home: Path, store: str = "sqlite", name: str = "fuzz"):
+    """A fuzz run's API (`fuzz_env`) under `home`, on SQLite or on PostgreSQL (a schema of its
+    own, dropped after), and a key with room on every lane."""
+    from tests.api_fixtures import ApiServer, drop_pg_schema, pg_schema_url
+
+    env = fuzz_env(home)
+    schema = f"harvest_{name}_{os.getpid()}_{int(time.time())}"
+    if store == "postgres":
+        env["HARVEST_DATABASE_URL"] = pg_schema_url(schema)
+    server = ApiServer(home, name, env).start()
+    try:
+        yield server, server.make_key(name=name, small=1000000, large=1000000)
+    finally:
+        server.stop()
+        if store == "postgres":
+            drop_pg_schema(env["HARVEST_DATABASE_URL"], schema)
+
+
+@contextmanager
+def fresh_home():
+    """A HARVEST_HOME of its own for a run from the command line, removed after."""
+    home = Path(tempfile.mkdtemp(prefix="harvest-fuzz-"))
+    os.environ["HARVEST_HOME"] = str(home)
+    try:
+        yield home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def run_schemathesis(root: str, key: str, *, examples: int, seed: int, workdir: Path, timeout: float = 900,
@@ -166,19 +198,11 @@ def main() -> int:
     parser.add_argument("--phases", default=None, help="schemathesis --phases (default: all four)")
     parser.add_argument("--method", action="append", default=None,
                         help="only the routes of this HTTP method (schemathesis --include-method; repeatable)")
+    parser.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite", help="the job store's database")
     args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="harvest-fuzz-"))
-    os.environ["HARVEST_HOME"] = str(home)
-    from tests.api_fixtures import ApiServer
-
-    server = ApiServer(home, "fuzz", fuzz_env(home)).start()
-    try:
-        key = server.make_key(name="fuzz", small=1000000, large=1000000)
+    with fresh_home() as home, fuzz_server(home, args.store) as (server, key):
         result = run_schemathesis(server.root, key, examples=args.examples, seed=args.seed, workdir=home,
                                   timeout=max(900, args.examples * 60), phases=args.phases, methods=args.method)
-    finally:
-        server.stop()
-        shutil.rmtree(home, ignore_errors=True)
     print(result["output"][-4000:])
     print(json.dumps({k: result[k] for k in ("cases", "failures", "by_check", "checks", "operations", "by_phase", "statuses",
                                              "server_errors", "seconds", "returncode")}, indent=2))

@@ -14,7 +14,10 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CaptureSpec"]
+__all__ = ["MAX_DIRECTIONS", "CaptureSpec"]
+
+MAX_DIRECTIONS = 64
+"""Most directions one projection may hold (the request's `project_onto.shape[0]`)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from harvest.errors import InvalidRequest, echo
-from harvest.request import MAX_DIRECTIONS
+from harvest.capture_spec import MAX_DIRECTIONS
 
 __all__ = ["MAX_DIRECTIONS", "DTYPES", "Directions", "decode_directions"]
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
-from harvest.capture_spec import CaptureSpec
+from harvest.capture_spec import MAX_DIRECTIONS, CaptureSpec
 from harvest.errors import InvalidRequest
 from harvest.layers import resolve_layers
 from harvest.registry import ModelInfo, Registry
@@ -20,12 +20,10 @@ from harvest.registry import ModelInfo, Registry
 if TYPE_CHECKING:  # ml_dtypes: a request is read and checked without it (the API and its assessing children)
     from harvest.projection import Directions
 
-__all__ = ["MAX_PROMPTS", "MAX_TOKENS", "MAX_DIRECTIONS", "WholeInt", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
+__all__ = ["MAX_PROMPTS", "MAX_TOKENS", "WholeInt", "ProjectOnto", "HarvestRequest", "ResolvedJob", "resolve_job"]
 
 MAX_PROMPTS = 4096
 MAX_TOKENS = 2_000_000
-MAX_DIRECTIONS = 64
-"""Most directions one `project_onto` may hold."""
 
 
 def _whole(value: Any) -> Any:
