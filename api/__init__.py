@@ -25,6 +25,8 @@
     fairshare.py each key's share of a replica: reads in flight per key, blocking calls in turn
     openapi.py   the published document: bodies, every refusal, resolving refs, keys declared
     admin.py     `harvest keys create|list|revoke`, `harvest spend-cap on|off|status`
+    http_server.py  the replica's uvicorn: h11 with request heads bounded in size and time (414,
+                 431, 408 before the app), `python -m api.http_server` (`fleet.roles.api_command`)
 
 Choices where the spec is silent (documented here and in the routes' docstrings):
 

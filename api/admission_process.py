@@ -24,13 +24,16 @@ closes their socket, or dies (they read EOF).
 from __future__ import annotations
 
 import os
+import pickle
 import queue
+import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from api.errors import ReplicaBusy
-from harvest.registry import Registry
+from harvest.registry import ModelInfo, Registry
 from harvest.request import HarvestRequest
 from harvest.warm.protocol import child_main, error_reply, raise_error, receive, send, start_child, stop_child
 
@@ -44,20 +47,25 @@ TOKENIZE_ON_CALLER = {"TOKENIZERS_PARALLELISM": "false"}
 per core that no budget counts."""
 RETRY_AFTER_S = 5
 """What a submit whose child died is told to wait: about a child's start here."""
+BUILD_UNAVAILABLE = 3
+"""`--build`'s exit status when the model's source is not on this host (it is served as one
+whose weights are absent: `ModelUnavailable`)."""
 
 
 def assess(request: HarvestRequest, registry: Registry) -> dict:
     """Check the request against its model and learn its cost, cheapest facts first (every
-    400 comes from here); the job's row without its id and files (`api.routes.harvest` adds them)."""
-    from harvest.cost import check_before_tokenizing, check_counts
-    from harvest.jobfiles import shard_ranges
+    400 comes from here); the job's row without its id and files (`api.routes.harvest` adds them).
+    Its `output_bytes` is the most its folder can hold (`harvest.cost.kept_bytes`), request.json
+    counted as the route will write it: the request with the layers resolved here."""
+    from harvest.cost import check_before_tokenizing, check_counts, kept_bytes
+    from harvest.jobfiles import JobFiles, shard_ranges
     from harvest.lanes import load_lanes
     from harvest.request import MAX_TOKENS, resolve_job
     from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
     job = resolve_job(request, registry)
     lane = load_lanes()[job.model.lane]
-    path = job.model.require_path()
+    path = _checkpoint(job.model)
     chars_per_token = max_token_chars(path)
     check_before_tokenizing(job, lane, chars_per_token=chars_per_token)
     counts = count_tokens(
@@ -65,6 +73,9 @@ def assess(request: HarvestRequest, registry: Registry) -> dict:
         max_len=job.model.max_model_len, chars_per_token=chars_per_token, stop_above=MAX_TOKENS,
     )
     cost = check_counts(job, counts, lane)
+    # Counted, not written: the document of a 48 MB body would be two copies more here.
+    stored = JobFiles.request_document_size(request.model_copy(update={"layers": job.layers}))
+    kept = kept_bytes(job, cost, request_bytes=stored)
     return {
         "model": job.model.name,
         "lane": job.model.lane,
@@ -75,8 +86,41 @@ def assess(request: HarvestRequest, registry: Registry) -> dict:
         "add_special_tokens": request.add_special_tokens,
         "contents": job.contents,
         "reserved_tokens": cost.tokens,
-        "output_bytes": cost.output_bytes,
+        "output_bytes": kept.total,
     }
+
+
+def _checkpoint(model: ModelInfo) -> Path:
+    """The model's checkpoint folder, built first if this host has none yet: in a process of
+    its own (`build_checkpoint`), never in this one. A built-in model is built on its first
+    submit (`ModelInfo.require_path`), and building imports torch and holds the weights
+    (smollm2-135m: its GGUF de-quantized to float32): 1,766 MiB of peak RSS in the child that
+    did it, 695 MiB held after (torch stays imported), where a child otherwise holds its
+    imports, a tokenizer and one submit (~270 MiB for a 46 MiB body). The builder ends when
+    the folder is whole, and its memory with it; this child then only reads the folder."""
+    from harvest.built_checkpoints import is_built
+
+    if model.path is None and model.build_target is not None and not is_built(model.build_target):
+        done = subprocess.run([sys.executable, "-m", "api.admission_process", "--build"], input=pickle.dumps(model),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
+        if done.returncode != BUILD_UNAVAILABLE and not is_built(model.build_target):
+            raise RuntimeError(f"building the checkpoint of {model.name} failed (exit {done.returncode}): "
+                               f"{done.stderr.decode(errors='replace')[-2000:]}")
+    return model.require_path()  # built now, or none to build (ModelUnavailable): reads, builds nothing
+
+
+def build_checkpoint(model: ModelInfo) -> int:
+    """Build the model's checkpoint (`ModelInfo.require_path`, under its lock: another child
+    building it at once waits and finds it); exit 0 once it is whole, BUILD_UNAVAILABLE when
+    its source is not on this host. The model comes pickled on stdin, as the replica's
+    registry resolved it (its home and weights), never looked up again here."""
+    from harvest.errors import ModelUnavailable
+
+    try:
+        model.require_path()
+    except ModelUnavailable:
+        return BUILD_UNAVAILABLE
+    return 0
 
 
 class _Child:
@@ -188,6 +232,9 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--build"]:
+        return build_checkpoint(pickle.loads(sys.stdin.buffer.read()))
     return child_main("api.admission_process", "An API replica's submit assessor.", _serve, argv)
 
 

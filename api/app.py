@@ -33,7 +33,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.admission import TOKENIZE_ON_CALLER, AdmissionBudget
 from api.db import JobStore
-from api.deps import Store
 from api.errors import MethodNotAllowed, RouteNotFound
 from api.fairshare import FairShare
 from api.guard import RequestGuard
@@ -43,7 +42,7 @@ from api.links import LinkCache, LinkSigner
 from api.metrics import ReplicaMetrics, RequestMetrics
 from api.metrics import router as metrics_router
 from api.openapi import install as install_openapi
-from api.ratelimit import AddressLimiter, EmptyBuckets, key_or_none
+from api.ratelimit import AddressLimiter, EmptyBuckets
 from api.responsiveness import respond_quickly
 from api.routes.chat import router as chat_router
 from api.routes.completions import ResponseBudget
@@ -52,9 +51,11 @@ from api.routes.files import router as files_router
 from api.routes.harvest import router as harvest_router
 from api.routes.models import router as models_router
 from api.runs import PrefectRuns, RunStore
+from api.send_timeout import SendTimeout
 from api.settings import ApiSettings
 from api.watcher import Watcher
 from harvest.errors import HarvestError, InvalidRequest, ModelUnavailable, echo, invalid_from_pydantic
+from harvest.metrics_export import authorized
 from harvest.registry import Registry, load_registry
 from harvest.settings import get_settings
 from harvest.storage import Storage, open_storage
@@ -79,7 +80,7 @@ FILE_ROUTE = "/v1/files/"
 logging.getLogger("uvicorn.access").addFilter(RedactLinkQueries())
 
 REPLICA = replica_id()
-"""This API process's name in the watcher lease (`/health` says whether it holds it)."""
+"""This API process's name in the watcher lease (`/health` tells the operator whether it holds it)."""
 
 
 @asynccontextmanager
@@ -189,7 +190,9 @@ def create_app(
     - `storage`: the storage root of the job files (HARVEST_STORAGE_URL);
     - `registry`: the served models (HARVEST_MODELS_FILE);
     - `inline_engines`: the inline completions' warm engines (`api.inline_engines.InlineEngines`);
-    - `inline_budget`: the bytes of inline responses held at once (`api.routes.completions.ResponseBudget`);
+    - `inline_budget`: the bytes of inline responses held at once, and each key's share of them
+      (`api.routes.completions.ResponseBudget`); a response not read for `send_timeout_s` is cut
+      and its bytes freed (`api.send_timeout`);
     - `admission`: the harvest submits' admission budget (`api.admission`);
     - `anonymous_limiter`: the per-address limit of requests without a valid key (`api.ratelimit`);
     - `fair_share`: each key's share of the replica, in flight and in turn (`api.fairshare`);
@@ -202,6 +205,9 @@ def create_app(
         version="1.0",
         description="Bulk harvests of residual-stream activations, and inline activations on completions.",
         lifespan=lifespan,
+        # A path with a trailing slash (a job id ending in `%2F`) is no route: a 404, not a 307
+        # redirect that no client of the SPEC follows and the OpenAPI cannot document.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.store = store if store is not None else JobStore.from_settings(settings)
@@ -212,7 +218,7 @@ def create_app(
     app.state.inline_engines = (inline_engines if inline_engines is not None
                                  else InlineEngines(capacity=settings.engine_models_per_group))
     if inline_budget is None:
-        inline_budget = ResponseBudget(settings.inline_response_budget_bytes)
+        inline_budget = ResponseBudget.from_settings(settings)
     if admission is None:
         admission = AdmissionBudget.from_settings(settings)
     for name, value in TOKENIZE_ON_CALLER.items():  # no tokenizer pool of one thread per core in the replica
@@ -233,7 +239,9 @@ def create_app(
     app.add_exception_handler(DataError, store_refused_value)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(RequestGuard)
-    app.add_middleware(RequestMetrics)  # outermost: counts every answer, the guard's own included
+    app.add_middleware(RequestMetrics)  # counts every answer, the guard's own included
+    # Outermost: it finds the connection through the server's own `receive` (`api.send_timeout`).
+    app.add_middleware(SendTimeout, timeout_s=settings.send_timeout_s)
     app.include_router(harvest_router)
     app.include_router(files_router)
     app.include_router(completions_router)
@@ -242,11 +250,12 @@ def create_app(
     app.include_router(metrics_router)
 
     @app.get("/health", include_in_schema=False)
-    async def health(request: Request, store: Store) -> dict:
-        """Liveness for a load balancer: `{"status": "ok"}` to anyone. A valid key (one read of
-        its rate) also learns `replica` (host name and pid) and `watcher` (whether this replica
-        follows Prefect); without one, nothing about the host."""
-        if await key_or_none(request, store) is None:
+    async def health(request: Request) -> dict:
+        """Liveness for a load balancer: `{"status": "ok"}` to anyone, researchers' API keys
+        included: a tenant learns nothing of the host. The operator, with the metrics token
+        (`Authorization: Bearer <HARVEST_METRICS_TOKEN>`, as `/metrics` asks it), also learns
+        `replica` (host name and pid) and `watcher` (whether this replica follows Prefect)."""
+        if not authorized(request.headers.get("authorization"), request.app.state.metrics.token):
             return {"status": "ok"}
         watcher = getattr(request.app.state, "watcher", None)
         return {"status": "ok", "replica": REPLICA, "watcher": bool(watcher and watcher.lease.held)}

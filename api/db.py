@@ -127,11 +127,16 @@ jobs = Table(
     # Set when a start failed after its run may have been created: the watcher cancels the
     # job's runs by their `job:<id>` tag until that succeeds (`api.watcher`).
     Column("stop_run", Boolean, nullable=False, default=False, server_default="0"),
-    # Bytes of the job's files: its admitted cost (`harvest.cost.Cost.output_bytes`) until it is
-    # done, then the manifest's `bytes_written`. NULL for jobs admitted before migration 0007.
+    # Bytes of the job's folder: the most it can hold (`harvest.cost.kept_bytes`) until
+    # `bytes_measured_at`, then what it held once ended and settled (`api.store`). NULL for jobs
+    # admitted before migration 0007.
     Column("output_bytes", BigInteger, nullable=True),
+    # When `output_bytes` became the measure of the job's ended, settled folder; NULL while it
+    # is the admitted bound (active jobs, and ended jobs whose runs may still write: `api.store`).
+    Column("bytes_measured_at", DateTime, nullable=True),
     Index("ix_jobs_key_created", "key_id", "created_at"),
     Index("ix_jobs_status", "status"),
+    Index("ix_jobs_bytes_measured", "bytes_measured_at"),
 )
 
 # A key's own cap of concurrent jobs in a lane; without a row the lane's `key_limit` applies

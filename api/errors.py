@@ -10,10 +10,12 @@ and the core's name every class, with no code used twice.
     │   └── FileGone                      404 file_not_found (a valid link to a swept file)
     ├── RouteNotFound                     404 route_not_found (no such path)
     ├── MethodNotAllowed                  405 method_not_allowed (with Allow)
-    ├── RequestTimeout                    408 request_timeout (a body that did not arrive in time)
+    ├── RequestTimeout                    408 request_timeout (a body or request head that did not arrive in time)
     ├── NotCancellable                    409 harvest_not_cancellable
     ├── IdempotencyConflict               409 idempotency_key_reused (same key, another body)
     ├── PayloadTooLarge                   413 request_too_large
+    ├── RequestLineTooLong                414 request_line_too_long (`api.http_server`)
+    ├── HeadTooLarge                      431 request_head_too_large (a header line, or the whole head; `api.http_server`)
     ├── RateLimited                       429 rate_limit_exceeded (per-key request rate; Retry-After)
     │   ├── SpendCapped                   429 spend_cap (Retry-After)
     │   ├── ConcurrencyExceeded           429 harvest_concurrency_exceeded
@@ -42,6 +44,8 @@ __all__ = [
     "NotCancellable",
     "IdempotencyConflict",
     "PayloadTooLarge",
+    "RequestLineTooLong",
+    "HeadTooLarge",
     "RateLimited",
     "SpendCapped",
     "ConcurrencyExceeded",
@@ -106,7 +110,8 @@ class MethodNotAllowed(HarvestError):
 
 class RequestTimeout(HarvestError):
     """The request's body did not arrive within its time (a place in the admission budget is
-    held while it arrives, so a slow sender cannot keep it)."""
+    held while it arrives, so a slow sender cannot keep it), or its head did not
+    (`HARVEST_HTTP_HEAD_TIMEOUT_S`, `api.http_server`)."""
 
     status = 408
     type = "invalid_request_error"
@@ -135,6 +140,24 @@ class PayloadTooLarge(HarvestError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class RequestLineTooLong(HarvestError):
+    """The request line is longer than `HARVEST_HTTP_LINE_BYTES` (answered by the HTTP server,
+    before the app sees the request; the connection closes)."""
+
+    status = 414
+    type = "invalid_request_error"
+    code = "request_line_too_long"
+
+
+class HeadTooLarge(HarvestError):
+    """A header line is longer than `HARVEST_HTTP_LINE_BYTES`, or the request head longer than
+    `HARVEST_HTTP_HEAD_BYTES` (answered by the HTTP server; the connection closes)."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "request_head_too_large"
 
 
 class RateLimited(HarvestError):

@@ -7,7 +7,7 @@ them as `api.deps.AppSettings`.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from harvest.settings import Settings
 
@@ -126,6 +126,15 @@ class ApiSettings(Settings):
     before the engine runs until the response is sent. A request that would pass it is answered
     503 `replica_busy` with `Retry-After`; one bigger than the whole budget runs only alone."""
 
+    inline_response_key_share: float = Field(default=0.5, gt=0, le=1)
+    """Per key: the share of `inline_response_budget_bytes` one key's inline responses may hold
+    together; one more is answered 503 `replica_busy` with `Retry-After`. A response bigger
+    than the share runs when its key holds no other."""
+
+    send_timeout_s: float = Field(default=30.0, gt=0)
+    """A response whose client reads none of it for this long is cut (the connection reset)
+    and what it held freed, its inline budget bytes included (`api.send_timeout`)."""
+
     longpoll_key_share: float = Field(default=0.25, gt=0, le=1)
     """Per key: the share of a replica's `longpoll_max_waiters` one key may hold (at least one
     slot); its further `?wait=` reads are answered at once, `X-Acs-Longpoll: declined`."""
@@ -158,6 +167,31 @@ class ApiSettings(Settings):
             except ValueError:
                 raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.5 or 10.0.0.0/8)") from None
         return ",".join(items)
+
+    # --- HTTP parsing (`api.http_server`): what a request head may cost before the app sees it ---
+    http_line_bytes: int = Field(default=8 << 10, ge=1 << 10, le=1 << 20)
+    """Bytes of the request line (longer: 414 `request_line_too_long`) and of each header line
+    (longer: 431 `request_head_too_large`), counted while the line arrives; the connection
+    closes. 8 KiB, as nginx's and Apache's defaults: the longest line this API's clients send
+    is a signed download link's request line, 178 bytes (measured)."""
+
+    http_head_bytes: int = Field(default=16 << 10, ge=1 << 10, le=1 << 20)
+    """Bytes of the whole request head (request line and header lines); more: 431
+    `request_head_too_large`, the connection closed. 16 KiB (h11's and Node's default): the
+    harvest client's head is 229 bytes, the OpenAI client's 498 (measured), and a proxy in
+    front adds a few headers. A replica holds at most this per open connection for a head."""
+
+    http_head_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    """Seconds from a connection's start (or the end of its previous request) to the last byte
+    of the request head; then 408 `request_timeout` and the connection closes (closed without
+    an answer when nothing was sent). A client sends its head in one write, in milliseconds; a
+    slow sender holding connections open is cut this soon."""
+
+    @model_validator(mode="after")
+    def _line_within_head(self) -> "ApiSettings":
+        if self.http_line_bytes > self.http_head_bytes:
+            raise ValueError(f"http_line_bytes ({self.http_line_bytes}) must not exceed http_head_bytes ({self.http_head_bytes})")
+        return self
 
     idempotency_window_s: float = Field(default=24 * 3600, gt=0)
     """How long an `Idempotency-Key` of POST /v1/harvest keeps answering its job (a day, as

@@ -14,7 +14,23 @@ the ledger's `tokens_charged` this month plus the `reserved_tokens` of jobs stil
 
 Storage is held, not spent: a key's bytes held (`bytes_held`) are the `output_bytes` of its
 jobs whose files are still kept, and admission refuses a job whose admitted bytes would take
-them past the key's storage quota, in the same locked transaction as the other caps.
+them past the key's storage quota, in the same locked transaction as the other caps. Every
+byte of a job's folder counts, not its shards alone (a 45 MB prompt is kept in request.json and
+again in the manifest):
+
+- admitted (pending, running): the most the folder can hold, `harvest.cost.kept_bytes`
+  (shards, request.json exactly, manifest, statistics, `_parts/` records, progress files);
+- ended (done, failed, cancelled): what the folder holds, measured once nothing writes there
+  any more (`JobFiles.bytes_kept`: every file, from a fresh listing; it matches `du -b` of the
+  folder less its directory entries, and an S3 listing of the prefix) and recorded with
+  `bytes_measured_at` (`settle_bytes`). A run that ended for good (Completed, Failed,
+  Cancelled, Crashed) is measured when the watcher records its end (`apply_state`); a job the
+  API cancels is measured as soon as its run reads Cancelled (`api.watcher.Watcher.settle`,
+  at once for a run that had not started). A running job's cancel leaves its run Cancelling
+  for a moment, during which a shard in flight can still land: until the run is over the job
+  keeps counting its admitted bound, never less than it can leave, and the watcher's next
+  ticks measure it. A job with no run (its start failed) is measured once its admitting
+  replica is done with it (`orphan_after_s`).
 
 Status lives in the database alone, so every API replica answers the same for a job, and it
 only moves forward: pending → running → done | failed | cancelled. Every change is announced
@@ -68,11 +84,18 @@ __all__ = [
     "tokens_used",
     "bytes_held",
     "key_usage",
+    "run_over",
+    "unsettled_jobs",
+    "settle_bytes",
 ]
 
 log = logging.getLogger("harvest.api.store")
 
 ACTIVE = ("pending", "running")
+ENDED = ("done", "failed", "cancelled")
+STILL_STOPPING = ("Cancelling",)
+"""Prefect state names of a run that reads as ended (`cancelled`) while its process may still be
+writing: its worker has yet to stop it (`flows.run_status`)."""
 SPEND_CAP = "spend_cap_retry_after"
 
 
@@ -101,23 +124,24 @@ def tokens_used(conn, key_id: str, now: datetime | None = None) -> int:
 
 
 def bytes_held(conn, key_id: str, retention_days: float, now: datetime | None = None) -> int:
-    """Bytes the key's job files hold while they are kept (`flows.retention`):
+    """Bytes the key's job folders hold while they are kept (`flows.retention`), each job's
+    `output_bytes` (see the module docstring):
 
-    - active jobs: their admitted `output_bytes` (what they will write, at most);
-    - done jobs: the bytes they wrote, until `retention_days` after `completed_at` (the moment
-      the sweep counts from: the manifest's `created_at`);
-    - failed and cancelled jobs: their finished shards' share of the admitted bytes, until
-      `retention_days` after `created_at` (the sweep judges them by request.json, written at
-      admission).
-    A job admitted before migration 0007 has no figure and counts 0.
+    - active jobs: the most their folder can hold (`harvest.cost.kept_bytes`), as admitted;
+    - ended jobs (done, failed, cancelled): every byte their folder holds, request.json,
+      manifest and `_parts/` included, measured once their run is over (so a cancelled or
+      failed job counts what it left); until then their admitted bound;
+    - done jobs until `retention_days` after `completed_at` (the moment the sweep counts from:
+      the manifest's `created_at`), failed and cancelled ones until `retention_days` after
+      `created_at` (the sweep judges them by request.json, written at admission).
+    A job admitted before migration 0007 counts 0 until the watcher has measured its folder.
     """
     cutoff = (now or utcnow()) - timedelta(days=retention_days)
     size = func.coalesce(jobs.c.output_bytes, 0)
-    partial = size * jobs.c.shards_done // func.nullif(jobs.c.n_shards, 0)
     held = case(
         (jobs.c.status.in_(ACTIVE), size),
         (and_(jobs.c.status == "done", jobs.c.completed_at >= cutoff), size),
-        (and_(jobs.c.status.in_(("failed", "cancelled")), jobs.c.created_at >= cutoff), func.coalesce(partial, 0)),
+        (and_(jobs.c.status.in_(("failed", "cancelled")), jobs.c.created_at >= cutoff), size),
         else_=0,
     )
     return int(conn.execute(select(func.coalesce(func.sum(held), 0)).where(jobs.c.key_id == key_id)).scalar_one())
@@ -159,9 +183,10 @@ def admit(
     """Insert the job if every cap allows it, atomically; else raise the cap's 429.
 
     `job` holds the columns that come from the request (id, model, lane, n_prompts, layers,
-    shard_size, n_shards, add_special_tokens, contents, reserved_tokens, output_bytes,
-    request_url). `storage_quota`: the bytes the key's kept files may hold (None: unlimited),
-    counted with `retention_days` (`bytes_held`; given with a quota: the service's setting).
+    shard_size, n_shards, add_special_tokens, contents, reserved_tokens, output_bytes: the most
+    its folder can hold, `harvest.cost.kept_bytes`, request_url). `storage_quota`: the bytes
+    the key's kept files may hold (None: unlimited), counted with `retention_days`
+    (`bytes_held`; given with a quota: the service's setting).
     """
     lane = job["lane"]
     now = utcnow()
@@ -218,7 +243,8 @@ def admit(
             size = int(job.get("output_bytes") or 0)
             if held + size > storage_quota:
                 raise StorageQuotaExceeded(
-                    f"This harvest writes {size:,} bytes, and your key's files already hold {held:,} of its "
+                    f"This harvest keeps up to {size:,} bytes (its shards, statistics, request and manifest, "
+                    f"which holds the prompts' text), and your key's files already hold {held:,} of its "
                     f"{storage_quota:,}-byte storage quota. Bytes come free as your jobs' files pass their "
                     f"retention ({retention_days:g} days); keep fewer layers or prompts, or project onto directions.",
                 )
@@ -245,6 +271,7 @@ def admit(
             "flow_run_id": None,
             "restarts": 0,
             "result": None,
+            "bytes_measured_at": None,  # output_bytes is the admitted bound until the folder is measured
         }
         conn.execute(insert(jobs).values(**row))
     return row
@@ -325,18 +352,24 @@ def _end(conn, job_id: str, *, status: str, tokens: int, error: str | None = Non
     return True
 
 
-def apply_state(job_id: str, state: RunStatus, *, result: dict | None = None, engine: Engine) -> bool:
+def apply_state(
+    job_id: str, state: RunStatus, *, result: dict | None = None, kept_bytes: int | None = None, engine: Engine,
+) -> bool:
     """Record what the run says; True when the job's status changed.
 
     done → charged the tokens that ran (`result["tokens"]`); failed → 0; cancelled outside the
     API (e.g. the Prefect UI) → the reserved tokens if its GPU run had started, else 0. A run
     that reads pending again (rescheduled after its host died) leaves a running job running.
+    `kept_bytes`: an ending job's folder, measured after its run was over (`run_over`), which
+    replaces its admitted bound in what the key holds; None (a run still stopping) leaves the
+    bound until the watcher measures it (`settle_bytes`).
     """
     with transaction(engine) as conn:
         row = locked(conn, jobs, jobs.c.id == job_id)  # concurrent endings queue here
         if row is None or row["status"] not in ACTIVE:
             return False
         started = row["started_at"] or (state.started_at.replace(tzinfo=None) if state.started_at else None)
+        measured = {} if kept_bytes is None else {"output_bytes": int(kept_bytes), "bytes_measured_at": utcnow()}
         if state.status == "running":
             if row["status"] != "pending":
                 return False
@@ -345,19 +378,54 @@ def apply_state(job_id: str, state: RunStatus, *, result: dict | None = None, en
             return True
         if state.status == "done":
             if result is None:
-                return _end(conn, job_id, status="failed", tokens=0, error="The run completed but wrote no manifest.")
-            # The bytes it wrote replace its admitted estimate in what the key holds.
-            written = result.get("bytes_written")
+                return _end(conn, job_id, status="failed", tokens=0, error="The run completed but wrote no manifest.",
+                            **measured)
             return _end(
                 conn, job_id, status="done", tokens=int(result["tokens"]), result=result,
-                started_at=started or utcnow(), shards_done=result.get("n_shards", row["n_shards"]),
-                output_bytes=row["output_bytes"] if written is None else int(written),
+                started_at=started or utcnow(), shards_done=result.get("n_shards", row["n_shards"]), **measured,
             )
         if state.status == "failed":
-            return _end(conn, job_id, status="failed", tokens=0, error=_run_error(job_id, state.message))
+            return _end(conn, job_id, status="failed", tokens=0, error=_run_error(job_id, state.message), **measured)
         if state.status == "cancelled":
-            return _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if started else 0)
+            return _end(conn, job_id, status="cancelled", tokens=row["reserved_tokens"] if started else 0, **measured)
         return False
+
+
+def run_over(state: RunStatus | None) -> bool:
+    """Whether nothing of this run writes in its job's folder any more: it ended for good, or
+    its backend knows no such run (None). A run that reads cancelled while Prefect still says
+    Cancelling is not over: its worker has yet to stop its process, which may land a shard."""
+    if state is None:
+        return True
+    return state.status in ENDED and state.state_name not in STILL_STOPPING
+
+
+def unsettled_jobs(limit: int, after: tuple[datetime, str] | None = None, *, engine: Engine) -> list[dict]:
+    """Ended jobs whose folders are not measured yet (`bytes_measured_at` NULL) and whose runs
+    no failed start still has to stop (`stop_run`), `limit` of them in order of
+    (`completed_at`, id) after `after`: the watcher pages through them, so jobs whose runs are
+    slow to stop never keep the others from their turn."""
+    query = select(jobs).where(jobs.c.bytes_measured_at.is_(None), jobs.c.status.in_(ENDED), jobs.c.stop_run.is_(False))
+    if after is not None:
+        query = query.where(or_(
+            jobs.c.completed_at > after[0], and_(jobs.c.completed_at == after[0], jobs.c.id > after[1]),
+        ))
+    with reading(engine) as conn:
+        rows = conn.execute(query.order_by(jobs.c.completed_at, jobs.c.id).limit(limit)).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def settle_bytes(job_id: str, kept_bytes: int, engine: Engine) -> bool:
+    """Record an ended job's folder as measured (`JobFiles.bytes_kept`, taken once its run was
+    over): its bytes replace the admitted bound in what its key holds. False when the job is
+    active or was measured already (another replica's watcher came first)."""
+    with transaction(engine) as conn:
+        outcome = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status.in_(ENDED), jobs.c.bytes_measured_at.is_(None))
+            .values(output_bytes=int(kept_bytes), bytes_measured_at=utcnow())
+        )
+        return outcome.rowcount == 1
 
 
 def _run_error(job_id: str, message: str | None) -> str:
@@ -392,7 +460,9 @@ def cancel_job(job_id: str, key_id: str, engine: Engine) -> tuple[dict, bool]:
     """Cancel a pending or running job; returns the row and whether this call cancelled it.
 
     Charged the reserved tokens when its GPU run started (status running), else 0; the route
-    reads the run first (`Watcher.refresh`), so "started" is what Prefect says now.
+    reads the run first (`Watcher.refresh`), so "started" is what Prefect says now. Its bytes
+    stay the admitted bound until its run is over and its folder measured (the route's
+    `Watcher.settle`, else the watcher's ticks).
     """
     with transaction(engine) as conn:
         row = locked(conn, jobs, jobs.c.id == job_id)  # concurrent endings queue here

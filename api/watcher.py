@@ -17,6 +17,10 @@ jobs, exactly once) and counts written shards for progress. It also finishes wha
   so no run goes on unfollowed and uncharged.
 - `Idempotency-Key` records past their window are deleted every `PRUNE_EVERY_S`
   (`api.idempotency.prune_expired`).
+- an ended job whose run was still stopping when it ended (Prefect's Cancelling, after a
+  cancel) counts its admitted bytes until its run is over; then its folder is measured
+  (`settle`, `api.store.settle_bytes`), `SETTLE_BATCH` such jobs a tick, their runs read in
+  the tick's one call.
 
 A `?wait=` reader never talks to Prefect: it sleeps on an asyncio event that is set when its
 job changes, announced by whichever replica changed it (`api.notify`). A replica holds at most
@@ -33,8 +37,9 @@ import logging
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from datetime import timedelta
 
-from api.db import JobStore
+from api.db import JobStore, utcnow
 from api.idempotency import PRUNE_EVERY_S, WINDOW_S, prune_expired
 from api.lease import Lease
 from api.notify import JobChanges
@@ -46,9 +51,12 @@ from api.store import (
     attach_run,
     fail_job,
     record_restart,
+    run_over,
     run_stopped,
     runs_to_stop,
     set_progress,
+    settle_bytes,
+    unsettled_jobs,
     unstarted_jobs,
 )
 from harvest.jobfiles import JobFiles
@@ -60,6 +68,9 @@ log = logging.getLogger("harvest.api.watcher")
 
 MIN_GAP_S = 0.05
 """The least pause between two ticks, however many kicks came."""
+SETTLE_BATCH = 20
+"""Ended, unmeasured jobs a tick looks at (`settle`): one listing of its folder each, once its
+run is over. After an upgrade to migration 0008 every earlier job is one of them, once."""
 
 
 class Watcher:
@@ -84,6 +95,7 @@ class Watcher:
         """Waiter slots one key may hold (`HARVEST_LONGPOLL_KEY_SHARE` of them: `from_settings`)."""
         self.idempotency_window_s = idempotency_window_s
         self._next_prune = 0.0  # monotonic time of the next `prune_expired`
+        self._unsettled_after: tuple | None = None  # (completed_at, id) of the last unmeasured job looked at
         self._held: dict[str, int] = defaultdict(int)  # waiter slots held, by key id
         self.ticks = 0
         self.run_reads = 0
@@ -174,10 +186,15 @@ class Watcher:
         for job_id in runs_to_stop(engine):
             self._stop_runs(job_id)
         with_runs = [r for r in active_jobs(engine) if r["flow_run_id"]]
-        if not with_runs:
+        unsettled = self._next_unsettled()
+        run_ids = [r["flow_run_id"] for r in with_runs + unsettled if r["flow_run_id"]]
+        if not run_ids and not unsettled:
             return changed
-        self.run_reads += 1
-        states = self.runs.read([r["flow_run_id"] for r in with_runs])
+        states = {}
+        if run_ids:  # every run of the tick in one read
+            self.run_reads += 1
+            states = self.runs.read(run_ids)
+        self.settle(unsettled, states)
         for row in with_runs:
             state = states.get(row["flow_run_id"])
             if state is None:
@@ -199,6 +216,33 @@ class Watcher:
             if moved:
                 changed.append(row["id"])
         return changed
+
+    def _next_unsettled(self) -> list[dict]:
+        """The next `SETTLE_BATCH` ended, unmeasured jobs, paging on from the last tick's."""
+        rows = unsettled_jobs(SETTLE_BATCH, self._unsettled_after, engine=self.store.engine)
+        last = rows[-1] if len(rows) == SETTLE_BATCH else None
+        self._unsettled_after = None if last is None else (last["completed_at"], last["id"])
+        return rows
+
+    def settle(self, rows: list[dict], states: dict[str, RunStatus] | None = None) -> None:
+        """Measure the folders of these ended jobs whose runs write no more, into what their keys
+        hold (`api.store.settle_bytes`): a run that is over (`api.store.run_over`), or no run
+        and an admission older than `orphan_after_s` (its replica has written what it would).
+        `states`: their runs as just read (else read here, in one call). Any replica may call
+        it (the cancel route does); a job is measured once."""
+        if states is None:
+            run_ids = [r["flow_run_id"] for r in rows if r["flow_run_id"]]
+            states = self.runs.read(run_ids) if run_ids else {}
+        admitted_before = utcnow() - timedelta(seconds=self.orphan_after_s)
+        for row in rows:
+            if row["flow_run_id"] is not None and not run_over(states.get(row["flow_run_id"])):
+                continue  # still stopping: its admitted bytes count until a later tick
+            if row["flow_run_id"] is None and row["created_at"] > admitted_before:
+                continue
+            try:
+                settle_bytes(row["id"], JobFiles.for_job(row["id"], self.storage).bytes_kept(), self.store.engine)
+            except Exception:  # storage briefly away: a later tick measures it
+                log.exception("could not measure the files of job %s", row["id"])
 
     def _restart_crashed(self, row: dict, state: RunStatus) -> bool:
         """Its host died (heartbeats stopped): reschedule the run onto the lane's other hosts,
@@ -242,11 +286,15 @@ class Watcher:
         return self._apply(row, state)
 
     def _apply(self, row: dict, state: RunStatus) -> bool:
-        """Record the run's state; a done run's result numbers come from its manifest."""
+        """Record the run's state; a done run's result numbers come from its manifest, and an
+        ended run's folder is measured now that nothing writes there (`api.store.run_over`),
+        for what the key holds. A run still stopping (Cancelling) is measured later (`settle`)."""
         if state.status == "pending" or (state.status == "running" and row["status"] == "running"):
             return False  # nothing to record (`apply_state` would change nothing): no write transaction
-        result = JobFiles.for_job(row["id"], self.storage).read_result() if state.status == "done" else None
-        return apply_state(row["id"], state, result=result, engine=self.store.engine)
+        files = JobFiles.for_job(row["id"], self.storage)
+        result = files.read_result() if state.status == "done" else None
+        kept = files.bytes_kept() if state.status != "running" and run_over(state) else None
+        return apply_state(row["id"], state, result=result, kept_bytes=kept, engine=self.store.engine)
 
     # --- long-poll waiters ----------------------------------------------------------------
     def notify(self, job_id: str) -> None:

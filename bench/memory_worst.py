@@ -206,9 +206,9 @@ async def _inline(base: str, keys: list[str], count: int, tokens: int) -> list[s
             ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))]
 
 
-async def _bodies(base: str, keys: list[str], count: int) -> list[str]:
+async def _bodies(base: str, keys: list[str], count: int, model: str = "llama-tiny") -> list[str]:
     rng = random.Random(1)
-    raw = json.dumps({"model": "llama-tiny", "prompts": [_text(12_000, rng)] * 4000, "layers": "all"}).encode()
+    raw = json.dumps({"model": model, "prompts": [_text(12_000, rng)] * 4000, "layers": "all"}).encode()
     statuses: dict[str, int] = defaultdict(int)
 
     async def one(client: httpx.AsyncClient, key: str) -> None:
@@ -227,6 +227,62 @@ async def _bodies(base: str, keys: list[str], count: int) -> list[str]:
             ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))]
 
 
+def _reads(base: str, key: str, job_id: str, stop, out) -> None:
+    """Another key's reads (`GET /v1/harvest/{id}`, one every 150 ms: within the key's 10 reads a
+    second) until `stop` is set: their (start, seconds, status) in `out`. A process of its own (spawned), so the flood's client, which
+    encodes 46 MiB bodies, never delays them."""
+    times = []
+    with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
+        while not stop.is_set():
+            started = time.monotonic()
+            answer = client.get(f"{base}/harvest/{job_id}")
+            times.append((started, time.monotonic() - started, answer.status_code))
+            time.sleep(0.15)
+    out.put(times)
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def phase_bodies(base: str, reader_key: str, keys: list[str], count: int, model: str, idle_s: float) -> list[str]:
+    """The body flood, with another key reading its (cancelled) job's status every 150 ms for
+    `idle_s` before the flood and all through it: read latency idle vs during, side by side."""
+    import multiprocessing
+
+    with httpx.Client(headers={"Authorization": f"Bearer {reader_key}"}, timeout=60) as client:
+        answer = client.post(f"{base}/harvest", json={"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]})
+        if answer.status_code != 202:
+            raise RuntimeError(f"the reader's submit: {answer.status_code} {answer.text[:300]}")
+        job_id = answer.json()["job_id"]
+        client.delete(f"{base}/harvest/{job_id}")  # no run of its own competes with the reads
+    context = multiprocessing.get_context("spawn")
+    stop, out = context.Event(), context.Queue()
+    reader = context.Process(target=_reads, args=(base, reader_key, job_id, stop, out), daemon=True)
+    reader.start()
+    time.sleep(2 + idle_s)  # the reader's start, then its idle window
+    flood_from = time.monotonic()
+    lines = asyncio.run(_bodies(base, keys, count, model))
+    flood_to = time.monotonic()
+    stop.set()
+    times = out.get(timeout=60)
+    reader.join(10)
+    idle = [s for t, s, status in times if flood_from - idle_s <= t < flood_from and status == 200]
+    flood = [s for t, s, status in times if flood_from <= t < flood_to and status == 200]
+    other = defaultdict(int)
+    for t, _, status in times:
+        if status != 200 and t >= flood_from - idle_s:
+            other[status] += 1
+    row = lambda name, v: f"| {name} | {len(v)} | {_p(v, 0.5) * 1e3:.0f} | {_p(v, 0.95) * 1e3:.0f} | {max(v, default=float('nan')) * 1e3:.0f} |"
+    lines += [f"another key's reads (GET /v1/harvest/{{id}}, every 150 ms; 200s counted, others: {dict(other) or 'none'}); "
+              f"flood {flood_to - flood_from:.1f} s:",
+              "| window | reads | p50 ms | p95 ms | max ms |", "|---|---:|---:|---:|---:|",
+              row(f"idle ({idle_s:.0f} s before)", idle), row("during the flood", flood),
+              f"p95 during / idle: {_p(flood, 0.95) / _p(idle, 0.95):.1f}×"]
+    return lines
+
+
 def _table(sampler: Sampler, phase: str | None) -> list[str]:
     lines = ["| process (role) | processes | peak RSS of one |", "|---|---:|---:|"]
     for role, (seen, peak) in sorted(sampler.by_role(phase).items()):
@@ -240,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inline", type=int, default=64, help="concurrent inline completions (64: the replica's budget)")
     parser.add_argument("--inline-tokens", type=int, default=2047, help="tokens each completion generates (2,047: the context)")
     parser.add_argument("--bodies", type=int, default=8, help="concurrent 48 MiB submits")
+    parser.add_argument("--bodies-model", default="llama-tiny", help="the bodies' model")
+    parser.add_argument("--idle-reads", type=float, default=10, help="seconds of another key's reads before the flood")
     parser.add_argument("--only", default="shard,inline,bodies", help="phases to run (comma-separated)")
     args = parser.parse_args(argv)
     phases = {name.strip() for name in args.only.split(",")}
@@ -263,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             print(report[-1], flush=True)
         if "bodies" in phases:
             sampler.phase = "bodies"
-            report += asyncio.run(_bodies(base, keys[1:], args.bodies))
-            print(report[-1], flush=True)
+            report += phase_bodies(base, dev_key, keys[1:], args.bodies, args.bodies_model, args.idle_reads)
+            print("\n".join(report[-7:]), flush=True)
         sampler.phase = "end"
         time.sleep(1)
         sampler.stop.set()

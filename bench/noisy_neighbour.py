@@ -77,6 +77,7 @@ WORDS = "the residual stream carries every feature a probe reads and every token
 BOUNDS = {
     "api": "imports + submits ≤ a few × HARVEST_ADMISSION_BYTES + inline ≤ HARVEST_INLINE_RESPONSE_BUDGET_BYTES",
     "api-assessor": "imports + tokenizers + one submit (~3 × its body); with the api within 4 × HARVEST_ADMISSION_BYTES",
+    "checkpoint-build": "once per host and built-in model, on its first submit: torch + the model's weights; ends when built",
     "inline-engine": "its model + one batch's generations (their residuals within the replica's HARVEST_INLINE_RESPONSE_BUDGET_BYTES)",
     "run": "imports + one piece (HARVEST_ENGINE_PIECE_BYTES) + S3 parts (HARVEST_S3_PART_BYTES)",
     "engine-server": "models + one pass of HARVEST_ENGINE_BATCH_TOKENS and its captures (~3 × HARVEST_ENGINE_PIECE_BYTES on the CPU)",
@@ -110,7 +111,8 @@ def _role(process: psutil.Process) -> str:
             return "run" if parent is not None and "fleet.run_starter" in " ".join(parent.cmdline()) else "run-starter"
         except psutil.Error:
             return "run-starter"
-    for needle, role in (("api.inline_process", "inline-engine"), ("api.admission_process", "api-assessor"),
+    for needle, role in (("api.inline_process", "inline-engine"), ("api.admission_process --build", "checkpoint-build"),
+                         ("api.admission_process", "api-assessor"),
                          ("api.app", "api"), ("uvicorn", "api"),
                          ("harvest.warm.server", "engine-server"), ("fleet.run_starter", "run-starter"),
                          ("fleet.prefect_server", "prefect-server"), ("prefect server", "prefect-server"),

@@ -11,7 +11,10 @@ default back-off was a 2-8 s stall in one job of two or three. The clients honou
 (with their own jitter), so a collision costs a fraction of a second instead.
 
 Settings are Prefect's, read from the environment as `prefect server start` reads them
-(PREFECT_HOME, PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_SERVER_API_AUTH_STRING…).
+(PREFECT_HOME, PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_SERVER_API_AUTH_STRING…), but for
+the fleet's: proxies (`fleet.proxies`) and the bounds on request heads (`HARVEST_HTTP_*`,
+`api.http_server`), the same as an API replica's: a header flood must not grow the control
+plane either.
 """
 
 from __future__ import annotations
@@ -72,17 +75,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4200)
     args = parser.parse_args(argv)
+    from api.http_server import http_options
     from fleet.proxies import uvicorn_proxy_options
     from fleet.settings import FleetSettings
     from harvest.settings import get_settings
 
     setup_logging()
     server = get_current_settings().server
+    settings = get_settings(FleetSettings)
     uvicorn.run(
         RetryAfterOn503(create_app(final=True)),
         host=args.host,
         port=args.port,
-        **uvicorn_proxy_options(get_settings(FleetSettings).trusted_proxies),  # never uvicorn's loopback default
+        **uvicorn_proxy_options(settings.trusted_proxies),  # never uvicorn's loopback default
+        **http_options(settings),  # heads bounded in size and time, as on the API replicas
         timeout_keep_alive=server.api.keepalive_timeout,
         ws_ping_interval=server.api.websocket_ping_interval,
         ws_ping_timeout=server.api.websocket_ping_timeout,

@@ -10,6 +10,11 @@ SIGTERM into SIGINT and keeps polling, so `stop()` signals twice, then SIGKILLs;
 processes are started by the worker in sessions of their own, so a process-group kill misses
 them. `stop()` therefore snapshots the whole descendant tree first and kills what is left of
 it at the end. Nothing started here outlives a `stop()`.
+
+Each child is handed its environment, never the role's whole one: the role's, less the secrets
+the child does not use (`harvest.credentials.handed`, with `SERVER_NEEDS`, `WORKER_NEEDS`,
+`API_NEEDS`). A worker host's Prefect worker, and so its flow runs, never holds the job store's
+URL, the metrics token (the role's own exporter keeps it) or the link-signing key.
 """
 
 from __future__ import annotations
@@ -29,14 +34,27 @@ import psutil
 
 from harvest.addresses import local_address
 from harvest.cpu_share import with_passive_waits
+from harvest.credentials import PREFECT_CLIENT, PREFECT_DATABASE, STORAGE, handed
 from harvest.private_files import open_private_log
 from harvest.metrics import MULTIPROC_ENV
 from harvest.metrics_export import fresh_directory
 
 __all__ = [
     "Managed", "Supervisor", "serve", "say", "WORKER_QUERY_S", "STARTER_MODULE", "RUN_COMMAND", "free_port", "start_server", "start_worker", "wait_http",
-    "descendants",
+    "descendants", "SERVER_NEEDS", "WORKER_NEEDS", "API_NEEDS",
 ]
+
+SERVER_NEEDS = ("PREFECT_SERVER_API_AUTH_STRING", *PREFECT_DATABASE, *PREFECT_CLIENT)
+"""The secrets the Prefect server process is handed: its password and its database (and the
+client's copy of the password, the same string). No storage, job store or metrics token."""
+WORKER_NEEDS = (*PREFECT_CLIENT, *STORAGE)
+"""The secrets a worker host's Prefect worker is handed, and so every flow run it starts: the
+Prefect API (to poll, report, and start helper runs) and the bucket (to read requests and
+write shards). Its engine servers get less still (`harvest.warm.client.engine_server_env`)."""
+API_NEEDS = (*PREFECT_CLIENT, *STORAGE, "HARVEST_DATABASE_URL", "HARVEST_SIGNING_SECRET", "HARVEST_METRICS_TOKEN")
+"""The secrets an API replica's uvicorn is handed: the Prefect API (it starts and cancels
+runs), the bucket (request.json, reads, presigning), the job store, the links' key and the
+token of its own /metrics. Never Prefect's database or the server's side of the password."""
 
 
 WORKER_QUERY_S = 1.0
@@ -212,12 +230,12 @@ def start_server(
 
     Its database is Prefect's own setting: PREFECT_API_DATABASE_CONNECTION_URL (PostgreSQL in
     production) when set, else SQLite under `home`. Returns the process and the API URL (at the
-    `advertise` address, default `host`), once the API answers (~10 s cold).
+    `advertise` address, default `host`), once the API answers (~10 s cold). Of the secrets it
+    is handed only its own (`SERVER_NEEDS`).
     """
     api_url = f"http://{advertise or host}:{port}/api"
     env = {
-        **os.environ,
-        **(env or {}),
+        **handed({**os.environ, **(env or {})}, SERVER_NEEDS),
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_API_URL": api_url,
@@ -243,7 +261,8 @@ def start_worker(
     healthcheck: bool = False, cwd: str | None = None, limit: int | None = None, run_starter: Path | None = None,
     metrics_dir: Path | None = None,
 ) -> Managed:
-    """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_ENGINE=hf).
+    """A process worker polling `pool`; its flow runs inherit `env` (e.g. HARVEST_ENGINE=hf)
+    over this process's environment, less the secrets a run does not use (`WORKER_NEEDS`).
 
     healthcheck: serve `/health` on PREFECT_WORKER_WEBSERVER_HOST/PORT (a load balancer's or a
     supervisor's view of whether the worker still polls).
@@ -259,8 +278,9 @@ def start_worker(
     # The shipped poll interval unless the operator (or a caller) sets one (WORKER_QUERY_S).
     # Its runs' tensor work (statistics; forward passes where no engine server serves them)
     # with OpenMP's idle threads sleeping (`harvest.cpu_share.with_passive_waits`).
-    env = with_passive_waits({"PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_S), **os.environ, **(env or {}),
-                              "PREFECT_API_URL": api_url, "PATH": path})
+    # Only the secrets a run uses (WORKER_NEEDS): not the job store's, not the metrics token.
+    env = with_passive_waits(handed({"PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_S), **os.environ, **(env or {}),
+                                     "PREFECT_API_URL": api_url, "PATH": path}, WORKER_NEEDS))
     if metrics_dir is not None:
         env[MULTIPROC_ENV] = str(fresh_directory(metrics_dir))
     argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]

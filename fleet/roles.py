@@ -16,8 +16,10 @@ plane requires a password (`flows.prefect_auth`): `harvest server` takes
 `PREFECT_API_AUTH_STRING` (or the one in their HARVEST_HOME, on one host). Each runs its
 children with `HARVEST_HOME` as working directory, and flow code is imported from the
 installed package (deployments have module entrypoints and no pull steps), so no role reads
-the source checkout or another role's files. Each prints its ready line(s) on stdout once it
-answers, and stops cleanly on SIGTERM or Ctrl-C, leaving no child process.
+the source checkout or another role's files. Each child is handed only the secrets it uses
+(`fleet.processes`: a worker's runs never hold the job store's URL or the metrics token).
+Each prints its ready line(s) on stdout once it answers, and stops cleanly on SIGTERM or
+Ctrl-C, leaving no child process.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import time
 from pathlib import Path
 
 from fleet.placeholders import refuse_placeholder_secrets
-from fleet.processes import RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
+from fleet.processes import API_NEEDS, RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
 from fleet.proxies import uvicorn_proxy_args
 from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
 from harvest.addresses import advertised, local_address
+from harvest.credentials import handed
 from harvest.private_files import private_dirs
 from harvest.metrics import MULTIPROC_ENV
 from harvest.metrics_export import fresh_directory
@@ -43,6 +46,7 @@ from harvest.metrics_export import fresh_directory
 __all__ = [
     "start_control_plane",
     "API_APP",
+    "api_command",
     "start_api_replica",
     "start_worker_host",
     "server_main",
@@ -86,20 +90,28 @@ API_APP = "api.app:create_app"
 """The app factory an API replica runs (`uvicorn --factory`)."""
 
 
-def start_api_replica(
-    home: Path, host: str, port: int, env: dict[str, str] | None = None, timeout: float = 90, *, app: str = API_APP,
-) -> tuple[Managed, str]:
-    """One uvicorn API process on host:port running the factory `app`; returns it and its
-    `ACS_API_BASE` once it answers. Proxy headers are believed only from
-    HARVEST_TRUSTED_PROXIES (`fleet.proxies`)."""
+def api_command(app: str, host: str, port: int, *, log_level: str | None = None) -> list[str]:
+    """The command line of one API replica process: the app factory `app` under uvicorn with
+    the replica's HTTP parsing bounds (`api.http_server`, read from its own environment), proxy
+    headers believed only from HARVEST_TRUSTED_PROXIES (`fleet.proxies`, read here, as the
+    operator set it for the role). `start_api_replica` and the tests' `ApiServer` run it."""
     from fleet.settings import FleetSettings
     from harvest.settings import get_settings
 
+    return [sys.executable, "-m", "api.http_server", app, "--host", host, "--port", str(port),
+            *uvicorn_proxy_args(get_settings(FleetSettings).trusted_proxies),
+            *(["--log-level", log_level] if log_level else [])]
+
+
+def start_api_replica(
+    home: Path, host: str, port: int, env: dict[str, str] | None = None, timeout: float = 90, *, app: str = API_APP,
+) -> tuple[Managed, str]:
+    """One uvicorn API process on host:port running the factory `app` (`api_command`); returns
+    it and its `ACS_API_BASE` once it answers."""
     api = Managed(
         "api",
-        [sys.executable, "-m", "uvicorn", "--factory", app, "--host", host, "--port", str(port),
-         *uvicorn_proxy_args(get_settings(FleetSettings).trusted_proxies)],
-        {**os.environ, **(env or {}), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port),
+        api_command(app, host, port),
+        {**handed({**os.environ, **(env or {})}, API_NEEDS), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port),
          # its counts directory, its children's too (`api.metrics`, `harvest.metrics`)
          MULTIPROC_ENV: str(fresh_directory(home / "metrics" / f"api-{port}"))},
         home / "logs" / f"api-{port}.log",

@@ -26,11 +26,19 @@ How a run ends is decided in one place, `ending`: done returns the summary; a ca
 Cancelled; any error ends Failed with a short reason from the error vocabulary and a
 reference (e.g. `engine_failed: … (ref 3f2a…)`, details in the run's log under it), and no
 manifest is written.
+
+Each run of the flow (each attempt of a flow run: a rescheduled run's cut-off process may
+still be alive beside its successor, both with the same flow run id and the same job folder)
+mints its own `writer` token, written into the manifest it writes. A failing attempt removes
+only a manifest with its own token (`JobFiles.discard_manifest`, a conditional delete): a
+stale attempt failing after its successor finished leaves the successor's manifest, and the
+job, done.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
 from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
@@ -67,8 +75,11 @@ def observe_run_start(lane: str, entered: float) -> None:
         RUN_START_SECONDS.labels(lane).observe(max(0.0, entered - scheduled.timestamp()))
 
 
-def ending(exc: BaseException, job_id: str, files: JobFiles, run: RunProgress | None, helper: bool) -> State:
-    """The final state of a run that did not finish: the one place outcomes become states."""
+def ending(
+    exc: BaseException, job_id: str, files: JobFiles, run: RunProgress | None, helper: bool, writer: str | None = None,
+) -> State:
+    """The final state of a run that did not finish: the one place outcomes become states.
+    `writer`: this attempt's token; a manifest it did not write is kept."""
     logger = get_run_logger()
     if isinstance(exc, Cancelled):
         logger.warning("job %s cancelled: %s", job_id, exc)
@@ -85,8 +96,10 @@ def ending(exc: BaseException, job_id: str, files: JobFiles, run: RunProgress | 
     # memory figures) stay in this log, under it.
     message, ref = job_error(exc)
     logger.error("job %s failed (ref %s)", job_id, ref, exc_info=exc)
-    if not helper:
-        files.discard_manifest()  # a failed job leaves no manifest
+    if not helper and not files.discard_manifest(writer) and files.has_manifest():
+        # A failed attempt leaves no manifest of its own; one that another attempt of this
+        # run wrote (its successor, which finished the job) stays.
+        logger.warning("job %s: the manifest is another attempt's; kept", job_id)
     return Failed(message=message)
 
 
@@ -101,6 +114,7 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
     shard_range: `[start, stop)` for a helper run: write those shards only, no manifest.
     """
     entered = time.time()
+    writer = uuid.uuid4().hex  # this attempt's, never another's (see the module docstring)
     logger = get_run_logger()
     settings = get_settings()  # in this flow run's process: its own environment
     files = JobFiles.from_request_url(request_url)
@@ -165,7 +179,7 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
         # 6. Statistics, then the manifest, last: nothing is written into the job's folder
         # after it (its presence means "done"; readers derive the "done" stage from it).
         run.stage("finalizing")
-        summary = finalize_job(work, load.manifest_entry(engine.versions()), job_id, timings)
+        summary = finalize_job(work, load.manifest_entry(engine.versions()), job_id, timings, writer)
         result = {
             **summary.as_dict(), "job_id": job_id, "shards_skipped": run.skipped, "workers": len(plan), "placement": placement,
             "engine": {"name": load.engine, "warm": load.warm, "reason": load.reason},
@@ -173,7 +187,7 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
         summary_artifact(job_id, result)
         return result
     except (Exception, TerminationSignal) as exc:
-        return ending(exc, job_id, files, run, helper)
+        return ending(exc, job_id, files, run, helper, writer)
     finally:
         if engine is not None:
             engine.close()  # a warm engine stays loaded in its server for the next job

@@ -1,4 +1,4 @@
-"""What a harvest request costs, known before it is paid for: tokens, output bytes, bytes per shard.
+"""What a harvest request costs, known before it is paid for: tokens, bytes kept, bytes per shard.
 
 The API's admission of a submit learns a request's cost in the order of the price of knowing it,
 and refuses (400, naming the limit and the number) as soon as one is over:
@@ -16,6 +16,30 @@ Limits: `MAX_TOKENS` per job and the lane's `max_shard_bytes` (infra/lanes.toml:
 what a worker host's disk or one object of the store can hold). A shard always holds
 shard_size prompts in the order of the prompts; a job whose shards would be too big is
 refused naming the largest shard_size whose shards all fit, never cut some other way.
+
+3. `kept_bytes`: the most bytes the job's folder (`harvest.jobfiles`) holds until its retention
+   ends, file by file, which admission charges against the key's storage quota
+   (`api.store.bytes_held`). Shards are only part of it: a 45 MB prompt of one layer of
+   llama-tiny writes ~1 MB of shard but is kept twice more, in request.json and in the
+   manifest's prompt list, so each job kept 91 MB while only its shards were counted. Here:
+
+       shards      Σ_k (Σ_{i in k} (n_tokens_i × bytes_per_token + PROMPT_HEADER_BYTES) + SHARD_HEADER_BYTES)
+       request     len(request.json), exact (`JobFiles.request_document_size`: what the API writes)
+       manifest    Σ_i len(JSON string of prompt i) + n_prompts × MANIFEST_PROMPT_BYTES
+                   + n_shards × MANIFEST_SHARD_BYTES + n_layers × MANIFEST_LAYER_BYTES
+                   + len(JSON of the model's name and weights) + MANIFEST_FIXED_BYTES
+       stats       n_layers × n_features × 8 (mean, std: float32) + n_layers × 4 + 8 + STATS_HEADER_BYTES
+       _parts      n_shards × (n_layers × n_features × 16 + n_layers × 8 + 8 + PART_HEADER_BYTES)
+                   + n_prompts × PART_PROMPT_BYTES   (float64 mean, m2; norm_sum; count; the record)
+       progress    PROGRESS_BYTES + n_shards × TIMINGS_BYTES   (_progress.json, helpers' timings)
+
+   A prompt that runs cut to the context is still stored whole (request.json holds the
+   request as sent, the manifest the prompt as submitted with its `truncated` flag), and it is
+   counted whole: its JSON string's exact bytes. The bounds are checked against a real job's
+   files in tests/test_storage_quota.py (the admitted figure is never below the folder's
+   size). A write in flight (a shard staged beside its name on local disk) is not counted: it
+   lasts a moment, and what a killed run leaves of it is in the folder's measure once the job
+   has ended (`api.store`).
 """
 
 from __future__ import annotations
@@ -24,13 +48,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pydantic_core import to_json
+
 from harvest.errors import InvalidRequest
+from harvest.jobfiles import shard_ranges
 from harvest.lanes import Lane
 from harvest.request import MAX_TOKENS, ResolvedJob
 
 __all__ = [
     "PROMPT_HEADER_BYTES",
     "Cost",
+    "KeptBytes",
+    "kept_bytes",
     "bytes_per_token",
     "least_tokens",
     "shard_bytes",
@@ -45,6 +74,37 @@ PROMPT_HEADER_BYTES = 256
 SHARD_HEADER_BYTES = 64
 """The header's length field, its metadata and its padding, at most."""
 
+# manifest.json (`harvest.manifest.Manifest`, `model_dump_json(indent=2)`): its prompts' texts
+# are counted exactly; everything else is bounded here. Seen on llama-tiny: 1 prompt, 1 shard,
+# 1 layer, 2,283 bytes, of which ~1,900 are the fixed part (an HF engine's entry; vLLM's names
+# two libraries more).
+MANIFEST_FIXED_BYTES = 4096
+"""At most what the manifest holds besides the entries counted per layer, shard and prompt and
+the model's name and weights: version, job id, the layer convention and statistics sentences
+(~900 bytes together), dtype and sizes, the projection entry, the engine's library versions and
+reason, timings, created_at, the writer's token, the braces and indentation."""
+MANIFEST_LAYER_BYTES = 64
+"""Per layer kept: its line in `layer_indices` and its `mean_token_norm` entry (a float's repr)."""
+MANIFEST_SHARD_BYTES = 512
+"""Per shard: its record in `shards` (file name, index, prompt range, bytes, sha256, indented
+over ~14 lines: ~300 bytes), its token counts aside."""
+MANIFEST_PROMPT_BYTES = 160
+"""Per prompt, its text aside: its `prompts` entry (index, n_tokens, truncated, indented over 6
+lines: ~110 bytes) and its token count's line in its shard's record (~20)."""
+STATS_HEADER_BYTES = 512
+"""stats.safetensors' header (four tensors' entries) and padding, at most."""
+PART_HEADER_BYTES = 1024
+"""One `_parts/` record's header: its four tensors' entries, and the shard's record (the
+manifest's entry, as JSON escaped into the header's metadata) less its token counts."""
+PART_PROMPT_BYTES = 16
+"""Per prompt, its token count in its shard's `_parts/` record."""
+PROGRESS_BYTES = 4096
+"""_progress.json at its largest: a stage, counts, a rate and the run's placement (host name,
+slot, devices)."""
+TIMINGS_BYTES = 512
+"""One scale-out helper's timings file (`_parts/timings-*.json`: six figures); a job has fewer
+helpers than shards."""
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -56,6 +116,31 @@ class Cost:
     """Bytes of every shard file together (headers counted at their most)."""
     largest_shard_bytes: int
     """Bytes of the job's biggest shard file (header counted at its most)."""
+
+
+@dataclass(frozen=True)
+class KeptBytes:
+    """The most bytes a job's folder holds until its retention ends, file by file (see the
+    module docstring for each bound): what admission charges an active job against its key's
+    storage quota."""
+
+    shards: int
+    """Every shard file together (`Cost.output_bytes`)."""
+    request: int
+    """request.json: exactly the bytes the API writes."""
+    manifest: int
+    """manifest.json, at most: the prompts' texts exactly as it encodes them, the rest bounded."""
+    stats: int
+    """stats.safetensors, at most."""
+    parts: int
+    """The `_parts/` records (float64 statistics partial and record per shard), at most."""
+    progress: int
+    """_progress.json and scale-out helpers' timings files, at most."""
+
+    @property
+    def total(self) -> int:
+        """Bytes of the whole folder, at most: the figure admission charges."""
+        return self.shards + self.request + self.manifest + self.stats + self.parts + self.progress
 
 
 def bytes_per_token(job: ResolvedJob) -> int:
@@ -93,6 +178,29 @@ def largest_fitting_shard_size(counts: np.ndarray, per_token: int, limit: int, b
         if int(np.diff(prefix[edges]).max()) + SHARD_HEADER_BYTES <= limit:
             return size
     return 0
+
+
+def kept_bytes(job: ResolvedJob, cost: Cost, *, request_bytes: int) -> KeptBytes:
+    """The most bytes the job's folder holds (its files in `harvest.jobfiles`' layout), given
+    its shards' bytes (`check_counts`) and request.json's exact size. Each prompt's text is
+    encoded as the manifest encodes it (pydantic's JSON: UTF-8, control characters and quotes
+    escaped), once: a 45 MB prompt costs ~0.1 s here (its request.json as much again)."""
+    request = job.request
+    n_prompts = len(request.prompts)
+    n_shards = len(shard_ranges(n_prompts, request.shard_size))
+    n_layers = len(job.layers)
+    n_features = job.spec.n_features(job.model.hidden_size)
+    texts = sum(len(to_json(prompt)) for prompt in request.prompts)
+    names = len(to_json(job.model.name)) + len(to_json(job.model.weights))
+    manifest = (
+        texts + n_prompts * MANIFEST_PROMPT_BYTES + n_shards * MANIFEST_SHARD_BYTES + n_layers * MANIFEST_LAYER_BYTES
+        + names + MANIFEST_FIXED_BYTES
+    )
+    stats = n_layers * n_features * 8 + n_layers * 4 + 8 + STATS_HEADER_BYTES
+    parts = n_shards * (n_layers * n_features * 16 + n_layers * 8 + 8 + PART_HEADER_BYTES) + n_prompts * PART_PROMPT_BYTES
+    progress = PROGRESS_BYTES + n_shards * TIMINGS_BYTES
+    return KeptBytes(shards=cost.output_bytes, request=request_bytes, manifest=manifest, stats=stats, parts=parts,
+                     progress=progress)
 
 
 def _size(n: int) -> str:

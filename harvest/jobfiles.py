@@ -11,6 +11,8 @@
                                                       never written after the manifest
     <storage>/jobs/<job_id>/stats.safetensors
     <storage>/jobs/<job_id>/manifest.json             written last: its presence means "done"
+    <storage>/jobs/<job_id>/.manifest.json.lock       local disk only: the manifest's lock, so a
+                                                      failing run removes only its own manifest
 
 `JobFiles` owns these names; nobody else spells them. A flow is given only the URL of
 request.json (`JobFiles.from_request_url`), and the job's folder is that URL's folder, so a
@@ -70,6 +72,11 @@ def part_name(k: int) -> str:
 
 def _timings_name(start: int, stop: int) -> str:
     return f"{PARTS}/timings-{start:05d}-{stop:05d}.json"
+
+
+def _writer_of(manifest: bytes) -> str | None:
+    """The `writer` a manifest's bytes record (None when it records none)."""
+    return json.loads(manifest).get("writer")
 
 
 def shard_ranges(n_prompts: int, shard_size: int) -> list[range]:
@@ -140,9 +147,29 @@ class JobFiles:
         return [shard_name(k) for k in range(count)]
 
     # --- the request --------------------------------------------------------------------------
+    @staticmethod
+    def request_document(request: HarvestRequest) -> bytes:
+        """request.json's bytes for `request`: what `write_request` writes (pydantic's compact
+        JSON, UTF-8)."""
+        return request.model_dump_json().encode()
+
+    @classmethod
+    def request_document_size(cls, request: HarvestRequest) -> int:
+        """`len(request_document(request))`, without a second copy of the prompts: admission
+        counts request.json (`harvest.cost.kept_bytes`) in the assessing child, where the
+        document of a 48 MB body would be 48 MB of str and 48 MB of bytes more. The same
+        document with no prompts, plus each prompt as the same encoder writes a list's strings
+        (`pydantic_core.to_json`, one at a time) and the commas between them: the compact JSON
+        of a list of n strings is `[` s1 `,` … `,` sn `]`."""
+        from pydantic_core import to_json
+
+        empty = len(cls.request_document(request.model_copy(update={"prompts": []})))
+        prompts = request.prompts
+        return empty + sum(len(to_json(prompt)) for prompt in prompts) + max(len(prompts) - 1, 0)
+
     def write_request(self, request: HarvestRequest) -> str:
         """Write request.json (first, before the run starts); returns `request_url`."""
-        self.storage.write_bytes(REQUEST, request.model_dump_json().encode())
+        self.storage.write_bytes(REQUEST, self.request_document(request))
         return self.request_url
 
     def read_request(self) -> HarvestRequest:
@@ -194,9 +221,18 @@ class JobFiles:
     def read_manifest(self) -> dict:
         return json.loads(self.storage.read_bytes(MANIFEST))
 
-    def discard_manifest(self) -> None:
-        """Remove the manifest, if any: a job that fails leaves none."""
-        self.storage.delete(MANIFEST)
+    def write_manifest(self, data: bytes) -> int:
+        """Write manifest.json (last), under the lock that `discard_manifest`'s check holds."""
+        with self.storage.locked(MANIFEST):
+            return self.storage.write_bytes(MANIFEST, data)
+
+    def discard_manifest(self, writer: str | None = None) -> bool:
+        """Remove the manifest if `writer` wrote it (its `writer` field; None: a manifest that
+        names no writer), as a job that fails leaves none; True if removed. A manifest of
+        anyone else is kept: a stale attempt of a rescheduled run, failing after its successor
+        finished the job, must not undo that job. Checked and removed as one step
+        (`Storage.delete_if`), so a successor's manifest landing meanwhile is kept too."""
+        return self.storage.delete_if(MANIFEST, lambda data: _writer_of(data) == writer)
 
     def read_result(self) -> dict | None:
         """The API's result numbers of a finished job, from its manifest (None when there is none)."""
@@ -212,6 +248,12 @@ class JobFiles:
             "bytes_written": manifest["bytes_written"],
             "timings": {**{k: float(timings.get(k, 0.0)) for k in TIMING_KEYS}, **{k: int(timings.get(k, 0)) for k in TOKEN_KEYS}},
         }
+
+    def bytes_kept(self) -> int:
+        """Bytes of every file in the folder now, `_parts/` and what a killed write left
+        included (`Storage.total_bytes`: a fresh listing): what an ended job holds on the store
+        until the retention sweep removes the folder (`api.store.bytes_held`)."""
+        return self.storage.total_bytes()
 
     def delete(self) -> None:
         """Remove the whole folder (retention sweep)."""

@@ -77,6 +77,12 @@ class Manifest(BaseModel):
     bytes_written: int
     """Bytes of the shards and stats.safetensors."""
     created_at: str
+    writer: str | None = None
+    """The attempt that wrote this manifest: an opaque token each run of the harvest flow mints
+    for itself (a rescheduled flow run's attempts share the flow run's id, never this token).
+    A failing attempt removes the manifest only if it holds its own token
+    (`JobFiles.discard_manifest`), never a successor's. Null for a manifest written outside
+    the flow (`harvest run`). Not in the SPEC's list: readers ignore it."""
 
 
 def statistics_sentence(contents: str) -> str:

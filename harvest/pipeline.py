@@ -28,11 +28,11 @@ from safetensors.torch import save as save_tensors
 
 from harvest.engines.base import Engine, EngineLoad, hand_over
 from harvest.layers import RESIDUAL_STREAM_CONVENTION
-from harvest.manifest import MANIFEST, STATS, Manifest, ModelEntry, PromptEntry, statistics_sentence
+from harvest.manifest import STATS, Manifest, ModelEntry, PromptEntry, statistics_sentence
 from harvest.metrics import count_forward, count_shard_written
 from harvest.request import ResolvedJob, check_token_total
 from harvest.shard_file import StagedShard
-from harvest.jobfiles import shard_ranges
+from harvest.jobfiles import JobFiles, shard_ranges
 from harvest.shards import ShardRecord, read_part, shard_name, stored_stats, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
@@ -349,13 +349,15 @@ def finalize(
     *,
     timings: Timings | None = None,
     tokenized: list[TokenizedPrompt] | None = None,
+    writer: str | None = None,
 ) -> JobSummary:
     """Merge every shard's statistics, write stats.safetensors, then the manifest, last.
 
     The manifest lists each shard's sha256 as stored now, not as its record says
     (`stored_records`). `timings` (of the shard work, possibly summed over workers) go into
     the manifest with the time spent here added, so whoever reads the manifest has the whole
-    job's summary.
+    job's summary. `writer` (the flow attempt's token) goes into the manifest, so a failing
+    attempt removes only a manifest of its own (`JobFiles.discard_manifest`).
     """
     timings = timings or Timings()
     tokenized = tokenized or tokenize_job(job)
@@ -395,9 +397,10 @@ def finalize(
         timings=timings.as_dict(),
         bytes_written=sum(r.bytes for r in records) + len(stats_bytes),
         created_at=datetime.now(timezone.utc).isoformat(),
+        writer=writer,
     )
     manifest_bytes = manifest.model_dump_json(indent=2).encode()
-    storage.write_bytes(MANIFEST, manifest_bytes)
+    JobFiles(storage).write_manifest(manifest_bytes)
     return JobSummary(
         n_shards=len(records),
         tokens=manifest.tokens,

@@ -44,11 +44,14 @@ written since reported missing. So S3 filesystems opened here keep no listings c
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import posixpath
 import threading
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -61,6 +64,12 @@ __all__ = ["Storage", "open_storage", "stream_digest", "HASH_CHUNK_BYTES"]
 _CREATE_LOCK = threading.Lock()
 """Makes an exists-then-write one step on stores with no create-once write of their own
 (fsspec's in-memory store of tests, which lives in one process)."""
+
+_NAME_LOCK = threading.Lock()
+"""`Storage.locked` on in-process stores (fsspec's in-memory store of tests)."""
+
+_CONDITIONAL_TRIES = 5
+"""Conditional deletes tried before giving up on an object that keeps being replaced."""
 
 HASH_CHUNK_BYTES = 8 << 20
 """Read size of a hashing pass (one buffer, reused)."""
@@ -196,10 +205,106 @@ class Storage:
         if self.exists(name):
             self.fs.rm(self.path(name))
 
+    # -- a file removed only by its own writer (a stale run's failure path) ----------------
+
+    @contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        """Hold file `name`'s lock while the block runs: a write of `name` made under it never
+        lands between `delete_if`'s check and its removal, in any process. On local disk an
+        exclusive `flock` of a hidden lock file beside it (`.<name>.lock`, 0600, left in place:
+        removing it would let two holders lock two different files); in-process stores (tests)
+        a process-wide lock; on S3 nothing, since `delete_if` is conditional on the object's
+        ETag there and needs no writer's help."""
+        if self._is_s3:
+            yield
+            return
+        if not self.is_local:
+            with _NAME_LOCK:
+                yield
+            return
+        folder, base = posixpath.split(self.path(name))
+        fd = open_private(posixpath.join(folder, f".{base}.lock"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
+            yield
+        finally:
+            os.close(fd)
+
+    def delete_if(self, name: str, owned: Callable[[bytes], bool]) -> bool:
+        """Remove file `name` only if `owned(its bytes)` says it is the caller's, checked and
+        removed as one step: a write of `name` that lands after the check is never removed.
+        True if removed; False if kept or absent.
+
+        On S3 the removal is a DeleteObject with `If-Match: <the ETag of the bytes checked>`
+        (AWS S3 and moto's server answer 412 when the object changed since; the bytes are read
+        with the same condition, s3fs's `IfMatch` on its GETs); on a 412 the object now there is
+        checked again. On local disk and in-process stores the check and the unlink run under
+        `locked(name)`, which the writer of `name` must hold too (local disk has no
+        unlink-if-unchanged)."""
+        if self._is_s3:
+            return self._delete_if_s3(name, owned)
+        if not self.exists(name):
+            # Nothing to remove, and nothing of the caller's can land meanwhile; no lock taken,
+            # so a folder removed by the retention sweep is not made again for a lock file.
+            return False
+        with self.locked(name):
+            try:
+                data = self.read_bytes(name)
+            except FileNotFoundError:
+                return False
+            if not owned(data):
+                return False
+            if self.is_local:
+                target = self.path(name)
+                os.unlink(target)
+                _fsync_path(os.path.dirname(target) or ".")
+            else:
+                self.fs.rm(self.path(name))
+            return True
+
+    def _delete_if_s3(self, name: str, owned: Callable[[bytes], bool]) -> bool:
+        from s3fs.utils import FileExpired
+
+        target = self.path(name)
+        bucket, key, _ = self.fs.split_path(target)
+        for _ in range(_CONDITIONAL_TRIES):
+            try:
+                # The HEAD's ETag, and GETs conditional on it: the bytes are that version's.
+                with self.fs.open(self._fresh(target), "rb", cache_type="none") as handle:
+                    etag, data = handle.details["ETag"], handle.read()
+            except FileNotFoundError:
+                return False
+            except FileExpired:
+                continue  # replaced between the HEAD and the GET: look again
+            if not owned(data):
+                return False
+            try:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+            except FileNotFoundError:
+                return False  # gone already (removed by someone else)
+            except OSError as exc:
+                if not _condition_failed(exc):
+                    raise
+                continue  # replaced since the read: the new object is checked in turn
+            finally:
+                self.fs.invalidate_cache(target)
+            return True
+        raise OSError(f"{target} kept changing under {_CONDITIONAL_TRIES} conditional deletes; left in place")
+
     def delete_all(self) -> None:
         """Remove the whole folder (retention sweep, tests)."""
         if self.fs.exists(self._fresh(self.root)):
             self.fs.rm(self.root, recursive=True)
+
+    def total_bytes(self) -> int:
+        """Bytes of every file under the folder now, recursively, from a fresh listing: on S3
+        one listing of the prefix (its objects' sizes, what the bucket bills), on local disk a
+        walk of the folder (files that vanish meanwhile left out). Folders themselves count
+        nothing: `du -b` adds their entries' few KiB on local disk, a store has none."""
+        if not self.fs.exists(self._fresh(self.root)):
+            return 0
+        files = self.fs.find(self.root, detail=True)  # s3fs lists a prefix whole, never from its cache
+        return sum(int(info.get("size") or 0) for info in files.values() if info.get("type") == "file")
 
     def listdir(self) -> list[str]:
         """Names in the folder now (never a cached listing)."""
@@ -218,6 +323,13 @@ def stream_digest(handle) -> tuple[int, str]:
         sha.update(memoryview(buffer)[:n])
         size += n
     return size, sha.hexdigest()
+
+
+def _condition_failed(exc: OSError) -> bool:
+    """Whether s3fs's error is S3's answer to a failed condition (412, or AWS's 409 for two
+    conditional requests at once): s3fs turns both into a bare OSError, the code in its cause."""
+    error = getattr(getattr(exc, "__cause__", None), "response", None) or {}
+    return error.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 
 
 def _fsync_path(path: str) -> None:

@@ -54,7 +54,10 @@ secret() { python3 -c "import secrets; print(secrets.token_hex(12))"; }
 ENV_FILE=$STATE/compose.env
 sed -e "s|^POSTGRES_PASSWORD=.*|POSTGRES_PASSWORD=$(secret)|" \
     -e "s|^MINIO_ROOT_PASSWORD=.*|MINIO_ROOT_PASSWORD=$(secret)|" \
-    -e "s|^S3_SECRET_KEY=.*|S3_SECRET_KEY=$(secret)|" \
+    -e "s|^JOBS_DB_PASSWORD=.*|JOBS_DB_PASSWORD=$(secret)|" \
+    -e "s|^PREFECT_DB_PASSWORD=.*|PREFECT_DB_PASSWORD=$(secret)|" \
+    -e "s|^S3_API_SECRET_KEY=.*|S3_API_SECRET_KEY=$(secret)|" \
+    -e "s|^S3_WORKER_SECRET_KEY=.*|S3_WORKER_SECRET_KEY=$(secret)|" \
     -e "s|^PREFECT_AUTH_STRING=.*|PREFECT_AUTH_STRING=harvest:$(secret)|" \
     -e "s|^METRICS_TOKEN=.*|METRICS_TOKEN=$(secret)|" \
     -e "s/^\(API_\|PREFECT_\|S3_\)PUBLISH_ADDR=.*/\1PUBLISH_ADDR=$PUBLISH/" \
@@ -152,7 +155,7 @@ client() {
     -e API_1=http://api-1:8000/v1 -e API_2=http://api-2:8000/v1 -e "KEY=$KEY" \
     -e "JOBS_DB=postgresql://harvest:$POSTGRES_PASSWORD@postgres:5432/jobs" \
     -e "S3_ENDPOINT=$S3_ENDPOINT_URL" -e "S3_BUCKET=$S3_BUCKET" -e "S3_PREFIX=$S3_PREFIX" \
-    -e "AWS_ACCESS_KEY_ID=$S3_ACCESS_KEY" -e "AWS_SECRET_ACCESS_KEY=$S3_SECRET_KEY" -e "AWS_DEFAULT_REGION=$S3_REGION" \
+    -e "AWS_ACCESS_KEY_ID=$S3_API_ACCESS_KEY" -e "AWS_SECRET_ACCESS_KEY=$S3_API_SECRET_KEY" -e "AWS_DEFAULT_REGION=$S3_REGION" \
     -e PREFECT_API_URL=http://control-plane:4200/api -e "PREFECT_API_AUTH_STRING=$PREFECT_AUTH_STRING" \
     "$PREFIX/api:$TAG" python /smoke/client.py "$@"
 }

@@ -117,13 +117,14 @@ def run_shard_range(work: ShardWork, ids: range, *, should_stop, on_shard) -> Ti
     retry_delay_seconds=[1, 4],
     retry_condition_fn=_transient,
 )
-def finalize_job(work: ShardWork, engine_entry: dict[str, str], job_id: str, timings: Timings) -> JobSummary:
+def finalize_job(work: ShardWork, engine_entry: dict[str, str], job_id: str, timings: Timings, writer: str | None = None) -> JobSummary:
     """Merge every shard's statistics partial, write the statistics, then the manifest last.
 
     Retried twice on a storage error, as a shard's write is: the merge reads the shards'
     partials again and both files are whole-object writes, so a retry redoes them alike (a
     manifest whose PUT landed unanswered is written again, the same but for its timings).
     Without it one statistics or manifest write failing past botocore's attempts failed a job
-    whose shards were all written (tests/test_faults_finalize.py)."""
+    whose shards were all written (tests/test_faults_finalize.py). `writer`: the flow
+    attempt's token, recorded in the manifest (`harvest.manifest.Manifest.writer`)."""
     timings = Timings(**vars(timings))  # a retry starts from the shards' timings again
-    return finalize(work.job, work.storage, engine_entry, job_id, timings=timings, tokenized=work.tokenized)
+    return finalize(work.job, work.storage, engine_entry, job_id, timings=timings, tokenized=work.tokenized, writer=writer)

@@ -3,7 +3,8 @@
 Fixtures (each server starts only when a test asks for it, and is killed at session end):
 
 ``api_server`` → ``ApiServer``
-    the real app (`uvicorn --factory`, ``tests.api_factories``) on 127.0.0.1 and a free port, with the project's own registry
+    the real app (``tests.api_factories``) run as a replica is (``fleet.roles.api_command``: uvicorn with the replica's
+    HTTP parsing bounds and proxies) on 127.0.0.1 and a free port, with the project's own registry
     (infra/models.toml), its own SQLite job store and storage folder under the session's
     HARVEST_HOME. Harvest runs go to ``FileRuns`` (below), so no Prefect is needed; inline
     completions and ``/v1/models`` are served for real. ``.base_url`` is ``http://127.0.0.1:<port>/v1``.
@@ -30,9 +31,9 @@ environment (no Prefect address or password: the stack makes its own); a context
 giving the stack's ready lines (``ACS_API_BASE``, ``ACS_API_KEY``, ``PREFECT_UI``) plus
 ``home``, ``prefect_api_url`` and ``prefect_auth``, and stopping the stack (SIGTERM) on exit.
 
-``serve_in_thread(app)`` serves an app made by ``api.app.create_app`` (with the parts a test
+``serve_in_thread(app, settings=None)`` serves an app made by ``api.app.create_app`` (with the parts a test
 swaps: an engine pool on the session's engine, a budget or limiter of its own) under uvicorn in
-a thread of the test process, without its lifespan (no watcher: the routes these tests call
+a thread of the test process, with a replica's HTTP server options (of ``settings``), without its lifespan (no watcher: the routes these tests call
 need none; no migration either: hand such an app ``store=job_store``); a context manager giving
 the server's root URL.
 ``job_store`` → ``api.db.JobStore``: the session's own job store (SQLite at
@@ -44,9 +45,10 @@ their keys in it (``create_key(name, engine=job_store.engine)``) and counts its 
 Each ``read`` appends a line to ``<runs_dir>/reads.log``; a file ``<runs_dir>/unreachable``
 makes reads fail as a Prefect server that is down would, ``<runs_dir>/start-fails`` starts;
 ``<runs_dir>/start-fails-after-create`` makes a start create the run and then fail (an answer
-lost on its way back), and ``<runs_dir>/cancel-fails`` makes cancels fail.
+lost on its way back), and ``<runs_dir>/cancel-fails`` makes cancels fail;
+``<runs_dir>/cancel-leaves-cancelling`` leaves a cancelled run Cancelling (its process still stopping).
 A run is a JSON file ``<runs_dir>/<run_id>.json`` that the test moves through states with
-``set_run(server, job_id, status, message=None)``; ``finish_run(server, job_id, engine)``
+``set_run(server, job_id, status, message=None, state_name="")``; ``finish_run(server, job_id, engine)``
 really harvests the job with the core pipeline into the server's storage (what a worker
 does) and marks the run done.
 """
@@ -185,6 +187,8 @@ class FileRuns:
         data = self.get(run_id)
         if data is not None and data["status"] in ("pending", "running"):
             data["status"] = "cancelled"
+            if (self.dir / "cancel-leaves-cancelling").exists():  # tests: its worker has yet to stop it
+                data["state_name"] = "Cancelling"
             data["cancels"] = data.get("cancels", 0) + 1
             self._write(run_id, data)
 
@@ -206,6 +210,7 @@ class FileRuns:
                     message=data.get("message"),
                     started_at=datetime.fromisoformat(started) if started else None,
                     crashed=crashed,
+                    state_name=data.get("state_name", ""),  # e.g. "Cancelling": cancelled, its process still stopping
                 )
         return states
 
@@ -215,10 +220,11 @@ class FileRuns:
         data["reschedules"] = data.get("reschedules", 0) + 1
         self._write(run_id, data)
 
-    def set(self, run_id: str, status: str, message: str | None = None) -> None:
+    def set(self, run_id: str, status: str, message: str | None = None, state_name: str = "") -> None:
         data = self.get(run_id) or {}
         data["status"] = status
         data["message"] = message
+        data["state_name"] = state_name
         if status == "running" and not data.get("started_at"):
             data["started_at"] = datetime.now(timezone.utc).isoformat()
         self._write(run_id, data)
@@ -300,14 +306,15 @@ class ApiServer:
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float) -> "ApiServer":
+        from fleet.roles import api_command
+
         # A variable given as None is left out: the replica then runs with the app's own default.
         env = {name: value for name, value in {**os.environ, **self.env}.items() if value is not None}
         env["PYTHONPATH"] = str(REPO)
         logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "--factory", self.app, "--host", "127.0.0.1", "--port", str(self.port),
-                 "--log-level", "warning"],
+                api_command(self.app, "127.0.0.1", self.port, log_level="warning"),  # the replica's, as shipped
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout
@@ -369,8 +376,9 @@ class ApiServer:
         return Storage(self.env.get("HARVEST_STORAGE_URL") or f"file://{self.home / 'storage'}")
 
 
-def set_run(server: ApiServer, job_id: str, status: str, message: str | None = None) -> None:
-    server.runs.set(f"run-{job_id}", status, message)
+def set_run(server: ApiServer, job_id: str, status: str, message: str | None = None, state_name: str = "") -> None:
+    """Move the job's run to `status` (`state_name`: Prefect's name for it, e.g. "Cancelling")."""
+    server.runs.set(f"run-{job_id}", status, message, state_name)
 
 
 def finish_run(server: ApiServer, job_id: str, engine, storage=None) -> None:
@@ -395,14 +403,19 @@ def finish_run(server: ApiServer, job_id: str, engine, storage=None) -> None:
 
 
 @contextmanager
-def serve_in_thread(app):
+def serve_in_thread(app, settings=None):
     """Serve `app` under uvicorn in a daemon thread on a free loopback port, without its
-    lifespan; yields the root URL and stops the server on exit."""
+    lifespan, with a replica's HTTP server options (`api.http_server.http_options`) of
+    `settings` (default: the session's `ApiSettings`); yields the root URL and stops the
+    server on exit."""
     import uvicorn
+
+    from api.http_server import http_options
+    from api.settings import ApiSettings
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **http_options(settings or ApiSettings())))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -118,3 +118,43 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
     again = http_calls.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()
     assert again["result"]["shard_urls"] == result["shard_urls"] and again["urls_expire_at"] == job["urls_expire_at"]
     assert http_calls.get(again["result"]["shard_urls"][0], timeout=30).content == http_calls.get(result["shard_urls"][0], timeout=30).content
+
+
+def test_s3_done_job_holds_what_the_bucket_lists(s3_api, moto_endpoint, hf_engine):
+    """On S3 a done job's bytes held (its key's storage quota) are its objects' sizes as the
+    bucket lists them: shards, statistics, manifest, request and `_parts/` records alike."""
+    import boto3
+    import s3fs
+    from sqlalchemy import select
+
+    from api.db import jobs
+    from api.store import key_usage
+    from harvest.storage import Storage
+
+    key = s3_api.make_key(name="s3-held")
+    auth = {"Authorization": f"Bearer {key}"}
+    submitted = http_calls.post(f"{s3_api.base_url}/harvest", headers=auth, timeout=60, json={
+        "model": "llama-tiny", "prompts": ["The sky is blue and the grass is green. " * 60, "Grass is"], "layers": [1, 3],
+    })
+    assert submitted.status_code == 202, submitted.text
+    job_id = submitted.json()["job_id"]
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_endpoint})
+    finish_run(s3_api, job_id, hf_engine, storage=Storage(f"s3://{BUCKET}/service", fs, f"{BUCKET}/service"))
+    deadline = time.monotonic() + 15
+    while http_calls.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()["status"] != "done":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())
+    objects = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"service/jobs/{job_id}/")
+               for o in page.get("Contents", [])]
+    listed = sum(o["Size"] for o in objects)
+    assert any("/_parts/" in o["Key"] for o in objects) and any(o["Key"].endswith("/request.json") for o in objects)
+    engine = s3_api.engine()
+    try:
+        with engine.connect() as conn:
+            key_id = conn.execute(select(jobs.c.key_id).where(jobs.c.id == job_id)).scalar_one()
+            held = key_usage(conn, key_id, retention_days=30)["bytes_held"]
+    finally:
+        engine.dispose()
+    assert listed > 0 and abs(held - listed) <= listed // 100, (held, listed)

@@ -10,6 +10,9 @@ this checks, without Docker, everything that can drift from the service:
   "Running as a fleet" says the role needs (Prefect URL, job store, bucket, S3 endpoint);
 - every HARVEST_* variable it sets is a settings field (`fleet.settings.FleetSettings`, which holds every layer's) (a misspelt one is silently ignored);
 - the GPU worker is optional (a profile) and reserves NVIDIA devices;
+- least privilege (issue #44, item 6): a database user per database, none of them the
+  superuser; a storage user per role, with a MinIO policy scoped to what the role writes
+  (infra/minio/, its init script run here with a stand-in `mc`);
 - the Dockerfile has the targets compose builds, pins what the install scripts pin, and
   installs every third-party module the service imports that pyproject does not declare;
 - the runbook covers bring-up, adding a GPU host, draining, upgrading, backups, the Prefect UI
@@ -113,6 +116,20 @@ def _services() -> dict[str, dict]:
 def _command(service: dict) -> list[str]:
     command = service.get("command") or []
     return shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+
+
+def _script(service: dict) -> str:
+    """What a one-shot runs: its command, and the text of a script its entrypoint runs from a
+    folder of infra/ it mounts (minio-init's infra/minio/init.sh)."""
+    text = " ".join(_command(service))
+    entrypoint = service.get("entrypoint") or []
+    for word in entrypoint if isinstance(entrypoint, list) else shlex.split(entrypoint):
+        for volume in service.get("volumes", []):
+            source, _, target = str(volume).partition(":")
+            target = target.split(":")[0]
+            if source.startswith("./") and word.startswith(target + "/"):
+                text += "\n" + (COMPOSE.parent / source / word[len(target) + 1:]).read_text()
+    return text
 
 
 def _role(service: dict) -> str | None:
@@ -225,7 +242,7 @@ def test_compose_mirrors_the_fleet_topology():
     s3 = [n for n, s in services.items() if "minio/minio" in str(s.get("image", "")) and "server" in _command(s)]
     assert len(postgres) == 1, postgres
     assert len(s3) == 1, s3
-    assert any("mc mb" in " ".join(_command(s)) for s in services.values()), "no one-shot bucket creation"
+    assert any("mc mb" in _script(s) for s in services.values()), "no one-shot bucket creation"
 
     assert len(_by_role("server")) == 1, "exactly one control plane"
     replicas = Fleet.__dataclass_fields__["replicas_n"].default
@@ -238,7 +255,7 @@ def test_compose_mirrors_the_fleet_topology():
 
     # Roles that the topology test knows nothing of would be a different fleet.
     others = {n for n, s in services.items() if _role(s) is None} - set(postgres) - set(s3)
-    assert all("mc " in " ".join(_command(services[n])) for n in others), others
+    assert all("mc " in _script(services[n]) for n in others), others
 
 
 def test_every_command_is_a_real_harvest_role_with_its_flags():
@@ -351,6 +368,158 @@ def test_gpu_workers_are_optional_and_reserve_gpus():
             assert "deploy" not in service or "devices" not in str(service["deploy"]), f"{name} reserves devices outside the gpu profile"
 
 
+def test_each_database_has_a_user_of_its_own():
+    """The job store and Prefect each log in as their own user, never PostgreSQL's superuser;
+    postgres-init.sql creates both (no superuser powers), gives each its database, takes
+    CONNECT from everyone else, and reads their passwords from what compose hands the server.
+    (Run for real on this machine's PostgreSQL: tests/test_least_privilege.py.)"""
+    services = _services()
+    (pg_name, postgres), = ((n, s) for n, s in services.items() if str(s.get("image", "")).split("/")[-1].startswith("postgres"))
+    pg_env = _env(postgres)
+    superuser = pg_env["POSTGRES_USER"]
+    (_, control_plane), = _by_role("server").items()
+    prefect_url = urlparse(_env(control_plane)["PREFECT_API_DATABASE_CONNECTION_URL"])
+    api_urls = {urlparse(_env(s)["HARVEST_DATABASE_URL"]) for s in _by_role("api").values()}
+    (jobs_url,) = api_urls
+    users = {jobs_url.path.lstrip("/"): jobs_url.username, prefect_url.path.lstrip("/"): prefect_url.username}
+    assert len(set(users.values())) == 2 and superuser not in users.values(), (users, superuser)
+    assert jobs_url.password != prefect_url.password != pg_env["POSTGRES_PASSWORD"] != jobs_url.password
+
+    sql = PG_INIT.read_text()
+    for db, user in users.items():
+        assert re.search(rf"CREATE ROLE {user} LOGIN'", sql), f"{PG_INIT.name} does not create {user}"
+        assert re.search(rf"CREATE DATABASE {db} OWNER {user}'", sql) and f"ALTER DATABASE {db} OWNER TO {user};" in sql, (db, user)
+        assert f"REVOKE ALL ON DATABASE {db} FROM PUBLIC;" in sql, db
+        assert re.search(rf"ALTER ROLE {user} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD :'\w+';", sql), user
+    # Each password comes from the server's environment, the very value the role's URL carries.
+    example = _example_env()
+    for user, url in ((prefect_url.username, prefect_url), (jobs_url.username, jobs_url)):
+        variable = re.search(rf"ALTER ROLE {user} .* PASSWORD :'(\w+)';", sql).group(1)
+        env_name = re.search(rf"\\getenv {variable} (\w+)", sql).group(1)
+        assert pg_env.get(env_name) == url.password, (user, env_name)
+        assert _variables_used(COMPOSE.read_text())[env_name] == ":?" and env_name in example, env_name
+
+
+def _minio_init() -> dict:
+    (service,) = (s for s in _services().values() if "mc admin" in _script(s))
+    return service
+
+
+def _policies_as_created(tmp_path: Path) -> tuple[list[list[str]], dict[str, dict]]:
+    """minio-init's script run with compose's environment for it (the example's values) and a
+    stand-in `mc` that records its calls and keeps each policy file it is given."""
+    import json
+    import os
+    import subprocess
+
+    service = _minio_init()
+    (entry,) = [w for w in service["entrypoint"] if w.endswith(".sh")]
+    script = _script({"entrypoint": [entry], "volumes": service["volumes"]}).strip()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "init.sh").write_text(script)
+    for policy in (INFRA / "minio").glob("*.json"):
+        (tmp_path / policy.name).write_text(policy.read_text())
+    mc = tmp_path / "bin" / "mc"
+    mc.write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$MC_LOG"\n'
+                  '[ "$1 $2 $3" = "admin policy create" ] && cp "$6" "$MC_POLICIES/$5.json"\nexit 0\n')
+    mc.chmod(0o755)
+    env = {**os.environ, **_env(service), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+           "MC_LOG": str(tmp_path / "mc.log"), "MC_POLICIES": str(tmp_path / "policies")}
+    done = subprocess.run(["sh", str(tmp_path / "init.sh")], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    calls = [line.split() for line in (tmp_path / "mc.log").read_text().splitlines()]
+    policies = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "policies").glob("*.json")}
+    return calls, policies
+
+
+def _allows(policy: dict, action: str, resource: str, prefix: str | None = None) -> bool:
+    """Whether `policy` allows `action` on `resource` (MinIO's and IAM's matching: `*` is any
+    run of characters, `/` included; a ListBucket's `s3:prefix` condition with `prefix`)."""
+    from fnmatch import fnmatchcase
+
+    for statement in policy["Statement"]:
+        assert statement["Effect"] == "Allow", statement  # no Deny: nothing to reason about twice
+        actions, resources = statement["Action"], statement["Resource"]
+        if not any(fnmatchcase(action, a) for a in actions) or not any(fnmatchcase(f"arn:aws:s3:::{resource}", r) for r in resources):
+            continue
+        condition = statement.get("Condition")
+        if condition is None:
+            return True
+        assert set(condition) == {"StringLike"} and set(condition["StringLike"]) == {"s3:prefix"}, condition
+        if prefix is not None and any(fnmatchcase(prefix, p) for p in condition["StringLike"]["s3:prefix"]):
+            return True
+    return False
+
+
+def test_storage_users_are_one_per_role_and_scoped(tmp_path):
+    """Each role has its own storage user, and minio-init gives each a policy of its own, never
+    MinIO's `readwrite`: the API replicas read and presign job files and write request.json
+    only; the worker hosts write and delete job and corpus-refresh files, nothing else. Checked
+    on the object names the service itself writes (`harvest.jobfiles`, the corpus refresh)."""
+    from flows.corpus_refresh import refresh_prefix
+    from harvest.jobfiles import MANIFEST, PROGRESS, STATS, JobFiles, part_name, shard_name
+    from harvest.storage import Storage
+
+    users = {role: {_env(s)["AWS_ACCESS_KEY_ID"] for s in _by_role(role).values()} for role in ("api", "worker")}
+    secrets = {role: {_env(s)["AWS_SECRET_ACCESS_KEY"] for s in _by_role(role).values()} for role in ("api", "worker")}
+    assert all(len(found) == 1 for found in [*users.values(), *secrets.values()]), (users, secrets)
+    (api_user,), (worker_user,) = users["api"], users["worker"]
+    assert api_user != worker_user and secrets["api"] != secrets["worker"]
+    root = _env(_minio_init())["MINIO_ROOT_USER"]
+    assert root not in (api_user, worker_user)
+    assert not [n for n, s in _services().items() if _role(s) and "MINIO_ROOT_PASSWORD" in str(_env(s))]
+
+    calls, policies = _policies_as_created(tmp_path)
+    attached = {call[-1]: call[4] for call in calls if call[:3] == ["admin", "policy", "attach"]}
+    assert attached == {api_user: "harvest-api", worker_user: "harvest-worker"}, calls
+    assert {call[4] for call in calls if call[:3] == ["admin", "user", "add"]} == {api_user, worker_user}, calls
+    assert not [c for c in calls if "readwrite" in c or "consoleAdmin" in c], calls
+
+    # The object names, as the roles' storage root spells them (HARVEST_STORAGE_URL).
+    (storage_url,) = {_env(s)["HARVEST_STORAGE_URL"] for r in ("api", "worker") for s in _by_role(r).values()}
+    files = JobFiles.for_job("0f0e0d0c-job", Storage(storage_url))
+    bucket = storage_url.removeprefix("s3://").split("/")[0]
+    request = files.storage.path("request.json")
+    results = [files.storage.path(name) for name in (shard_name(0), part_name(0), STATS, MANIFEST, PROGRESS)]
+    corpus_part = Storage(storage_url).path(f"{refresh_prefix('nightly')}/part-0000/{shard_name(0)}")
+    corpus_file = f"{bucket}/corpora/wiki.parquet"  # an operator's corpus, beside the storage root
+    folder = files.storage.path("")[len(bucket) + 1:]  # a job folder's key prefix, as s3fs lists it
+    outside = [f"{bucket}/elsewhere/x", f"other-{bucket}/{folder}{MANIFEST}"]
+
+    api, worker = policies["harvest-api"], policies["harvest-worker"]
+    # The API: read and presign the job files, list their folders, write the request only.
+    assert all(_allows(api, "s3:GetObject", key) for key in [request, *results])
+    assert _allows(api, "s3:ListBucket", bucket, prefix=folder)
+    assert _allows(api, "s3:PutObject", request)
+    assert not [key for key in results if _allows(api, "s3:PutObject", key)]
+    assert not [key for key in [request, *results, corpus_part] if _allows(api, "s3:DeleteObject", key)]
+    assert not _allows(api, "s3:GetObject", corpus_file) and not _allows(api, "s3:ListBucket", bucket, prefix="")
+    assert not [key for key in outside if _allows(api, "s3:GetObject", key) or _allows(api, "s3:PutObject", key)]
+    # The workers: read the bucket, write and delete job and corpus-refresh files, no others.
+    assert all(_allows(worker, "s3:GetObject", key) for key in [request, *results, corpus_file])
+    for action in ("s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+        assert all(_allows(worker, action, key) for key in [*results, corpus_part]), action
+        assert not [key for key in [*outside, corpus_file] if _allows(worker, action, key)], action
+    # Nothing administrative, in either: no policy, bucket or user changes.
+    actions = {a for policy in (api, worker) for st in policy["Statement"] for a in st["Action"]}
+    assert actions <= {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
+                       "s3:ListMultipartUploadParts"}, actions
+
+
+def test_the_smoke_run_replaces_every_placeholder_secret():
+    """compose-smoke.sh makes its env file from the example with fresh secrets: every one (the
+    roles refuse a placeholder at start-up, `fleet.placeholders`)."""
+    from fleet.placeholders import PLACEHOLDER
+
+    smoke = SMOKE_SH.read_text()
+    used = _variables_used(COMPOSE.read_text())  # the smoke runs compose.yaml (not the metrics overlay)
+    placeholders = [name for name, value in _example_env().items() if PLACEHOLDER in value and name in used]
+    assert len(placeholders) >= 7, placeholders
+    missing = [name for name in placeholders if not re.search(rf'-e "s\|\^{name}=\.\*\|{name}=', smoke)]
+    assert not missing, f"compose-smoke.sh keeps the example's placeholder for {missing}"
+
+
 def test_compose_builds_dockerfile_targets():
     stages = _stages()
     assert {"api", "worker-cpu", "worker-gpu"} <= set(stages), sorted(stages)
@@ -373,7 +542,7 @@ def test_compose_variables_are_documented():
     missing = sorted(set(used) - set(documented))
     assert not missing, f"compose.yaml reads variables compose.env.example does not document: {missing}"
     required = sorted(n for n, op in used.items() if op in (":?", "?"))
-    assert {"POSTGRES_PASSWORD", "S3_SECRET_KEY"} <= set(required), required
+    assert {"POSTGRES_PASSWORD", "JOBS_DB_PASSWORD", "PREFECT_DB_PASSWORD", "S3_API_SECRET_KEY", "S3_WORKER_SECRET_KEY"} <= set(required), required
 
 
 def test_dockerfile_pins_what_the_install_scripts_pin():

@@ -1,6 +1,7 @@
 """Requests without a valid key are limited per client address, and can neither lock a valid
 key out nor dodge the limit by naming their own address (issue #36, item 2); `/health` tells
-nothing about the host without a key (item 6).
+nothing about the host without a key (item 6), nor to a tenant's key: only the operator's
+metrics token learns the replica's host and pid (issue #44, item 6).
 
 Against the real app under uvicorn on loopback, started the way every role starts it
 (`fleet.roles.start_api_replica`, with its uvicorn flags), with the Prefect-free run store of
@@ -11,6 +12,8 @@ same address's valid key 429; a fresh X-Forwarded-For per request was never limi
 
 from __future__ import annotations
 
+import secrets
+import socket
 import uuid
 from pathlib import Path
 
@@ -34,6 +37,7 @@ class Replica:
         self.dir = home / "api" / f"keyless-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir(parents=True)
         self.database_url = f"sqlite:///{self.dir / 'harvest.db'}"
+        self.metrics_token = secrets.token_urlsafe(24)  # the operator's
         self.managed = None
 
     def __enter__(self) -> "Replica":
@@ -47,6 +51,10 @@ class Replica:
             "HARVEST_RATE_ANONYMOUS_BURST": str(BURST),
             "HARVEST_RATE_ANONYMOUS_PER_S": "0.01",
             "HARVEST_TRUSTED_PROXIES": self.trusted,
+            "HARVEST_METRICS_TOKEN": self.metrics_token,
+            # The control plane's secrets, as a one-box launcher holds them: never the replica's.
+            "PREFECT_SERVER_API_AUTH_STRING": "harvest:server-side",
+            "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://prefect:pw@127.0.0.1:9/prefect",
             "PYTHONPATH": str(REPO),
         }
         # The launcher reads the operator's setting in its own process, as `harvest api` does.
@@ -142,15 +150,30 @@ def test_the_forwarded_address_is_the_clients_behind_a_trusted_proxy(behind_prox
     assert behind_proxy.models() == 401  # the proxy's own address (no header) is its own bucket
 
 
-def test_health_tells_the_host_only_to_a_valid_key(untrusted):
+def test_health_tells_the_host_to_the_operator_only(untrusted):
+    # The server's own pid and host name, from outside it: the uvicorn process the launcher started.
+    pid, host = str(untrusted.managed.pid), socket.gethostname()
     plain = http_calls.get(f"{untrusted.root}/health", timeout=10)
     assert plain.status_code == 200 and plain.json() == {"status": "ok"}, plain.text
     wrong = http_calls.get(f"{untrusted.root}/health", headers=_auth("acs_" + "z" * 43), timeout=10)
     assert wrong.status_code == 200 and wrong.json() == {"status": "ok"}, wrong.text
-    key = untrusted.make_key("health")
-    detail = http_calls.get(f"{untrusted.root}/health", headers=_auth(key), timeout=10).json()
+    tenant = http_calls.get(f"{untrusted.root}/health", headers=_auth(untrusted.make_key("health")), timeout=10)
+    assert tenant.status_code == 200 and tenant.json() == {"status": "ok"}, tenant.text
+    assert pid not in tenant.text and host not in tenant.text, tenant.text
+    detail = http_calls.get(f"{untrusted.root}/health", headers=_auth(untrusted.metrics_token), timeout=10).json()
     assert detail["status"] == "ok" and set(detail) == {"status", "replica", "watcher"}, detail
+    assert detail["replica"].split(":")[:2] == [host, pid], detail
     assert isinstance(detail["watcher"], bool)
+
+
+def test_the_replica_is_handed_only_its_own_secrets(untrusted):
+    """Its uvicorn, read from /proc: the job store, the links' key and its /metrics token, but
+    not what only the control plane uses (`fleet.processes.API_NEEDS`)."""
+    import psutil
+
+    env = psutil.Process(untrusted.managed.pid).environ()
+    assert env["HARVEST_DATABASE_URL"] == untrusted.database_url and env["HARVEST_METRICS_TOKEN"] == untrusted.metrics_token
+    assert "PREFECT_SERVER_API_AUTH_STRING" not in env and "PREFECT_API_DATABASE_CONNECTION_URL" not in env
 
 
 def test_trusted_proxies_must_be_addresses_or_networks(monkeypatch):

@@ -265,8 +265,9 @@ def test_each_layer_owns_its_settings_section():
 
 # The API's settings reach its routes from the app (`create_app(settings=…)`, read as
 # `api.deps.AppSettings` or `app.state.settings`). Only the factory's default, the job store's
-# default URL and the `harvest keys` command read the process's own.
-SETTINGS_READERS = {"api.app", "api.db", "api.admin", "api.migrations.env"}
+# default URL, the `harvest keys` command and the replica process's entry (`python -m
+# api.http_server`: its HTTP server's bounds) read the process's own.
+SETTINGS_READERS = {"api.app", "api.db", "api.admin", "api.migrations.env", "api.http_server"}
 
 
 def test_the_api_reads_settings_only_from_the_app_it_was_made_with():

@@ -115,12 +115,17 @@ class Replica:
     port: int
 
     key: str | None = None
-    """The fleet's key, once it has one: `/health` tells only a valid key which replica holds
-    the watcher lease."""
+    """The fleet's key, once it has one."""
 
     def health(self) -> dict:
-        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        return http_calls.get(self.base_url.removesuffix("/v1") + "/health", headers=headers, timeout=5).json()
+        """`/health` as the operator asks it, with the replica's metrics token (generated into
+        its HARVEST_HOME): which replica it is and whether it holds the watcher lease. A
+        researcher's key learns neither (tests/test_keyless_limits.py)."""
+        from harvest.metrics_export import TOKEN_FILE
+
+        token = (self.role.home / TOKEN_FILE).read_text().strip()
+        return http_calls.get(self.base_url.removesuffix("/v1") + "/health", headers={"Authorization": f"Bearer {token}"},
+                              timeout=5).json()
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 The route is thin: read, parse and check the request (`harvest.completions`) inside the replica's
 admission budget and its key's share, as a submit's body (`admit_inline`), hold the response's bytes
-in the replica's budget (`ResponseBudget`: 503 `replica_busy` with Retry-After over it), hold
-the activation quota, await the model's batcher (`api.inline_engines`), and stream the response:
+in the replica's budget and its key's share of it (`ResponseBudget`: 503 `replica_busy` with
+Retry-After over either; a client that reads nothing for `send_timeout_s` is cut and its bytes
+freed: `api.send_timeout`), hold the activation quota, await the model's batcher
+(`api.inline_engines`), and stream the response:
 the body around the residual stream is rendered once, and the stream's `data` is compressed
 and base64-encoded piece by piece in worker threads as it is sent, so a replica never holds
 several whole copies of a payload (the bytes are what a JSONResponse of the same body would
@@ -142,50 +144,90 @@ def accepted_schema(model: type[InlineRequest]) -> Callable[[dict], dict]:
 
 
 class ResponseBudget:
-    """Bytes of inline residual streams this replica holds at once (`inline_response_budget_bytes`).
+    """Bytes of inline residual streams this replica holds at once (`inline_response_budget_bytes`),
+    and each key's share of them (`inline_response_key_share`).
 
     A response holds its largest size (`PreparedCompletion.max_residual_bytes`) from before the
-    engine runs, down to its real size once generated, until its last byte is sent or its
-    client left. A hold that would pass the budget is refused with 503 `replica_busy` and
-    Retry-After, unless nothing else is held: a response bigger than the whole budget (legal
-    by the documented prompt cap) runs alone rather than never.
+    engine runs, down to its real size once generated, until its last byte is sent, its client
+    left, or its client read nothing of it for `send_timeout_s` (`api.send_timeout` cuts the
+    connection). A hold is refused with 503 `replica_busy` and Retry-After when it would pass
+    the budget, or its key's share: the responses of one key hold at most `key_share` of the
+    budget together, as the admission budget gives each key a share of its places
+    (`api.admission`), so a key's unread responses leave the rest of the budget to the others.
+    Two exceptions keep every legal request runnable: a response bigger than the key's share
+    runs when its key holds nothing else, and one bigger than the whole budget (legal by the
+    documented prompt cap) when nothing at all is held.
     """
 
     RETRY_AFTER_S = 2
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, *, key_share: float = 0.5):
         self.limit = limit
+        self.key_share = key_share
         self.in_flight = 0
         self.peak = 0
+        self._per_key: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def hold(self, size: int) -> "Hold":
+    @classmethod
+    def from_settings(cls, settings) -> "ResponseBudget":
+        return cls(settings.inline_response_budget_bytes, key_share=settings.inline_response_key_share)
+
+    @property
+    def key_limit(self) -> int:
+        """Bytes one key's responses may hold together (its share of `limit`, at least 1)."""
+        return max(1, int(self.limit * self.key_share))
+
+    def held_by(self, key_id: str) -> int:
+        """Bytes the responses of `key_id` hold."""
+        return self._per_key.get(key_id, 0)
+
+    def hold(self, key_id: str, size: int) -> "Hold":
+        """`size` bytes for a response of `key_id`, or 503 `replica_busy` (class docstring)."""
         with self._lock:
+            held = self._per_key.get(key_id, 0)
+            if size and held and held + size > self.key_limit:
+                raise ReplicaBusy(
+                    f"This key's inline responses hold {held:,} bytes of this API replica, and one key's may hold "
+                    f"{self.key_limit:,} at once; this response needs up to {size:,}. Read the responses already "
+                    f"sent to you, or try again in {self.RETRY_AFTER_S} seconds.",
+                    retry_after=self.RETRY_AFTER_S,
+                )
             if size and self.in_flight and self.in_flight + size > self.limit:
                 raise ReplicaBusy(
                     f"This API replica is sending its most inline activation bytes at once ({self.limit:,} bytes); "
                     f"this response needs up to {size:,}. Try again in {self.RETRY_AFTER_S} seconds.",
                     retry_after=self.RETRY_AFTER_S,
                 )
-            self.in_flight += size
+            self._add(key_id, size)
             self.peak = max(self.peak, self.in_flight)
-        return Hold(self, size)
+        return Hold(self, key_id, size)
 
-    def _change(self, delta: int) -> None:
+    def _add(self, key_id: str, delta: int) -> None:
+        """Under the lock: `delta` bytes more (or fewer) held, in all and by `key_id`."""
+        self.in_flight += delta
+        held = self._per_key.get(key_id, 0) + delta
+        if held > 0:
+            self._per_key[key_id] = held
+        else:
+            self._per_key.pop(key_id, None)
+
+    def _change(self, key_id: str, delta: int) -> None:
         with self._lock:
-            self.in_flight += delta
+            self._add(key_id, delta)
 
 
 class Hold:
     """One response's share of the budget; `release` is idempotent."""
 
-    def __init__(self, budget: ResponseBudget, size: int):
+    def __init__(self, budget: ResponseBudget, key_id: str, size: int):
         self.budget = budget
+        self.key_id = key_id
         self.size = size
 
     def shrink(self, size: int) -> None:
         if size < self.size:
-            self.budget._change(size - self.size)
+            self.budget._change(self.key_id, size - self.size)
             self.size = size
 
     def release(self) -> None:
@@ -200,7 +242,7 @@ def response_budget(app: FastAPI) -> ResponseBudget:
 class _HeldStream(StreamingResponse):
     """The completion's JSON (or its events), encoded piece by piece in worker threads while it
     is sent; its budget hold is released when the response ends, however it ends (a client
-    that leaves mid-body included)."""
+    that leaves mid-body included, and one cut for reading nothing: `api.send_timeout`)."""
 
     def __init__(self, body: CompletionBody, hold: Hold, media_type: str):
         super().__init__(iter(body), media_type=media_type)
@@ -281,7 +323,7 @@ async def serve_inline(request: Request, key: SubmitKey, store: JobStore, prepar
     """Run a checked inline request under the replica's response budget and the key's
     activation quota (kept in the app's job `store`), and stream what `respond` renders: the one
     path of every inline route, so the budget and the quota apply to each exactly alike."""
-    hold = response_budget(request.app).hold(prepared.max_residual_bytes)
+    hold = response_budget(request.app).hold(key.id, prepared.max_residual_bytes)
     try:
         month = None
         if prepared.layers is not None:

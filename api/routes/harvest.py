@@ -65,7 +65,8 @@ def _submit(
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts. It
         # names the layers admission resolved ("quartiles", a default), so the run captures
-        # exactly the layers the job was admitted and charged for, and says.
+        # exactly the layers the job was admitted and charged for, and says; its bytes are the
+        # ones admission counted against the storage quota (`api.admission_process.assess`).
         JobFiles.for_job(job["id"], storage).write_request(request.model_copy(update={"layers": job["layers"]}))
         run_id = runs.start(job["id"], job["request_url"], job["model"], job["lane"], key.id)
     except Exception as exc:
@@ -198,6 +199,13 @@ def _cancel(job_id: str, key: ApiKey, watcher: Watcher, runs: RunStore, engine: 
             runs.cancel(row["flow_run_id"])
         except Exception:  # the job is cancelled and charged; Prefect finishes a cancel whose host is gone
             log.exception("could not stop run %s of cancelled job %s", row["flow_run_id"], job_id)
+    if cancelled_now:
+        # What it left counts from now on: measured at once if its run is over (one that had not
+        # started is Cancelled outright), else its admitted bytes until the watcher measures it.
+        try:
+            watcher.settle([row])
+        except Exception:  # the backend is away: the watcher's ticks measure it
+            log.warning("job %s: its files could not be measured yet; the watcher will", job_id, exc_info=True)
     return row
 
 

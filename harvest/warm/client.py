@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import Client, Connection
 
 from harvest.capture import ShardCapture
 from harvest.capture_spec import CaptureSpec
 from harvest.cpu_share import with_passive_waits
+from harvest.credentials import handed
 from harvest.engines.base import Engine, EngineLoad, ValueSink
 from harvest.engines.choice import choose_engine, load_engine
 from harvest.heap import TrimEvery
@@ -20,7 +22,7 @@ from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
 from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send
 
-__all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status"]
+__all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status", "engine_server_env"]
 
 # A server lost mid-shard is started again this many times for one shard before the shard
 # fails (its task's own retry then tries once more).
@@ -31,17 +33,30 @@ class EngineLost(ConnectionError):
     """The engine server went away (killed, out of memory) while it had our request."""
 
 
+def engine_server_env(environ: Mapping[str, str], home) -> dict[str, str]:
+    """The environment an engine server is handed: the run's, less everything it does not use.
+
+    - No secret at all (`harvest.credentials.handed` with no needs): it reads weights from the
+      host's disk and answers runs on a Unix socket, so it needs neither storage credentials,
+      nor the job store, nor the metrics token; a server taken over (a model file that runs
+      code when loaded) reaches none of them.
+    - Nothing of Prefect's (`PREFECT_*`): it never calls Prefect, so neither its URL nor its
+      password; nor the run's own identity (`PREFECT__FLOW_RUN_ID` and the rest of Prefect's
+      per-run context): the server serves every later run of the host, and a process carrying
+      one run's id after it ended would pass for that run to whoever looks.
+    """
+    env = {k: v for k, v in handed(environ).items() if not k.startswith("PREFECT_")}
+    return with_passive_waits({**env, "HARVEST_HOME": str(home)})
+
+
 def _start_server(files: GroupFiles, settings: Settings) -> None:
     """Start the group's engine server in its own session, so it outlives the run that
-    started it (a cancel signals the run's process group, not the server's)."""
+    started it (a cancel signals the run's process group, not the server's), with its own
+    environment (`engine_server_env`), never the run's whole one."""
     log = open_private_log(files.log, "a")  # owner-only, as every log (`harvest.private_files`)
-    # Not the run's own identity (`PREFECT__FLOW_RUN_ID` and the rest of Prefect's per-run
-    # context): the server serves every later run of the host, and a process carrying one run's
-    # id after it ended would pass for that run to whoever looks (an operator, a test).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
     subprocess.Popen(
         [sys.executable, "-m", "harvest.warm.server", "--group", files.group],
-        env=with_passive_waits({**env, "HARVEST_HOME": str(settings.home)}),
+        env=engine_server_env(os.environ, settings.home),
         cwd=str(settings.home),
         stdin=subprocess.DEVNULL,
         stdout=log,
