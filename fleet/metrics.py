@@ -10,6 +10,13 @@ exporter, a thread of the role's own process, sums it on each scrape
 and every scrape must carry the metrics token as `Authorization: Bearer …`, whatever the
 address: a scraper on the fleet's network (compose's Prometheus) needs the bind, never less.
 
+Its port: `HARVEST_METRICS_PORT` (9464) unless given. Two `harvest worker` roles on one
+machine (one per lane, say) both start with their defaults: when the default port is taken,
+the exporter moves aside to the next free one (`MOVE_ASIDE` ports up, then any) and the role's
+stderr line names the address it took. A port the operator chose (`--metrics-port` or
+`HARVEST_METRICS_PORT`) is never moved: taken, the role refuses to start, naming the address
+and both ways to choose another (`MetricsPortTaken`), since a scraper is configured for it.
+
 Process kinds (`harvest_process_*{process}`): `supervisor` (the `harvest worker` role),
 `run_starter`, `prefect_worker`, `launcher` (the per-run stub the worker starts), `flow_run`,
 `engine_server` (found by their pid files under `<home>/engines/`, whichever process started
@@ -19,6 +26,7 @@ lists them, and an engine's loads count on the exporter of the lane whose run st
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,9 +38,33 @@ import psutil
 from harvest.metrics_export import authorized, exposition, host_registry, process_tree
 from harvest.warm.protocol import GroupFiles
 
-__all__ = ["Exporter", "worker_processes", "serve_worker_metrics"]
+__all__ = ["Exporter", "MetricsPortTaken", "worker_processes", "serve_worker_metrics"]
 
 STARTER = "fleet.run_starter"
+MOVE_ASIDE = 16
+"""Ports past a taken default port tried, in order, before any free one."""
+
+
+class MetricsPortTaken(SystemExit):
+    """The port an operator chose for /metrics is in use: the role stops, saying so."""
+
+
+def _listen(host: str, port: int, handler, *, chosen: bool) -> ThreadingHTTPServer:
+    """A server on host:port; the default port moved aside when taken (module docstring)."""
+    candidates = [port] if chosen or port == 0 else [*range(port, min(port + MOVE_ASIDE, 65536)), 0]
+    for candidate in candidates:
+        try:
+            return ThreadingHTTPServer((host, candidate), handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            if chosen:
+                raise MetricsPortTaken(
+                    f"/metrics cannot listen on {host}:{port}: the address is already in use (another `harvest "
+                    f"worker` on this machine?). Give this one another port with --metrics-port or "
+                    f"HARVEST_METRICS_PORT (0: no /metrics)."
+                ) from None
+    raise AssertionError("port 0 is always free")
 
 
 def _kind(process: psutil.Process, root: int) -> str:
@@ -95,7 +127,7 @@ class Exporter:
     """`GET /metrics` of one registry on host:port (port 0: a free one), in a daemon thread;
     401 without the token."""
 
-    def __init__(self, registry, token: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, registry, token: str, host: str = "127.0.0.1", port: int = 0, *, chosen: bool = True):
         exporter = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -122,7 +154,7 @@ class Exporter:
 
         self.registry = registry
         self.token = token
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server = _listen(host, port, Handler, chosen=chosen)
         self.server.daemon_threads = True
         self.host = host
         self.port = self.server.server_address[1]
@@ -141,10 +173,10 @@ class Exporter:
 
 def serve_worker_metrics(
     worker_pid: Callable[[], int], home: Path, directory: Path, token: str, *, host: str = "127.0.0.1", port: int = 0,
-    supervisor: bool = False,
+    supervisor: bool = False, chosen: bool = True,
 ) -> Exporter:
     """The worker host's exporter over its counts `directory` (what `start_worker` gave its
     tree); `worker_pid()`: its worker's pid now (`Managed.pid`); `supervisor`: this process is
-    the host's role (list it as such)."""
+    the host's role (list it as such); `chosen`: `port` is the operator's, never moved aside."""
     processes = worker_processes(worker_pid, home, os.getpid() if supervisor else None)
-    return Exporter(host_registry(Path(directory), processes), token, host, port)
+    return Exporter(host_registry(Path(directory), processes), token, host, port, chosen=chosen)

@@ -124,7 +124,7 @@ def start_api_replica(
 def start_worker_host(
     home: Path, lane: str, api_url: str, *, env: dict[str, str] | None = None, health_port: int | None = None,
     name: str | None = None, timeout: float = 90, gpus: list[str] | None = None, gpus_per_run: int | None = None,
-    slots: int | None = None, metrics: tuple[str, int] | None = None,
+    slots: int | None = None, metrics: tuple[str, int, bool] | None = None,
 ) -> Managed:
     """This host's Prefect worker on the lane's pool, with heartbeats on (`flows.liveness`);
     returns once its health check says it polls.
@@ -168,9 +168,15 @@ def start_worker_host(
         from harvest.metrics_export import metrics_token
         from harvest.settings import get_settings
 
-        exporter = serve_worker_metrics(lambda: worker.pid, home, home / "metrics" / f"worker-{lane}", metrics_token(get_settings()),
-                                        host=metrics[0], port=metrics[1], supervisor=True)
-        say("harvest worker", f"metrics of lane {lane} at {exporter.url} (bound to {exporter.host}; the metrics token required)")
+        host, port, chosen = metrics
+        try:
+            exporter = serve_worker_metrics(lambda: worker.pid, home, home / "metrics" / f"worker-{lane}",
+                                            metrics_token(get_settings()), host=host, port=port, supervisor=True, chosen=chosen)
+        except SystemExit:
+            worker.stop()  # the role stops, leaving nothing of it running
+            raise
+        moved = "" if port in (0, exporter.port) else f"; {port} was taken"
+        say("harvest worker", f"metrics of lane {lane} at {exporter.url} (bound to {exporter.host}{moved}; the metrics token required)")
     return worker
 
 
@@ -254,19 +260,21 @@ def worker_main(argv: list[str]) -> int:
     devices.add_argument("--slots", type=int, help="runs at once on a host without GPUs (default 1)")
     parser.add_argument("--gpus-per-run", type=int, help="GPUs in one run's slot (default: the lane's gpus_per_run)")
     parser.add_argument("--metrics-host", help="address of the host's /metrics (default HARVEST_METRICS_HOST, 127.0.0.1)")
-    parser.add_argument("--metrics-port", type=int, help="port of the host's /metrics (default HARVEST_METRICS_PORT, 9464; 0: none)")
+    parser.add_argument("--metrics-port", type=int, help="port of the host's /metrics (default HARVEST_METRICS_PORT, 9464, moved to a free one when taken; a port given here or in HARVEST_METRICS_PORT is never moved; 0: none)")
     args = parser.parse_args(argv[1:])
     from harvest.settings import get_settings
 
     settings = get_settings()
     metrics_port = settings.metrics_port if args.metrics_port is None else args.metrics_port
+    # A port the operator named is kept (refused if taken); the default moves aside (fleet.metrics).
+    chosen = args.metrics_port is not None or "metrics_port" in settings.model_fields_set
     api_url = _prefect_api_url("harvest worker")
     name = args.name or f"{socket.gethostname()}-{args.lane}-{os.getpid()}"
 
     def start() -> list[str]:
         start_worker_host(_home(), args.lane, api_url, health_port=args.health_port, name=name,
                           gpus=parse_gpus(args.gpus), gpus_per_run=args.gpus_per_run, slots=args.slots,
-                          metrics=(args.metrics_host or settings.metrics_host, metrics_port) if metrics_port else None)
+                          metrics=(args.metrics_host or settings.metrics_host, metrics_port, chosen) if metrics_port else None)
         return [f"WORKER_READY lane={args.lane}"]
 
     def stop() -> None:

@@ -117,7 +117,7 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
         workers = [
             pool.submit(start_worker_host, home, lane.name, api_url, name=f"{lane.name}-{os.getpid()}",
                         slots=(lane.pool_limit or 1) + 1 if cpu_only else None,
-                        metrics=("127.0.0.1", 0))  # each lane's /metrics on a free port (its stderr line says which)
+                        metrics=("127.0.0.1", 0, True))  # each lane's /metrics on a free port (its stderr line says which)
             for lane in load_lanes().values()
         ]
         key = key_f.result()
