@@ -122,7 +122,8 @@ def cases_for(route: str, operation: dict, rng: random.Random, n: int):
             fuzzed = where == "param" and slot is p
             raw = _wire(text) if fuzzed else PATH_DEFAULTS.get(p["name"], "1").encode()
             if p["in"] == "path":
-                path = path.replace("{" + p["name"] + "}", quote(raw, safe=""))
+                # `.` too: a client drops a `.` or `..` segment (RFC 3986), sending another route.
+                path = path.replace("{" + p["name"] + "}", quote(raw, safe="").replace(".", "%2E"))
             elif fuzzed or p["name"] == "limit":
                 query.append(f"{p['name']}={quote(raw, safe='')}")
         content = None
