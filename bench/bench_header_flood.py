@@ -19,7 +19,8 @@ Beside it, on the same stack (job store, Prefect, workers), the bench starts the
 replica ran before (`python -m uvicorn --factory api.app:create_app`: httptools, as uvicorn
 picks it when installed) and puts it through the same loads, with each flood connection held
 at `--former-cap` bytes (its replica would take any amount; 64 MB grew it by 64 MB). Then what
-the parser costs on a quiet stack, side by side, alternating between the two replicas: a warm
+the parser costs on a quiet stack, side by side, alternating between the two replicas:
+`GET /health` on a kept connection (500 each, the HTTP layer alone), a warm
 2-prompt job's submit-to-done (`--jobs` each, read every 0.2 s) and `/v1/completions`
 (`--inline` each; p50/p95).
 
@@ -304,6 +305,12 @@ def side_by_side(bases: dict[str, str], keys: dict[str, str], jobs: int, inline:
         for n in range(jobs):
             for name, base in bases.items():
                 out[name]["jobs"].append(_job(clients[name], base, [f"side by side {n}", "and a second prompt"], poll_s=0.2)[1])
+        for _ in range(10):  # the parser alone: GET /health on a kept connection, 50 at a time each
+            for name, base in bases.items():
+                for _ in range(50):
+                    started = time.perf_counter()
+                    clients[name].get(f"{base.removesuffix('/v1')}/health").raise_for_status()
+                    out[name].setdefault("health", []).append((time.perf_counter() - started) * 1000)
         body = {"model": "llama-tiny", "prompt": "The capital of France is", "max_tokens": 8, "output_residual_stream": [0]}
         for _ in range(inline):
             for name, base in bases.items():
@@ -401,12 +408,13 @@ def report(results: list[tuple[str, dict]], sides: dict | None) -> bool:
             ok &= r["peak_rss"] - r["idle_rss"] <= 64 * MIB
             ok &= all(r[v]["p95"] <= 2 * r[v]["idle_p95"] and r[v]["failures"] == 0 for v in ("new", "kept"))
     if sides:
-        print("\n| replica | warm 2-prompt job, submit to done s (median; each) | inline p50 / p95 ms (n) |")
-        print("|---|---|---:|")
+        print("\n| replica | `GET /health`, kept connection: p50 / p95 ms (n) | warm 2-prompt job, submit to done s "
+              "(median; each) | inline p50 / p95 ms (n) |")
+        print("|---|---:|---|---:|")
         for name, side in sides.items():
-            jobs = side["jobs"]
+            jobs, health = side["jobs"], side["health"]
             each = ", ".join(f"{j:.2f}" for j in jobs)
-            print(f"| {name} | {statistics.median(jobs):.2f} ({each}) | "
+            print(f"| {name} | {_p(health, 0.5):.2f} / {_p(health, 0.95):.2f} ({len(health)}) | {statistics.median(jobs):.2f} ({each}) | "
                   f"{_p(side['inline'], 0.5):.1f} / {_p(side['inline'], 0.95):.1f} ({len(side['inline'])}) |")
     print("\ntargets (shipped replica: peak ≤ 64 MiB above idle, victims' p95 ≤ 2× idle, no failures):", "met" if ok else "MISSED")
     return ok

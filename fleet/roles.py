@@ -87,7 +87,7 @@ def apply_control_plane(api_url: str) -> list[str]:
 
 
 API_APP = "api.app:create_app"
-"""The app factory an API replica runs (`uvicorn --factory`)."""
+"""The app factory an API replica runs (`api_command`)."""
 
 
 def api_command(app: str, host: str, port: int, *, log_level: str | None = None) -> list[str]:

@@ -29,7 +29,9 @@ fields = assess(parse(HarvestRequest, body, strict=True), load_registry())
 print(json.dumps({
     'tokens': fields['reserved_tokens'],
     'torch': 'torch' in sys.modules,
-    'own_peak_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+    # VmHWM, not ru_maxrss: this process's own peak since its exec (ru_maxrss keeps the
+    # forking parent's RSS, pytest's, across the exec)
+    'own_peak_mib': next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')) // 1024,
     'builder_peak_mib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024,
 }))
 """
