@@ -13,8 +13,9 @@ The app is built by `create_app`, which takes its parts (job store, run store, s
 inline engines, the per-replica budgets) and builds from the settings whichever it is not given;
 routes receive them as typed dependencies (`api.deps`). Tests hand the factory what they swap.
 
-Run it: `uvicorn --factory api.app:create_app --host 127.0.0.1 --port $HARVEST_PORT` (what
-`harvest up` does).
+Run it: `python -m api.http_server api.app:create_app --host 127.0.0.1 --port $HARVEST_PORT`
+(uvicorn on h11 with the request head bounded: what `harvest api` and `harvest up` run,
+`fleet.roles.api_command`).
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ _DESCRIPTIONS = {
     401: "Missing, unknown or revoked API key.",
     403: "Download link expired, altered or foreign.",
     404: "No such job for this key, or no such file.",
-    408: "The request body did not arrive in time.",
+    408: "The request head (`HARVEST_HTTP_HEAD_TIMEOUT_S`) or body did not arrive in time.",
     409: "The job cannot be cancelled (done or failed), or an Idempotency-Key was used for another request.",
     413: "The request body is over the route's limit.",
+    414: "The request line is over `HARVEST_HTTP_LINE_BYTES`; the connection closes.",
+    431: "A header line or the whole head is over `HARVEST_HTTP_LINE_BYTES` / `HARVEST_HTTP_HEAD_BYTES`; the connection closes.",
     429: "A cap, the key's request rate, or too many requests without a valid key from this address; Retry-After where waiting helps.",
     500: "Unexpected error; the message names the request id (also in X-Request-ID).",
     503: "The model's weights are not here or its run could not be started in time (`harvest_unavailable`), or this replica's budget for submits or inline activation bytes is spent (`replica_busy`); Retry-After.",
@@ -90,12 +92,14 @@ def request_body(model: type[BaseModel], *, patch=None) -> dict[str, Any]:
 
 
 def errors(*statuses: int) -> dict[int | str, dict]:
-    """`responses=` entries: the error body for each status, plus 413 and 500 everywhere."""
+    """`responses=` entries: the error body for each status, plus everywhere 413 and 500, and
+    the refusals of a request head that the server gives before any route (`api.http_server`:
+    408, 414, 431)."""
     from api.schemas import ErrorBody
 
     return {
         status: {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
-        for status in sorted({*statuses, 413, 500})
+        for status in sorted({*statuses, 408, 413, 414, 431, 500})
     }
 
 

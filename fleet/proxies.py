@@ -8,7 +8,7 @@ never apply. Here headers are believed only from the proxies the operator names 
 `HARVEST_TRUSTED_PROXIES` (`api.settings.ApiSettings.trusted_proxies`); with none named,
 uvicorn reads no proxy header at all and the client address is the connection's peer.
 
-    uvicorn_proxy_args(trusted)      flags for `python -m uvicorn`
+    uvicorn_proxy_args(trusted)      uvicorn's flags (`python -m api.http_server` takes them too)
     uvicorn_proxy_options(trusted)   keyword arguments for `uvicorn.run` / `uvicorn.Config`
 """
 

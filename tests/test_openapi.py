@@ -22,6 +22,8 @@ REFUSALS = {
     "POST /v1/chat/completions": {400, 401, 408, 413, 429, 500, 503},
     "GET /v1/models": {401, 413, 429, 500},
 }
+HEAD_REFUSALS = {408, 414, 431}  # the server's, before any route (api.http_server): on every route
+REFUSALS = {route: statuses | HEAD_REFUSALS for route, statuses in REFUSALS.items()}
 
 
 @pytest.fixture(scope="module")
