@@ -19,6 +19,12 @@ names the limit and the number as before. A refused body never comes back to the
 child that dies (killed, out of memory) is started again for the next submit; the submit it
 was assessing is answered 503 `replica_busy` with Retry-After. Children end when the replica
 closes their socket, or dies (they read EOF).
+
+A child's memory is its imports, the tokenizers it loaded and one submit (README, "Memory of
+each process"), so two things that would hold more happen elsewhere: a built-in model's first
+submit builds its checkpoint in a short-lived process of its own (`_checkpoint`: torch and the
+weights, 1.7 GB for smollm2-135m, were the child's for good before), and request.json is
+counted, never encoded (`JobFiles.request_document_size`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from harvest.registry import ModelInfo, Registry
 from harvest.request import HarvestRequest
 from harvest.warm.protocol import child_main, error_reply, raise_error, receive, send, start_child, stop_child
 
-__all__ = ["Assessors", "assess", "WORK_NICE", "TOKENIZE_ON_CALLER", "main"]
+__all__ = ["Assessors", "assess", "build_checkpoint", "WORK_NICE", "TOKENIZE_ON_CALLER", "BUILD_UNAVAILABLE", "main"]
 
 WORK_NICE = 10
 """The nice of the children's scheduling group: a group at 10 gets about a tenth of what a

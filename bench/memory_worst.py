@@ -1,6 +1,7 @@
 """Peak RSS of each process of `make run` under the legal request that costs it most.
 
-    .venv/bin/python bench/memory_worst.py [--prompts 64] [--inline 64] [--bodies 8]
+    .venv/bin/python bench/memory_worst.py [--prompts 64] [--inline 64] [--slow-readers 64] [--bodies 8]
+        [--bodies-model llama-tiny] [--only shard,inline,slowread,bodies]
 
 Starts `harvest up` as shipped (`bench.stack.harvest_up`: the roles and their defaults, a home
 of its own, SQLite job store, local storage, llama-tiny) and sends, one phase at a time so each
@@ -19,8 +20,20 @@ documented limits (README, "Bounds"):
    response as counted by `HARVEST_INLINE_RESPONSE_BUDGET_BYTES` (512 MiB: 64 in flight), in
    batches of the inline batcher's 65,536 tokens (32 rows); spread over keys to stay within
    each key's submit burst;
-3. API replica and its assessing children: `--bodies` concurrent 48 MiB submits (4,000 prompts
-   of 12,000 characters, under the 50 MB body cap, refused for their tokens), two per key.
+3. API replica, slow readers: `--slow-readers` inline completions like phase 2's, each sent on
+   a socket (4 KiB receive buffer) that reads nothing for `--slow-hold` s, past two of the
+   server's send timeout (`api.send_timeout`); meanwhile another key's completion, read as
+   usual. Prints what the slow sockets found when they read at last (cut or still open);
+4. API replica and its assessing children: `--bodies` concurrent 48 MiB submits (4,000 prompts
+   of 12,000 characters, under the 50 MB body cap, refused for their tokens), two per key, of
+   `--bodies-model` (llama-tiny's refused from their characters; smollm2-135m's, whose longest
+   token is 81 characters, counted by the tokenizer to the cap first, and its checkpoint built
+   on its first submit). Another key reads its own job (`GET /v1/harvest/{id}`, every 150 ms,
+   a process of its own) for `--idle-reads` s before the flood and all through it: read p50/p95
+   idle and during, side by side (target: p95 within 2×). Its job, of the bodies' model, is
+   submitted first (and cancelled), so a model built on first use is built before the reads.
+
+`--only` runs some phases (comma-separated), e.g. `--only bodies`.
 
 Every process of the stack (its tree, plus detached ones whose HARVEST_HOME is the stack's) is
 sampled every 0.1 s with psutil (RSS of each process by itself, children counted as processes
@@ -37,6 +50,7 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import sys
 import tempfile
 import threading
@@ -248,11 +262,15 @@ def _p(values: list[float], q: float) -> float:
 
 def phase_bodies(base: str, reader_key: str, keys: list[str], count: int, model: str, idle_s: float) -> list[str]:
     """The body flood, with another key reading its (cancelled) job's status every 150 ms for
-    `idle_s` before the flood and all through it: read latency idle vs during, side by side."""
+    `idle_s` before the flood and all through it: read latency idle vs during, side by side.
+    The reader's job is of the bodies' model, so a model built on first use (smollm2-135m) is
+    built by its submit, before the reads begin: the flood is measured with the model ready."""
     import multiprocessing
 
-    with httpx.Client(headers={"Authorization": f"Bearer {reader_key}"}, timeout=60) as client:
-        answer = client.post(f"{base}/harvest", json={"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]})
+    with httpx.Client(headers={"Authorization": f"Bearer {reader_key}"}, timeout=600) as client:
+        started = time.monotonic()
+        answer = client.post(f"{base}/harvest", json={"model": model, "prompts": ["The sky is"], "layers": [1]})
+        first = time.monotonic() - started
         if answer.status_code != 202:
             raise RuntimeError(f"the reader's submit: {answer.status_code} {answer.text[:300]}")
         job_id = answer.json()["job_id"]
@@ -263,7 +281,8 @@ def phase_bodies(base: str, reader_key: str, keys: list[str], count: int, model:
     reader.start()
     time.sleep(2 + idle_s)  # the reader's start, then its idle window
     flood_from = time.monotonic()
-    lines = asyncio.run(_bodies(base, keys, count, model))
+    lines = [f"the reader's first submit of {model}: {first:.1f} s (a checkpoint built on first use is built then)"]
+    lines += asyncio.run(_bodies(base, keys, count, model))
     flood_to = time.monotonic()
     stop.set()
     times = out.get(timeout=60)
@@ -283,6 +302,59 @@ def phase_bodies(base: str, reader_key: str, keys: list[str], count: int, model:
     return lines
 
 
+async def _slow_readers(base: str, keys: list[str], neighbour_key: str, count: int, tokens: int, hold_s: float) -> list[str]:
+    """`count` inline completions with every layer's residual stream, each sent on a socket of
+    a 4 KiB receive buffer that never reads a byte for `hold_s` (past two of the server's
+    `send_timeout_s`, so its cuts show), spread over `keys`; meanwhile another key's own
+    completion, read as usual. The replica holds what its clients have not taken: the sampler
+    gives its RSS; here, what the slow sockets saw at the end and what the neighbour got."""
+    url = httpx.URL(f"{base}/completions")
+    body = json.dumps({"model": "llama-tiny", "prompt": [7], "max_tokens": tokens, "temperature": 0,
+                       "output_residual_stream": True}).encode()
+
+    async def open_one(key: str):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (url.host, url.port))
+        head = (f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nAuthorization: Bearer {key}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        await asyncio.get_running_loop().sock_sendall(sock, head + body)
+        return sock
+
+    socks = [await open_one(keys[k % len(keys)]) for k in range(count)]
+    await asyncio.sleep(min(15.0, hold_s / 3))
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=600) as client:
+        answer = await client.post(f"{base}/completions", content=body,
+                                   headers={"Authorization": f"Bearer {neighbour_key}", "Content-Type": "application/json"})
+    neighbour = f"{answer.status_code} in {time.monotonic() - started:.1f} s ({len(answer.content) / MiB:.1f} MiB)"
+    await asyncio.sleep(max(0.0, hold_s - (time.monotonic() - started) - min(15.0, hold_s / 3)))
+    ends: dict[str, int] = defaultdict(int)
+    taken: list[int] = []
+    for sock in socks:  # what each slow client finds when it finally reads
+        sock.setblocking(True)
+        sock.settimeout(2)
+        got, first = 0, b""
+        try:
+            while chunk := sock.recv(1 << 20):
+                first, got = first or chunk[:64], got + len(chunk)
+            end = "closed"
+        except ConnectionResetError:
+            end = "reset"
+        except TimeoutError:
+            end = "still open"
+        finally:
+            sock.close()
+        ends[f"{first.split(b' ', 2)[1].decode(errors='replace') if first else 'nothing'}, {end}"] += 1
+        taken.append(got)
+    full = f"{len(answer.content) / MiB:.2f} MiB" if answer.status_code == 200 else "not known, the neighbour was refused"
+    return [f"slow readers: {count} inline completions of 1 + {tokens:,} tokens, every layer, never read for {hold_s:.0f} s: "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(ends.items()))
+            + f"; bytes they found waiting: {min(taken) / MiB:.2f}-{max(taken) / MiB:.2f} MiB (a whole body: {full})",
+            f"another key's completion meanwhile (read as usual): {neighbour}"]
+
+
 def _table(sampler: Sampler, phase: str | None) -> list[str]:
     lines = ["| process (role) | processes | peak RSS of one |", "|---|---:|---:|"]
     for role, (seen, peak) in sorted(sampler.by_role(phase).items()):
@@ -298,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bodies", type=int, default=8, help="concurrent 48 MiB submits")
     parser.add_argument("--bodies-model", default="llama-tiny", help="the bodies' model")
     parser.add_argument("--idle-reads", type=float, default=10, help="seconds of another key's reads before the flood")
-    parser.add_argument("--only", default="shard,inline,bodies", help="phases to run (comma-separated)")
+    parser.add_argument("--slow-readers", type=int, default=64, help="inline completions opened and never read")
+    parser.add_argument("--slow-hold", type=float, default=75, help="seconds the slow readers read nothing "
+                        "(past two of the server's 30 s send timeout)")
+    parser.add_argument("--only", default="shard,inline,slowread,bodies", help="phases to run (comma-separated)")
     args = parser.parse_args(argv)
     phases = {name.strip() for name in args.only.split(",")}
     home = Path(tempfile.mkdtemp(prefix="harvest-memory-"))
@@ -319,15 +394,19 @@ def main(argv: list[str] | None = None) -> int:
             sampler.phase = "inline"
             report += asyncio.run(_inline(base, keys, args.inline, args.inline_tokens))
             print(report[-1], flush=True)
+        if "slowread" in phases:
+            sampler.phase = "slowread"
+            report += asyncio.run(_slow_readers(base, keys[1:], dev_key, args.slow_readers, args.inline_tokens, args.slow_hold))
+            print("\n".join(report[-2:]), flush=True)
         if "bodies" in phases:
             sampler.phase = "bodies"
             report += phase_bodies(base, dev_key, keys[1:], args.bodies, args.bodies_model, args.idle_reads)
-            print("\n".join(report[-7:]), flush=True)
+            print("\n".join(report[-8:]), flush=True)
         sampler.phase = "end"
         time.sleep(1)
         sampler.stop.set()
         sampler.join()
-        for phase in ("shard", "inline", "bodies"):
+        for phase in ("shard", "inline", "slowread", "bodies"):
             if phase in phases:
                 report += ["", f"phase {phase}:", *_table(sampler, phase)]
         report += ["", "all phases:", *_table(sampler, None)]
