@@ -11,8 +11,6 @@
                                                       never written after the manifest
     <storage>/jobs/<job_id>/stats.safetensors
     <storage>/jobs/<job_id>/manifest.json             written last: its presence means "done"
-    <storage>/jobs/<job_id>/.manifest.json.lock       local disk only: the manifest's lock, so a
-                                                      failing run removes only its own manifest
 
 `JobFiles` owns these names; nobody else spells them. A flow is given only the URL of
 request.json (`JobFiles.from_request_url`), and the job's folder is that URL's folder, so a

@@ -35,9 +35,9 @@ then create, is the one replacement, and only a resume does it.
 
 Every read sees the store as it is now. s3fs answers `ls` (and `exists`, `info`) from a
 listings cache once a folder was listed, and fsspec hands one filesystem object to every caller
-with the same options, so a long-lived reader (the API's watcher counting shards, a
-retention sweep) would keep answering from its first listing: progress frozen, a manifest
-written since reported missing. So S3 filesystems opened here keep no listings cache
+with the same options, so a long-lived reader (the API's watcher reading manifests and
+measuring folders, a retention sweep) would keep answering from its first listing: shard
+counts frozen, a manifest written since reported missing. So S3 filesystems opened here keep no listings cache
 (`use_listings_cache=False`), and the reads below drop any cached listing of their path first
 (`_fresh`), for filesystems handed in by a caller too.
 """
@@ -211,10 +211,11 @@ class Storage:
     def locked(self, name: str) -> Iterator[None]:
         """Hold file `name`'s lock while the block runs: a write of `name` made under it never
         lands between `delete_if`'s check and its removal, in any process. On local disk an
-        exclusive `flock` of a hidden lock file beside it (`.<name>.lock`, 0600, left in place:
-        removing it would let two holders lock two different files); in-process stores (tests)
-        a process-wide lock; on S3 nothing, since `delete_if` is conditional on the object's
-        ETag there and needs no writer's help."""
+        exclusive `flock` of the folder that holds it (a directory opened read-only: no lock
+        file to leave behind, and nothing written into the folder by taking it, so a manifest
+        stays the folder's last write); in-process stores (tests) a process-wide lock; on S3
+        nothing, since `delete_if` is conditional on the object's ETag there and needs no
+        writer's help."""
         if self._is_s3:
             yield
             return
@@ -222,8 +223,9 @@ class Storage:
             with _NAME_LOCK:
                 yield
             return
-        folder, base = posixpath.split(self.path(name))
-        fd = open_private(posixpath.join(folder, f".{base}.lock"), os.O_RDWR | os.O_CREAT)
+        folder = posixpath.dirname(self.path(name))
+        private_dirs(folder)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
             yield

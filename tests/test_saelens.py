@@ -103,14 +103,19 @@ def test_provider_yields_each_counted_vector_once_normalised_without_the_first_p
     assert not np.allclose(got[:100], ref["normalized"][counted][:100], atol=1e-3)
 
     # Raw: exactly the stored values; the first position (the start token's vector, the same
-    # in every prompt) never comes out, and comes out once per prompt with skip_bos=False.
+    # in every prompt up to the rounding of the packed pass it ran in: a row's place in a
+    # batched matmul can change its last bf16 bit) never comes out, and comes out once per
+    # prompt with skip_bos=False.
     raw = torch.cat(list(data_provider(ActivationDataset(harvest, layer=3), 128, epochs=1))).numpy()
     assert np.array_equal(_sorted_rows(raw.astype(np.float64)), _sorted_rows(ref["vectors"][counted]))
     bos = ref["vectors"][ref["position"] == 0]
-    assert np.all(bos == bos[0]) and not np.any(np.all(raw == bos[0], axis=1))
+    np.testing.assert_allclose(bos, np.broadcast_to(bos[0], bos.shape), rtol=1e-2, atol=1e-2)
+    starts = {v.astype(np.float32).tobytes() for v in bos}
+    assert not any(row.tobytes() in starts for row in raw.astype(np.float32))
     assert np.all(ref["tokens"][ref["position"] == 0] == json.loads((harvest / "part-0000" / "manifest.json").read_text())["bos_token_id"])
     with_bos = torch.cat(list(data_provider(ActivationDataset(harvest, layer=3, skip_bos=False), 128, epochs=1))).numpy()
-    assert np.all(with_bos == bos[0], axis=1).sum() == 120 and len(with_bos) == len(ref["vectors"])
+    assert sum(row.tobytes() in starts for row in with_bos.astype(np.float32)) == 120 and len(with_bos) == len(ref["vectors"])
+    assert np.array_equal(_sorted_rows(with_bos.astype(np.float64)), _sorted_rows(ref["vectors"]))
 
 
 def test_epochs_join_into_exact_batches_and_the_shuffle_buffer_bounds_what_is_read(harvest):
