@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -97,7 +98,13 @@ def test_a_worker_host_s_runs_never_hold_the_job_store_or_the_metrics_token(tmp_
         monkeypatch.setenv(name, value)
     worker = start_worker("least-privilege", "http://127.0.0.1:9/api", tmp_path / "worker.log", {"HARVEST_ENGINE": "hf"})
     try:
+        # Until the child has exec'd, /proc shows the environment it forked with (the test's):
+        # read it once the variable handed only to the worker is there.
+        deadline = time.monotonic() + 30
         env = _environ(worker.pid)
+        while "HARVEST_ENGINE" not in env and time.monotonic() < deadline:
+            time.sleep(0.05)
+            env = _environ(worker.pid)
     finally:
         worker.kill()
     assert env["HARVEST_ENGINE"] == "hf" and env["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
