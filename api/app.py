@@ -259,7 +259,7 @@ def create_app(
         if not authorized(request.headers.get("authorization"), request.app.state.metrics.token):
             return {"status": "ok"}
         watcher = getattr(request.app.state, "watcher", None)
-        return {"status": "ok", "replica": REPLICA, "watcher": bool(watcher and watcher.lease.held)}
+        return {"status": "ok", "replica": REPLICA, "watcher": bool(watcher and watcher.lease.holds())}
 
     install_openapi(app)
     return app

@@ -137,6 +137,12 @@ jobs = Table(
     Index("ix_jobs_key_created", "key_id", "created_at"),
     Index("ix_jobs_status", "status"),
     Index("ix_jobs_bytes_measured", "bytes_measured_at"),
+    # The watcher's reads (`api.watcher`), each as long as its answer, however many jobs
+    # there are: the jobs of the runs an event named, its re-read's next page of active jobs
+    # in id order, and the jobs whose runs a failed start left to stop (a few among many).
+    Index("ix_jobs_flow_run", "flow_run_id"),
+    Index("ix_jobs_status_id", "status", "id"),
+    Index("ix_jobs_stop_run", "stop_run"),
 )
 
 # A key's own cap of concurrent jobs in a lane; without a row the lane's `key_limit` applies

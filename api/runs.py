@@ -5,9 +5,11 @@ Production runs are Prefect flow runs (`PrefectRuns`, through the orchestration 
 so a test can hand it a run store of its own at exactly this seam and exercise everything
 above it for real.
 
-`read` takes every active run at once: the API's single watcher calls it once per tick for all
-jobs, instead of each long-poll waiter polling Prefect. `follow` tells the watcher when a run
-has changed, so it reads then instead of waiting for its next tick.
+`read` takes many runs at once: the API's single watcher calls it once per tick for the runs
+that tick looks at (those the events named, and a page of its re-read of every active job),
+instead of each long-poll waiter polling Prefect. `follow` tells the watcher which run has
+changed (its state, or the job's progress it reports: `flows.run_status.PROGRESS_EVENT`), so it
+reads that run then instead of waiting for its re-read to come round.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import logging
 from typing import Callable, Protocol
 
-from flows.run_status import RunStatus  # the one mapping of a run to a job's status
+from flows.run_status import PROGRESS_EVENT, RunStatus  # the one mapping of a run to a job's status
 
 __all__ = ["RunStatus", "RunStore", "PrefectRuns"]
 
@@ -24,6 +26,8 @@ log = logging.getLogger("harvest.api.runs")
 
 FOLLOWED_STATES = ("Running", "Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
 """Prefect flow-run states whose event wakes the watcher: every change a job's status shows."""
+RUN_RESOURCE = "prefect.flow-run."
+"""How an event names its flow run: resource id `prefect.flow-run.<id>`."""
 FOLLOW_RETRY_S = 5.0
 """Pause before subscribing again after the event stream broke (the ticks go on meanwhile)."""
 
@@ -45,9 +49,10 @@ class RunStore(Protocol):
     def reschedule(self, run_id: str) -> None:
         """Put a crashed run back in its lane's queue; it resumes on whichever host takes it."""
 
-    async def follow(self, changed: Callable[[], None]) -> None:
-        """Call `changed()` whenever some run may have changed state, until cancelled; a
-        backend that pushes nothing returns at once (the watcher's ticks still read it)."""
+    async def follow(self, changed: Callable[[str], None]) -> None:
+        """Call `changed(run_id)` whenever that run may have changed (its state, or the
+        progress it reports), until cancelled; a backend that pushes nothing returns at once
+        (the watcher's paged re-read still reads every run)."""
 
 
 class PrefectRuns:
@@ -78,19 +83,24 @@ class PrefectRuns:
 
         reschedule_harvest_run(run_id)
 
-    async def follow(self, changed: Callable[[], None]) -> None:
+    async def follow(self, changed: Callable[[str], None]) -> None:
         """Prefect's own event stream (its `/events/out` websocket, authenticated as every
-        client is): each flow-run state event in `FOLLOWED_STATES` (on connecting, the last
-        minute's too: one more read, nothing missed across a reconnect)."""
+        client is): each flow-run state event in `FOLLOWED_STATES`, and each progress report of
+        a job's run (`PROGRESS_EVENT`), named by the event's resource, its flow run (on
+        connecting, the last minute's too: one more read, nothing missed across a short
+        reconnect; the watcher's paged re-read catches what a longer break missed)."""
         from prefect.events.clients import get_events_subscriber
         from prefect.events.filters import EventFilter, EventNameFilter
 
-        states = EventFilter(event=EventNameFilter(name=[f"prefect.flow-run.{state}" for state in FOLLOWED_STATES]))
+        names = [f"prefect.flow-run.{state}" for state in FOLLOWED_STATES] + [PROGRESS_EVENT]
+        followed = EventFilter(event=EventNameFilter(name=names))
         while True:
             try:
-                async with get_events_subscriber(filter=states) as events:
-                    async for _ in events:
-                        changed()
+                async with get_events_subscriber(filter=followed) as events:
+                    async for event in events:
+                        resource = event.resource.id
+                        if resource.startswith(RUN_RESOURCE):
+                            changed(resource[len(RUN_RESOURCE):])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Prefect away or restarting: the watcher's ticks still read every run

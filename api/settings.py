@@ -42,7 +42,14 @@ class ApiSettings(Settings):
     """Concurrent `?wait=` reads held open; more are answered at once with X-Acs-Longpoll: declined."""
 
     watch_interval_s: float = Field(default=1.0, gt=0)
-    """How often the API's one watcher reads the states of all active flow runs."""
+    """How often the API's one watcher re-reads a page of the active jobs' runs (`watch_page` of
+    them, cycling through all), and looks for orphans and unmeasured folders; the runs Prefect's
+    events name it reads at once (`api.watcher`)."""
+
+    watch_page: int = Field(default=200, ge=1)
+    """Active jobs whose runs the watcher re-reads every `watch_interval_s` (200: one Prefect
+    request), cycling through all of them: a change whose event was missed is recorded within
+    (ceil(active jobs / watch_page) + 1) intervals."""
 
     watcher_lease_s: float = Field(default=5.0, gt=0)
     """Lifetime of the watcher lease: another API replica takes over this long after its holder died."""

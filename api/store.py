@@ -70,6 +70,8 @@ __all__ = [
     "get_job",
     "list_jobs",
     "active_jobs",
+    "active_page",
+    "jobs_of_runs",
     "unstarted_jobs",
     "attach_run",
     "apply_state",
@@ -318,6 +320,31 @@ def active_jobs(engine: Engine) -> list[dict]:
         return [dict(r) for r in conn.execute(select(jobs).where(jobs.c.status.in_(ACTIVE))).mappings().all()]
 
 
+def active_page(after: str | None, limit: int, engine: Engine) -> list[dict]:
+    """The next `limit` active jobs in id order after the job id `after` (None: from the first):
+    the watcher's re-read of every active job, a page a tick. One range read of
+    `ix_jobs_status_id` per active status, so a page costs what it holds, however many jobs
+    there are; a job that moves from pending to running keeps its place in the order."""
+    rows: list[dict] = []
+    with reading(engine) as conn:
+        for status in ACTIVE:
+            query = select(jobs).where(jobs.c.status == status)
+            if after is not None:
+                query = query.where(jobs.c.id > after)
+            rows += [dict(r) for r in conn.execute(query.order_by(jobs.c.id).limit(limit)).mappings().all()]
+    return sorted(rows, key=lambda r: r["id"])[:limit]
+
+
+def jobs_of_runs(run_ids: list[str], engine: Engine) -> list[dict]:
+    """The jobs whose runs these are (`ix_jobs_flow_run`), whatever their status; a run that is
+    no job's own (a scale-out helper, a corpus refresh) finds none."""
+    if not run_ids:
+        return []
+    with reading(engine) as conn:
+        query = select(jobs).where(jobs.c.flow_run_id.in_(sorted(set(run_ids))))
+        return [dict(r) for r in conn.execute(query).mappings().all()]
+
+
 def unstarted_jobs(older_than_s: float, engine: Engine) -> list[dict]:
     """Active jobs with no run, admitted over `older_than_s` ago: their admitting replica died
     between admission and starting the run (a live one takes well under a second)."""
@@ -499,10 +526,13 @@ def run_stopped(job_id: str, engine: Engine) -> None:
 
 
 def set_progress(job_id: str, shards_done: int, engine: Engine) -> bool:
+    """Record an active job's shards written, as its run reported them; True when it rose.
+    Progress only goes forward: a report read late (an older read of the run, or one of a run's
+    two attempts) never lowers it."""
     with transaction(engine) as conn:
         outcome = conn.execute(
             update(jobs)
-            .where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE), jobs.c.shards_done != shards_done)
+            .where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE), jobs.c.shards_done < shards_done)
             .values(shards_done=shards_done)
         )
         return outcome.rowcount == 1

@@ -1,8 +1,11 @@
 """How the control plane's cost grows with active jobs and hosts.
 
-The API's watcher (`api.watcher`) reads, once per tick, every active job from the job store,
-every one's Prefect run state (`api.runs.PrefectRuns.read`, pages of 200 ids), and lists each
-running job's `_parts/` in storage for progress. This benchmark builds that load for real:
+The API's watcher (`api.watcher`) used to read, once per tick, every active job from the job
+store, every one's Prefect run state (`api.runs.PrefectRuns.read`, pages of 200 ids), and list
+each running job's `_parts/` in storage for progress. Since issue 45 a tick reads the runs
+Prefect's events named plus one page (`HARVEST_WATCH_PAGE`, 200) of the active jobs, and lists
+no folder for progress (the runs report it on themselves): a `watcher.tick()` here, with no
+event named, is one interval's pass, one page. This benchmark builds that load for real:
 
 - a Prefect server as shipped (`prefect server start`, SQLite), the project's pools and
   deployments applied (`flows.deploy`), and NO worker: every job's flow run waits on its pool,

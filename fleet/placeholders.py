@@ -26,6 +26,7 @@ SECRET_VARIABLES = (
     "AWS_SECRET_ACCESS_KEY",  # the bucket
     "HARVEST_DATABASE_URL",  # the job store's password, inside its URL
     "PREFECT_API_DATABASE_CONNECTION_URL",  # Prefect's database password, inside its URL
+    "HARVEST_REDIS_URL",  # a scaled control plane's Redis password, inside its URL
     "HARVEST_SIGNING_SECRET",  # the download links' HMAC key
     "HARVEST_METRICS_TOKEN",  # every /metrics' bearer token
 )

@@ -1,5 +1,6 @@
 """The control plane's Prefect server: Prefect's own app, served as `prefect server start`
-serves it in the foreground (one process, its services in the app's lifespan), with one
+serves it in the foreground (one process, its services in the app's lifespan, or with
+`--no-services` the API alone, for a scaled control plane: `fleet.control_plane`), with one
 change: a 503 carries `Retry-After`.
 
 Why: Prefect's server answers 503 when a database write collides with another (on SQLite,
@@ -65,6 +66,20 @@ class RetryAfterOn503:
         return await self.app(scope, receive, send_with_retry_after)
 
 
+def _wait_for(url: str) -> None:
+    """Until `url` answers 200 (no limit here: whoever started this process bounds its start)."""
+    import httpx
+
+    with httpx.Client(timeout=2) as client:
+        while True:
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
     from prefect.logging.configuration import setup_logging
@@ -74,7 +89,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fleet.prefect_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4200)
+    parser.add_argument("--no-services", action="store_true",
+                        help="the API alone, as `prefect server start --no-services` (a scaled control plane, "
+                             "`fleet.control_plane`, runs the services in a process of their own)")
+    parser.add_argument("--after", metavar="URL",
+                        help="serve only once URL (the health check of a scaled control plane's first server, which "
+                             "migrates the database) answers 200: this process's imports overlap that migration")
     args = parser.parse_args(argv)
+    if args.after:
+        _wait_for(args.after)
     from api.http_server import http_options
     from fleet.proxies import uvicorn_proxy_options
     from fleet.settings import FleetSettings
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     server = get_current_settings().server
     settings = get_settings(FleetSettings)
     uvicorn.run(
-        RetryAfterOn503(create_app(final=True)),
+        RetryAfterOn503(create_app(final=True, webserver_only=args.no_services)),
         host=args.host,
         port=args.port,
         **uvicorn_proxy_options(settings.trusted_proxies),  # never uvicorn's loopback default

@@ -34,19 +34,20 @@ import psutil
 
 from harvest.addresses import local_address
 from harvest.cpu_share import with_passive_waits
-from harvest.credentials import PREFECT_CLIENT, PREFECT_DATABASE, STORAGE, handed
+from harvest.credentials import PREFECT_CLIENT, PREFECT_DATABASE, PREFECT_REDIS, STORAGE, handed
 from harvest.private_files import open_private_log
 from harvest.metrics import MULTIPROC_ENV
 from harvest.metrics_export import fresh_directory
 
 __all__ = [
     "Managed", "Supervisor", "serve", "say", "WORKER_QUERY_S", "STARTER_MODULE", "RUN_COMMAND", "free_port", "start_server", "start_worker", "wait_http",
-    "descendants", "SERVER_NEEDS", "WORKER_NEEDS", "API_NEEDS",
+    "descendants", "SERVER_NEEDS", "WORKER_NEEDS", "API_NEEDS", "prefect_argv",
 ]
 
-SERVER_NEEDS = ("PREFECT_SERVER_API_AUTH_STRING", *PREFECT_DATABASE, *PREFECT_CLIENT)
-"""The secrets the Prefect server process is handed: its password and its database (and the
-client's copy of the password, the same string). No storage, job store or metrics token."""
+SERVER_NEEDS = ("PREFECT_SERVER_API_AUTH_STRING", *PREFECT_DATABASE, *PREFECT_REDIS, *PREFECT_CLIENT)
+"""The secrets a Prefect server process (or the services' process) is handed: its password, its
+database and, scaled, its Redis (and the client's copy of the password, the same string). No
+storage, job store or metrics token."""
 WORKER_NEEDS = (*PREFECT_CLIENT, *STORAGE)
 """The secrets a worker host's Prefect worker is handed, and so every flow run it starts: the
 Prefect API (to poll, report, and start helper runs) and the bucket (to read requests and
@@ -217,16 +218,19 @@ def _wait_for_starter(socket_path: Path, proc: Managed, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def _prefect() -> list[str]:
+def prefect_argv() -> list[str]:
+    """Prefect's CLI, run by this interpreter."""
     return [sys.executable, "-m", "prefect"]
 
 
 def start_server(
     home: Path, port: int, env: dict[str, str] | None = None, timeout: float = 60, *, host: str = "127.0.0.1",
-    advertise: str | None = None,
+    advertise: str | None = None, services: bool = True, after: str | None = None,
 ) -> tuple[Managed, str]:
     """Prefect's server on host:port (`fleet.prefect_server`: `prefect server start`'s app with a
-    short `Retry-After` on its 503s), PREFECT_HOME = `home`.
+    short `Retry-After` on its 503s), PREFECT_HOME = `home`; with `services` False, the API alone
+    (a scaled control plane's server: `fleet.control_plane` runs the services apart); with `after`
+    (a URL), serving only once that answers (its imports done meanwhile).
 
     Its database is Prefect's own setting: PREFECT_API_DATABASE_CONNECTION_URL (PostgreSQL in
     production) when set, else SQLite under `home`. Returns the process and the API URL (at the
@@ -243,7 +247,8 @@ def start_server(
     env.pop("PREFECT_API_URL", None)  # the server must not try to talk to another server
     server = Managed(
         "prefect-server",
-        [sys.executable, "-m", "fleet.prefect_server", "--host", host, "--port", str(port)],
+        [sys.executable, "-m", "fleet.prefect_server", "--host", host, "--port", str(port), *([] if services else ["--no-services"]),
+         *(["--after", after] if after else [])],
         env,
         home / "server.log",
         cwd=str(home),
@@ -283,7 +288,7 @@ def start_worker(
                                      "PREFECT_API_URL": api_url, "PATH": path}, WORKER_NEEDS))
     if metrics_dir is not None:
         env[MULTIPROC_ENV] = str(fresh_directory(metrics_dir))
-    argv = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process"]
+    argv = [*prefect_argv(), "worker", "start", "--pool", pool, "--type", "process"]
     if name:
         argv += ["--name", name]
     if healthcheck:
@@ -316,7 +321,7 @@ class Supervisor:
     """
 
     # Stop order: API first (no new jobs), then workers (and their flow runs), the server last.
-    ORDER = {"api": 0, "prefect-server": 2}
+    ORDER = {"api": 0, "prefect-server": 2, "prefect-services": 3}
 
     def __init__(self, prog: str):
         from fleet.settings import FleetSettings

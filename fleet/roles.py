@@ -1,13 +1,17 @@
 """The service's roles, one command each, for running it as a fleet.
 
     harvest server               the control plane: Prefect server, pools, deployments,
-                                 schedules and liveness automations (applied idempotently)
+                                 schedules and liveness automations (applied idempotently);
+                                 with --api-servers N --redis-url URL, scaled: N Prefect API
+                                 servers and the services apart, on PostgreSQL and Redis
+                                 (`fleet.control_plane`)
     harvest api                  one API replica (any number of them on one PostgreSQL)
     harvest worker --lane LANE   one worker host of a lane (its Prefect worker)
 
 `harvest up` (`fleet.stack`) is the one-box stack built from the same parts.
 
-Each role reads only its own configuration: `PREFECT_API_URL` (api, worker),
+Each role reads only its own configuration: `PREFECT_API_URL`, or a scaled control plane's
+server list `HARVEST_PREFECT_API_URLS` (api, worker: `fleet.prefect_endpoints`),
 `HARVEST_DATABASE_URL` (api), `HARVEST_STORAGE_URL` with `HARVEST_S3_ENDPOINT_URL` and the
 AWS variables (api, worker), Prefect's `PREFECT_API_DATABASE_CONNECTION_URL` (server), and
 `HARVEST_HOME` as the host's own scratch: model cache, logs, Prefect's home. The control
@@ -33,7 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from fleet.control_plane import check_redis, check_scaled, database_url, redis_env, start_api_servers, start_services
 from fleet.placeholders import refuse_placeholder_secrets
+from fleet.prefect_endpoints import ApiForwarder, parse_api_urls, preference
 from fleet.processes import API_NEEDS, RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
 from fleet.proxies import uvicorn_proxy_args
 from flows.prefect_auth import SERVER_ENV, client_auth, server_auth, use_client_auth
@@ -45,6 +51,7 @@ from harvest.metrics_export import fresh_directory
 
 __all__ = [
     "start_control_plane",
+    "start_scaled_control_plane",
     "API_APP",
     "api_command",
     "start_api_replica",
@@ -69,6 +76,47 @@ def start_control_plane(home: Path, host: str, port: int, timeout: float = 90) -
     server, api_url = start_server(_prefect_home(home), port, env, timeout, host=host, advertise=advertised(host))
     apply_control_plane(api_url)
     return server, api_url
+
+
+def start_scaled_control_plane(
+    home: Path, host: str, port: int, api_servers: int, redis_url: str, *, services: bool = True, timeout: float = 90,
+) -> tuple[list[Managed], list[str]]:
+    """This host's share of a scaled control plane (`fleet.control_plane`; checked first by
+    `check_scaled`): `api_servers` Prefect API servers on `port`, `port`+1, … (their services
+    off) and, with `services`, Prefect's services in a process of their own, which then applies
+    the control plane's objects through a server: this host's first, or with none here the
+    servers of HARVEST_PREFECT_API_URLS / PREFECT_API_URL. Returns the processes and this
+    host's API URLs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    auth = server_auth(home)
+    use_client_auth(auth)  # our own deploy calls
+    env = {"HARVEST_HOME": str(home), SERVER_ENV: auth, **redis_env(redis_url)}
+    prefect_home = _prefect_home(home)
+    ports = [port + i for i in range(api_servers)]
+    with ThreadPoolExecutor(3) as pool:
+        # The deploy's imports (the flows: torch, transformers; seconds) while the servers start.
+        imports = pool.submit(_import_for_apply) if services else None
+        servers = pool.submit(start_api_servers, prefect_home, host, ports, env, timeout, advertise=advertised(host))
+        if services:
+            if ports:  # the services need the database migrated: by the first server
+                wait_http(f"http://{local_address(host)}:{ports[0]}/api/health", timeout)
+            services_started = pool.submit(start_services, prefect_home / "services", env, timeout)
+        processes, urls = servers.result()
+        if services:
+            processes.append(services_started.result())
+            imports.result()
+    if services:
+        apply_control_plane(urls[0] if urls else _prefect_api_url("harvest server", f"{socket.gethostname()}-services"))
+    return processes, urls
+
+
+def _import_for_apply() -> None:
+    """What `apply_control_plane` imports: the deploy, and the flows it loads by entrypoint."""
+    import flows.corpus_refresh  # noqa: F401  (imports flows.harvest: torch, transformers)
+    import flows.deploy  # noqa: F401
+    import flows.liveness  # noqa: F401
+    import flows.retention  # noqa: F401
 
 
 def apply_control_plane(api_url: str) -> list[str]:
@@ -196,10 +244,32 @@ def _home() -> Path:
     return home
 
 
-def _prefect_api_url(prog: str) -> str:
+def _prefect_api_url(prog: str, name: str) -> str:
+    """The Prefect API of this role's own calls and of every child it starts: PREFECT_API_URL
+    (one server, or a load balancer in front of several), or, given a scaled control plane's
+    HARVEST_PREFECT_API_URLS, a forwarder on 127.0.0.1 to those servers in the order of this
+    role's `name`, moving to the next when one is down (`fleet.prefect_endpoints`; it runs as
+    long as the role), put in PREFECT_API_URL for the children."""
+    from fleet.settings import FleetSettings
+    from harvest.settings import get_settings
+
     url = os.environ.get("PREFECT_API_URL")
+    listed = get_settings(FleetSettings).prefect_api_urls
+    if listed and url:
+        raise SystemExit(f"{prog}: both PREFECT_API_URL and HARVEST_PREFECT_API_URLS are set: give one (a load "
+                         "balancer's URL, or the servers' list)")
+    if listed:
+        order = preference(parse_api_urls(listed), name)
+        url = ApiForwarder(order).url
+        os.environ["PREFECT_API_URL"] = url
+        if "prefect.context" in sys.modules:  # Prefect read its settings at import: read them again
+            from prefect.context import refresh_global_settings_context
+
+            refresh_global_settings_context()
+        say(prog, f"Prefect API servers, in {name}'s order: {', '.join(order)} (its children reach them at {url})")
     if not url:
-        raise SystemExit(f"{prog}: set PREFECT_API_URL to the control plane's (what `harvest server` printed)")
+        raise SystemExit(f"{prog}: set PREFECT_API_URL to the control plane's (what `harvest server` printed), or "
+                         "HARVEST_PREFECT_API_URLS to a scaled control plane's servers")
     auth = client_auth(_home())
     if auth is None:
         say(prog, "no PREFECT_API_AUTH_STRING: a control plane with its password on (as `harvest server` "
@@ -215,16 +285,39 @@ def server_main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="harvest server", description="The control plane: Prefect server, pools, deployments, automations.")
     parser.add_argument("--host", help="address to bind and advertise (default HARVEST_PREFECT_HOST, 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default HARVEST_PREFECT_PORT, 4200)")
+    parser.add_argument("--port", type=int, help="port (default HARVEST_PREFECT_PORT, 4200; a scaled control plane's "
+                        "further API servers take the next ports)")
+    parser.add_argument("--api-servers", type=int, help="Prefect API server processes (default HARVEST_PREFECT_API_SERVERS, "
+                        "1); more than one, or 0 (the services alone), needs --redis-url and PostgreSQL")
+    parser.add_argument("--redis-url", help="Redis of a scaled control plane, e.g. redis://127.0.0.1:6379/0 (default "
+                        "HARVEST_REDIS_URL): the services run in a process of their own")
+    parser.add_argument("--no-services", action="store_true", help="run no Prefect services here (another `harvest "
+                        "server` of the same control plane runs them); needs --redis-url")
     args = parser.parse_args(argv[1:])
     settings = get_settings(FleetSettings)
     host, port = args.host or settings.prefect_host, args.port or settings.prefect_port
+    api_servers = settings.prefect_api_servers if args.api_servers is None else args.api_servers
+    redis_url = args.redis_url or settings.redis_url
+    services = not args.no_services
+    check_scaled("harvest server", database_url(dict(os.environ)), redis_url, api_servers, services)
+    if api_servers == 0 and services and not (settings.prefect_api_urls or os.environ.get("PREFECT_API_URL")):
+        raise SystemExit("harvest server: --api-servers 0 runs the services alone and applies the control plane through "
+                         "its API servers: set HARVEST_PREFECT_API_URLS (or PREFECT_API_URL) to them")
+    if redis_url:
+        check_redis("harvest server", redis_url)
 
     def start() -> dict[str, str]:
         started = time.monotonic()
-        _, api_url = start_control_plane(_home(), host, port)
-        say("harvest server", f"ready in {time.monotonic() - started:.1f} s")
-        return {"PREFECT_API_URL": api_url, "PREFECT_UI": api_url.removesuffix("/api")}
+        if not redis_url:  # one process, its services inside it (the default)
+            _, api_url = start_control_plane(_home(), host, port)
+            urls = [api_url]
+        else:
+            _, urls = start_scaled_control_plane(_home(), host, port, api_servers, redis_url, services=services)
+        say("harvest server", f"ready in {time.monotonic() - started:.1f} s" + ("" if urls else " (the services alone)"))
+        if not urls:
+            return {"PREFECT_SERVICES": "running"}
+        lines = {"PREFECT_API_URL": urls[0], "PREFECT_UI": urls[0].removesuffix("/api")}
+        return {**lines, "HARVEST_PREFECT_API_URLS": ",".join(urls)} if redis_url else lines
 
     return serve("harvest server", start)
 
@@ -238,10 +331,11 @@ def api_main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, help="port (default HARVEST_PORT, 8000)")
     args = parser.parse_args(argv[1:])
     settings = get_settings(FleetSettings)
-    _prefect_api_url("harvest api")
+    port = args.port or settings.port
+    _prefect_api_url("harvest api", f"{socket.gethostname()}-api-{port}")
 
     def start() -> dict[str, str]:
-        _, base = start_api_replica(_home(), args.host or settings.host, args.port or settings.port)
+        _, base = start_api_replica(_home(), args.host or settings.host, port)
         return {"ACS_API_BASE": base}
 
     return serve("harvest api", start)
@@ -268,8 +362,9 @@ def worker_main(argv: list[str]) -> int:
     metrics_port = settings.metrics_port if args.metrics_port is None else args.metrics_port
     # A port the operator named is kept (refused if taken); the default moves aside (fleet.metrics).
     chosen = args.metrics_port is not None or "metrics_port" in settings.model_fields_set
-    api_url = _prefect_api_url("harvest worker")
     name = args.name or f"{socket.gethostname()}-{args.lane}-{os.getpid()}"
+    # The servers' order follows the host and lane, not the pid: a restarted role goes back to its own.
+    api_url = _prefect_api_url("harvest worker", args.name or f"{socket.gethostname()}-{args.lane}")
 
     def start() -> list[str]:
         start_worker_host(_home(), args.lane, api_url, health_port=args.health_port, name=name,

@@ -17,10 +17,11 @@ prompts and tensors never go through Prefect. The run
 6. merges statistics and writes the manifest last (nothing, progress included, is written
    into the job's folder after it), and returns a small summary.
 
-Progress (the job's progress file, a progress artifact, the run's labels) is
-`flows.progress`. The job's files and their names are `harvest.jobfiles.JobFiles`. Resume:
-shards already written and verified (size + sha256 record beside each) are skipped, so a
-re-run of the same flow run (rescheduled after its host died) costs only the shard in flight.
+Progress (the job's progress file, a progress artifact, the run's labels, and the job's shard
+count on its own run, which is what the API shows) is `flows.progress`. The job's files and
+their names are `harvest.jobfiles.JobFiles`. Resume: shards already written and verified
+(size + sha256 record beside each) are skipped, so a re-run of the same flow run (rescheduled
+after its host died) costs only the shard in flight.
 
 How a run ends is decided in one place, `ending`: done returns the summary; a cancel ends
 Cancelled; any error ends Failed with a short reason from the error vocabulary and a
@@ -147,6 +148,8 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
         if helper:
             run.n_shards = len(own)
         run.label(1 if helper else len(plan))
+        if not helper:  # the job's own run: its count is the job's progress (`flows.progress`)
+            run.reports_for_job(split=len(plan) > 1)
         if placement:
             logger.info("placed on %s slot %s (devices %s)", placement["host"], placement["slot"], placement["devices"] or "none")
         helpers = start_helpers(run, plan[1:]) if len(plan) > 1 else []

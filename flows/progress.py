@@ -1,9 +1,15 @@
 """A harvest run's view of itself: who it is, whether it is being cancelled, and its progress.
 
-Progress goes three ways, for three readers: the job's progress file (`JobFiles`, what the API
-shows as `progress`), a Prefect progress artifact (the UI), and the run's labels (where it
-landed: `harvest.slot`, `harvest.devices`, `harvest.workers`, beside Prefect's own
-`prefect.worker.name`). All of it is best effort: a display failure never fails a job.
+Progress goes four ways, for four readers: the job's progress file (`JobFiles`: stage, counts
+and tokens/s, for whoever reads the job's folder), a Prefect progress artifact (the UI), the run's
+labels (where it landed: `harvest.slot`, `harvest.devices`, `harvest.workers`, beside Prefect's
+own `prefect.worker.name`), and, for the API, the job's shard count on the job's own run
+(`report`: the `harvest.shards_done` label, then a `harvest.run.progress` event naming the run;
+`flows.run_status`). The API's watcher reads that label with the run's state and wakes on the
+event, so a job's `progress` costs it one Prefect read per change, never a listing of the job's
+folder; the run, which holds no job-store credentials, writes nothing but Prefect. All of it is
+best effort: a display failure never fails a job (a missed event is caught by the watcher's
+paged re-read of every active run, `api.watcher`).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
+from prefect.events import emit_event
 from prefect.runtime import flow_run as current_run
 
 from flows.placement import WORKERS_LABEL
+from flows.run_status import PROGRESS_EVENT, SHARDS_DONE_LABEL
 from harvest.jobfiles import JobFiles
 from harvest.lanes import deployment_name
 
@@ -52,6 +60,10 @@ class RunProgress:
         self.shards_done = 0
         self.skipped = 0
         self.artifact: UUID | None = None
+        self.job_split: bool | None = None
+        """None: a helper (its count is not the job's; the parent reports); else whether the
+        job is split over helper runs too (`reports_for_job`)."""
+        self.reported: int | None = None  # the last count this run reported for its job
 
     def close(self) -> None:
         self.client.__exit__(None, None, None)
@@ -84,6 +96,29 @@ class RunProgress:
         except Exception:  # display and resume aid; the job goes on without it
             get_run_logger().warning("could not label flow run %s", self.id, exc_info=True)
 
+    def reports_for_job(self, split: bool) -> None:
+        """This run is the job's own (not a helper): its count is the job's progress. `split`:
+        helper runs write shards too, so the count is the job folder's records (one listing of
+        `_parts/` per report, in this run's process), not this run's own shards."""
+        self.job_split = split
+
+    def report(self) -> None:
+        """Tell the API how many of the job's shards are written, if that changed: the job
+        run's `SHARDS_DONE_LABEL`, then a `PROGRESS_EVENT` naming the run (the label first, so
+        the watcher's read on the event finds it). A helper reports nothing."""
+        if self.id is None or self.job_split is None:
+            return
+        try:
+            count = self.files.shards_done() if self.job_split else self.shards_done
+            if count == self.reported:
+                return
+            self.client.update_flow_run_labels(self.id, {SHARDS_DONE_LABEL: str(count)})
+            emit_event(PROGRESS_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{self.id}"},
+                       payload={"shards_done": count})
+            self.reported = count
+        except Exception:  # progress is shown late (the watcher's paged re-read), never fails the job
+            get_run_logger().debug("progress report failed", exc_info=True)
+
     def shard_done(self, k: int, skipped: bool) -> None:
         self.shards_done += 1
         if skipped:
@@ -101,6 +136,7 @@ class RunProgress:
             tokens_per_s=round(rate, 1),
             placement=self.placement,
         )
+        self.report()
         if self.id is None:
             return
         try:

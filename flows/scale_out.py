@@ -213,6 +213,7 @@ def collect_helpers(
                 logger.info("helper %s %s (%s); doing shards %s..%s here", child_id, action, what, rng[0], rng[1] - 1)
                 timings.add(do_range(range(*rng)))
             pending.remove((rng, child_id))
+        run.report()  # the helpers' shards count as the job's progress too (`flows.progress`)
         if pending:
             time.sleep(POLL_S)
     return timings

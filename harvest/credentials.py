@@ -14,6 +14,10 @@ with each variable of `SECRETS` left out unless the child is named as needing it
     PREFECT_API_DATABASE_CONNECTION_URL   Prefect's database (its password is in the URL; also
                                           PREFECT_SERVER_DATABASE_CONNECTION_URL, and a password
                                           given apart, PREFECT_{API,SERVER}_DATABASE_PASSWORD)
+    PREFECT_REDIS_MESSAGING_URL           the Redis of a scaled control plane (`fleet.control_plane`):
+                                          its events, leases and background tasks (password in the
+                                          URL; also PREFECT_SERVER_DOCKET_URL, HARVEST_REDIS_URL,
+                                          and a password given apart, PREFECT_REDIS_MESSAGING_PASSWORD)
     HARVEST_DATABASE_URL                  the job store: keys, jobs, charges (password in the URL)
     HARVEST_SIGNING_SECRET                download links of any job's files (the HMAC key)
     HARVEST_METRICS_TOKEN                 every /metrics of the fleet
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["SECRETS", "PREFECT_CLIENT", "PREFECT_DATABASE", "STORAGE", "handed"]
+__all__ = ["SECRETS", "PREFECT_CLIENT", "PREFECT_DATABASE", "PREFECT_REDIS", "STORAGE", "handed"]
 
 SECRETS: dict[str, str] = {
     "PREFECT_SERVER_API_AUTH_STRING": "the Prefect API (the password the server checks)",
@@ -42,6 +46,10 @@ SECRETS: dict[str, str] = {
     "PREFECT_SERVER_DATABASE_CONNECTION_URL": "Prefect's database (the setting's other name)",
     "PREFECT_API_DATABASE_PASSWORD": "Prefect's database (its password, given apart)",
     "PREFECT_SERVER_DATABASE_PASSWORD": "Prefect's database (its password, given apart)",
+    "PREFECT_REDIS_MESSAGING_URL": "the control plane's Redis (events, leases, background tasks)",
+    "PREFECT_REDIS_MESSAGING_PASSWORD": "the control plane's Redis (its password, given apart)",
+    "PREFECT_SERVER_DOCKET_URL": "the control plane's Redis (the docket's URL)",
+    "HARVEST_REDIS_URL": "the control plane's Redis (as `harvest server` is given it)",
     "HARVEST_DATABASE_URL": "the job store: keys, jobs, charges",
     "HARVEST_SIGNING_SECRET": "download links of any job's files",
     "HARVEST_METRICS_TOKEN": "every /metrics",
@@ -58,6 +66,10 @@ self-hosted server checks a single string, so it cannot be narrowed per role).""
 PREFECT_DATABASE = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL",
                     "PREFECT_API_DATABASE_PASSWORD", "PREFECT_SERVER_DATABASE_PASSWORD")
 """Prefect's database, under each name Prefect reads it from: its server's alone."""
+
+PREFECT_REDIS = ("PREFECT_REDIS_MESSAGING_URL", "PREFECT_REDIS_MESSAGING_PASSWORD", "PREFECT_SERVER_DOCKET_URL")
+"""The Redis of a scaled control plane, under each name Prefect reads it from: its API servers'
+and services' alone (`harvest server` turns HARVEST_REDIS_URL into these)."""
 
 STORAGE = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 """The storage user's credentials (its rights are the bucket policy's: infra/minio/)."""

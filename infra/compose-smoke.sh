@@ -11,7 +11,7 @@
 #    links), every shard's sha256 against the manifest; charged what the manifest says.
 # 3. a worker container killed mid-job: the job ends done on the other worker, no shard written
 #    before the kill is written again, charged once.
-# 4. the control-plane container restarted mid-job: the job ends done.
+# 4. a Prefect API server container killed mid-job (and started again): the job ends done.
 # 5. down (containers, network, volumes), the timings, and COMPOSE_SMOKE_OK last.
 #
 # The researcher's side runs in a container on the fleet's network (infra/compose_smoke_client.py
@@ -60,10 +60,12 @@ sed -e "s|^POSTGRES_PASSWORD=.*|POSTGRES_PASSWORD=$(secret)|" \
     -e "s|^S3_WORKER_SECRET_KEY=.*|S3_WORKER_SECRET_KEY=$(secret)|" \
     -e "s|^PREFECT_AUTH_STRING=.*|PREFECT_AUTH_STRING=harvest:$(secret)|" \
     -e "s|^METRICS_TOKEN=.*|METRICS_TOKEN=$(secret)|" \
+    -e "s|^REDIS_PASSWORD=.*|REDIS_PASSWORD=$(secret)|" \
     -e "s/^\(API_\|PREFECT_\|S3_\)PUBLISH_ADDR=.*/\1PUBLISH_ADDR=$PUBLISH/" \
     -e "s|^HARVEST_IMAGE_PREFIX=.*|HARVEST_IMAGE_PREFIX=$PREFIX|" \
     -e "s|^HARVEST_TAG=.*|HARVEST_TAG=$TAG|" \
     -e "s|^POSTGRES_IMAGE=.*|POSTGRES_IMAGE=$PREFIX/postgres:$TAG|" \
+    -e "s|^REDIS_IMAGE=.*|REDIS_IMAGE=$PREFIX/redis:$TAG|" \
     -e "s|^HARVEST_HF_HUB_DIR=.*|HARVEST_HF_HUB_DIR=$STATE/hf-hub|" \
     infra/compose.env.example > "$ENV_FILE"
 # shellcheck disable=SC1090
@@ -73,7 +75,7 @@ pc() { "$PC_VENV/bin/podman-compose" --in-pod false -p "$PROJECT" -f infra/compo
 ctr() {  # the container of a compose service
   podman ps -a --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1" --format '{{.Names}}' | head -n1
 }
-SERVICES=(postgres minio minio-init control-plane api-1 api-2 worker-small worker-small-2)
+SERVICES=(postgres minio minio-init redis prefect-api-1 prefect-api-2 prefect-services api-1 api-2 worker-small worker-small-2)
 
 teardown() {
   local rc=$?
@@ -92,7 +94,7 @@ teardown() {
 }
 trap teardown EXIT
 
-for image in "$PREFIX/api:$TAG" "$PREFIX/control-plane:$TAG" "$PREFIX/worker-cpu:$TAG" "$PREFIX/postgres:$TAG" "$PREFIX/s3:$TAG"; do
+for image in "$PREFIX/api:$TAG" "$PREFIX/control-plane:$TAG" "$PREFIX/worker-cpu:$TAG" "$PREFIX/postgres:$TAG" "$PREFIX/s3:$TAG" "$PREFIX/redis:$TAG"; do
   podman image exists "$image" || { say "no image $image: run infra/images.sh first"; exit 1; }
 done
 
@@ -124,15 +126,20 @@ ready() {  # service, the start of its ready line, occurrences wanted, timeout s
 up() { pc up -d --no-deps "$@" >> "$STATE/logs/up.log" 2>&1 || { tail -n 30 "$STATE/logs/up.log" >&2; return 1; }; }
 
 start=$SECONDS
-say "up: postgres, minio"
-up postgres minio
+say "up: postgres, minio, redis"
+up postgres minio redis
 healthy postgres && timing healthy_postgres_s $((SECONDS - start))
 healthy minio && timing healthy_s3_s $((SECONDS - start))
-say "up: minio-init, control-plane"
-up minio-init control-plane
+healthy redis && timing healthy_redis_s $((SECONDS - start))
+say "up: minio-init, the control plane (prefect-api-1, prefect-api-2, prefect-services)"
+up minio-init prefect-api-1
 [ "$(podman wait "$(ctr minio-init)")" = 0 ] || { say "minio-init failed"; podman logs "$(ctr minio-init)" >&2; exit 1; }
-ready control-plane "PREFECT_API_URL=" && timing ready_control_plane_s $((SECONDS - start))
-healthy control-plane
+ready prefect-api-1 "PREFECT_API_URL=" && healthy prefect-api-1
+up prefect-api-2
+ready prefect-api-2 "PREFECT_API_URL=" && healthy prefect-api-2
+up prefect-services
+ready prefect-services "PREFECT_SERVICES=" && timing ready_control_plane_s $((SECONDS - start))
+healthy prefect-services
 # One at a time: on a 2-core machine shared with other work, four roles importing torch and
 # Prefect at once can each take over the 90 s a role gives its server to answer.
 for s in api-1 api-2 worker-small worker-small-2; do
@@ -156,7 +163,7 @@ client() {
     -e "JOBS_DB=postgresql://harvest:$POSTGRES_PASSWORD@postgres:5432/jobs" \
     -e "S3_ENDPOINT=$S3_ENDPOINT_URL" -e "S3_BUCKET=$S3_BUCKET" -e "S3_PREFIX=$S3_PREFIX" \
     -e "AWS_ACCESS_KEY_ID=$S3_API_ACCESS_KEY" -e "AWS_SECRET_ACCESS_KEY=$S3_API_SECRET_KEY" -e "AWS_DEFAULT_REGION=$S3_REGION" \
-    -e PREFECT_API_URL=http://control-plane:4200/api -e "PREFECT_API_AUTH_STRING=$PREFECT_AUTH_STRING" \
+    -e PREFECT_API_URL=http://prefect-api-2:4200/api -e "PREFECT_API_AUTH_STRING=$PREFECT_AUTH_STRING" \
     "$PREFIX/api:$TAG" python /smoke/client.py "$@"
 }
 figures() { sed -n 's/^SMOKE //p' | while read -r kv; do echo "$kv"; done; }
@@ -185,13 +192,15 @@ for kv in $(echo "$out" | figures); do timing "${kv%%=*}" "${kv#*=}"; done
 podman start "$(ctr "$victim")" > /dev/null
 ready "$victim" "WORKER_READY lane=small" 2 && say "$victim back"
 
-# --- 4. the control plane restarted mid-job -------------------------------------------------
-say "the control plane restarted mid-job ($RESTART_PROMPTS prompts)"
+# --- 4. a Prefect API server killed mid-job -----------------------------------------------------
+# The roles move to the other server (fleet/prefect_endpoints.py) while it is down.
+say "a Prefect API server (prefect-api-1) killed mid-job ($RESTART_PROMPTS prompts)"
 job=$(client submit "$RESTART_PROMPTS" | tail -n1)
 client running "$job" 3 > /dev/null
 start=$SECONDS
-podman restart -t 60 "$(ctr control-plane)" > /dev/null
-ready control-plane "PREFECT_API_URL=" 2 && timing control_plane_restart_ready_s $((SECONDS - start))
+podman kill "$(ctr prefect-api-1)" > /dev/null
+podman start "$(ctr prefect-api-1)" > /dev/null
+ready prefect-api-1 "PREFECT_API_URL=" 2 && timing control_plane_restart_ready_s $((SECONDS - start))
 out=$(client done "$job") || { echo "$out" >&2; exit 1; }
 for kv in $(echo "$out" | figures); do timing "cp_restart_${kv%%=*}" "${kv#*=}"; done
 

@@ -3,7 +3,7 @@
 # archive and a Python package index but no container registry (RUNBOOK "Building the images
 # without a registry"). From the repository root:
 #
-#   bash infra/images.sh            # debian base, api, control-plane, worker-cpu, postgres, s3
+#   bash infra/images.sh            # debian base, api, control-plane, worker-cpu, postgres, s3, redis
 #   bash infra/images.sh --gpu      # and worker-gpu (PyPI's CUDA torch + vLLM: ~10 GB, slow)
 #   bash infra/images.sh --rebase   # make the Debian base again (else kept if present)
 #
@@ -165,7 +165,7 @@ if ((GPU)); then
 fi
 
 # --- 3. the infrastructure ------------------------------------------------------------------
-for name in postgres s3; do
+for name in postgres s3 redis; do
   start=$SECONDS
   say "building $PREFIX/$name:$TAG"
   "${PODMAN[@]}" build --network host --layers -f "infra/images/$name.Containerfile" --build-arg "BASE=$BASE" \

@@ -50,7 +50,8 @@ lost on its way back), and ``<runs_dir>/cancel-fails`` makes cancels fail;
 A run is a JSON file ``<runs_dir>/<run_id>.json`` that the test moves through states with
 ``set_run(server, job_id, status, message=None, state_name="")``; ``finish_run(server, job_id, engine)``
 really harvests the job with the core pipeline into the server's storage (what a worker
-does) and marks the run done.
+does) and marks the run done. A running run reports its job's progress as a real one does
+(`flows.progress`: the shard records its job's folder holds), or what ``FileRuns.report`` set.
 """
 
 from __future__ import annotations
@@ -211,8 +212,29 @@ class FileRuns:
                     started_at=datetime.fromisoformat(started) if started else None,
                     crashed=crashed,
                     state_name=data.get("state_name", ""),  # e.g. "Cancelling": cancelled, its process still stopping
+                    shards_done=self._reported(data),
+                    flow_run_id=run_id,
                 )
         return states
+
+    @staticmethod
+    def _reported(data: dict) -> int | None:
+        """The job's shards as its run reports them (`flows.progress`): what the test set
+        (`report`), else, for a running run, the records in its job's folder, which is what a
+        real run counts and reports."""
+        if data.get("shards_done") is not None:
+            return int(data["shards_done"])
+        if data["status"] != "running" or not data.get("request_url"):
+            return None
+        from harvest.jobfiles import JobFiles
+
+        return JobFiles.from_request_url(data["request_url"]).shards_done()
+
+    def report(self, run_id: str, shards_done: int) -> None:
+        """The run reports `shards_done` of its job's shards written (its label, in Prefect)."""
+        data = self.get(run_id)
+        data["shards_done"] = shards_done
+        self._write(run_id, data)
 
     def reschedule(self, run_id: str) -> None:
         data = self.get(run_id)

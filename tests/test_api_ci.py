@@ -1,6 +1,7 @@
 """`.ci/run` stops, with a message that says why, when PostgreSQL is not answering at
-127.0.0.1:5432, instead of installing for minutes and letting the job store's tests fail one
-by one (before: a CI without it learned it test by test, or, earlier, went green on skips)."""
+127.0.0.1:5432, or Redis at 127.0.0.1:6379 (the scaled control plane's, issue 45), instead of
+installing for minutes and letting their tests fail one by one (before: a CI without it
+learned it test by test, or, earlier, went green on skips)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,38 @@ def test_a_port_held_by_something_else_is_not_postgresql():
     finally:
         server.close()
     assert out.returncode == 1 and "not PostgreSQL" in out.stderr, out.stderr
+
+
+def test_the_projects_redis_answers():
+    out = subprocess.run([str(REPO / ".ci" / "redis_ready")], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+
+
+def test_ci_stops_before_the_tests_when_redis_does_not_answer():
+    address = f"127.0.0.1:{free_port()}"
+    out = subprocess.run([str(REPO / ".ci" / "run")], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "HARVEST_CI_REDIS": address})
+    assert out.returncode == 1, out.stderr
+    assert f"Redis is not answering at {address}" in out.stderr
+    assert "stopping before the tests: Redis is required" in out.stderr
+    assert "pytest" not in out.stdout + out.stderr  # make test never ran
+
+
+def test_a_port_held_by_something_else_is_not_redis():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def answer_wrongly():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(16)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=answer_wrongly, daemon=True).start()
+    try:
+        out = subprocess.run([str(REPO / ".ci" / "redis_ready"), f"127.0.0.1:{server.getsockname()[1]}"],
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        server.close()
+    assert out.returncode == 1 and "not a Redis" in out.stderr, out.stderr

@@ -4,8 +4,10 @@ Images cannot be built on the project's machines (no container registry, no Dock
 this checks, without Docker, everything that can drift from the service:
 
 - the compose file mirrors the fleet topology test (`tests/topology.py`): PostgreSQL with the
-  two databases, an S3 store, one control plane, the topology's number of API replicas, and a
-  worker host for every lane of infra/lanes.toml (and every pool infra/prefect.yaml runs on);
+  two databases, an S3 store, one control plane (scaled, issue 45: two Prefect API servers, one
+  services process and Redis, as tests/test_scaled_control_plane.py starts it), the topology's
+  number of API replicas, and a worker host for every lane of infra/lanes.toml (and every pool
+  infra/prefect.yaml runs on);
 - every service runs a real `harvest` role with flags that role has, and gets what README
   "Running as a fleet" says the role needs (Prefect URL, job store, bucket, S3 endpoint);
 - every HARVEST_* variable it sets is a settings field (`fleet.settings.FleetSettings`, which holds every layer's) (a misspelt one is silently ignored);
@@ -157,6 +159,21 @@ def _healthcheck(service: dict) -> str:
     return " ".join(test) if isinstance(test, list) else str(test or "")
 
 
+def _redis_service() -> str:
+    (name,) = (n for n, s in _services().items() if str(s.get("image", "")).split("/")[-1].startswith("redis"))
+    return name
+
+
+def _control_plane() -> tuple[dict[str, dict], tuple[str, dict]]:
+    """The control plane's API servers (`harvest server --no-services`) by name, and its one
+    services process (`harvest server --api-servers 0`)."""
+    servers = _by_role("server")
+    api_servers = {n: s for n, s in servers.items() if "--no-services" in _command(s)}
+    services = [(n, s) for n, s in servers.items() if n not in api_servers]
+    assert len(services) == 1 and _flag(_command(services[0][1]), "--api-servers") == "0", sorted(servers)
+    return api_servers, services[0]
+
+
 def _lanes() -> set[str]:
     """The lanes the service declares, and every pool infra/prefect.yaml puts a deployment on."""
     lanes = set(tomllib.loads((INFRA / "lanes.toml").read_text()).get("lanes", {})) if (INFRA / "lanes.toml").exists() else set()
@@ -244,7 +261,9 @@ def test_compose_mirrors_the_fleet_topology():
     assert len(s3) == 1, s3
     assert any("mc mb" in _script(s) for s in services.values()), "no one-shot bucket creation"
 
-    assert len(_by_role("server")) == 1, "exactly one control plane"
+    api_servers, _ = _control_plane()  # exactly one services process
+    assert len(api_servers) >= 2, "the control plane's API servers, several (`harvest server --no-services`)"
+    redis = _redis_service()
     replicas = Fleet.__dataclass_fields__["replicas_n"].default
     assert len(_by_role("api")) == replicas == 2
 
@@ -254,7 +273,7 @@ def test_compose_mirrors_the_fleet_topology():
     assert Fleet.__dataclass_fields__["lane"].default in workers
 
     # Roles that the topology test knows nothing of would be a different fleet.
-    others = {n for n, s in services.items() if _role(s) is None} - set(postgres) - set(s3)
+    others = {n for n, s in services.items() if _role(s) is None} - set(postgres) - set(s3) - {redis}
     assert all("mc " in _script(services[n]) for n in others), others
 
 
@@ -286,12 +305,14 @@ def test_harvest_variables_are_settings():
 
 def test_each_role_gets_what_it_needs():
     services = _services()
-    (cp_name, control_plane), = _by_role("server").items()
-    cp_cmd = _command(control_plane)
-    cp_host, cp_port = _flag(cp_cmd, "--host"), _flag(cp_cmd, "--port")
-    # Bound to an address the others resolve: its service name (or the hostname it sets).
-    assert cp_host in (cp_name, control_plane.get("hostname")), cp_host
-    prefect_api = f"http://{cp_host}:{cp_port}/api"
+    api_servers, (_, prefect_services) = _control_plane()
+    prefect_urls = []
+    for cp_name, server in api_servers.items():
+        cp_cmd = _command(server)
+        cp_host, cp_port = _flag(cp_cmd, "--host"), _flag(cp_cmd, "--port")
+        # Bound to an address the others resolve: its service name (or the hostname it sets).
+        assert cp_host in (cp_name, server.get("hostname")), cp_host
+        prefect_urls.append(f"http://{cp_host}:{cp_port}/api")
 
     (pg_name, _), = ((n, s) for n, s in services.items() if str(s.get("image", "")).split("/")[-1].startswith("postgres"))
     (s3_name, _), = ((n, s) for n, s in services.items() if "minio/minio" in str(s.get("image", "")) and "server" in _command(s))
@@ -307,15 +328,26 @@ def test_each_role_gets_what_it_needs():
         assert db in created, f"{url}: database {db} is not created by {PG_INIT.name} ({created})"
         return db
 
-    cp_env = _env(control_plane)
-    prefect_db = database(cp_env["PREFECT_API_DATABASE_CONNECTION_URL"], "postgresql+asyncpg")
-    assert "PREFECT_API_URL" not in cp_env  # the server must not talk to another server
+    prefect_dbs, redis_urls = set(), set()
+    for server in [*api_servers.values(), prefect_services]:
+        cp_env = _env(server)
+        prefect_dbs.add(database(cp_env["PREFECT_API_DATABASE_CONNECTION_URL"], "postgresql+asyncpg"))
+        assert "PREFECT_API_URL" not in cp_env  # a server must not talk to another server
+        redis_urls.add(cp_env["HARVEST_REDIS_URL"])
+    (prefect_db,) = prefect_dbs  # one database, one Redis for all of them
+    (redis_url,) = redis_urls
+    assert urlparse(redis_url).scheme == "redis" and urlparse(redis_url).hostname == _redis_service(), redis_url
+    # The services process applies the control plane's objects through the servers.
+    assert _env(prefect_services)["HARVEST_PREFECT_API_URLS"].split(",") == prefect_urls
 
     storage_vars = ("HARVEST_STORAGE_URL", "HARVEST_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     for role in ("api", "worker"):
         for name, service in _by_role(role).items():
             env = _env(service)
-            assert env.get("PREFECT_API_URL") == prefect_api, (name, env.get("PREFECT_API_URL"))
+            # Every server, in an order of the role's own (fleet/prefect_endpoints.py).
+            assert env.get("HARVEST_PREFECT_API_URLS", "").split(",") == prefect_urls, (name, env.get("HARVEST_PREFECT_API_URLS"))
+            assert "PREFECT_API_URL" not in env, name  # the role refuses both
+            assert "HARVEST_REDIS_URL" not in env, name  # Redis is the control plane's alone
             for var in storage_vars:
                 assert env.get(var), f"{name} lacks {var}"
             assert env["HARVEST_STORAGE_URL"].startswith("s3://"), env["HARVEST_STORAGE_URL"]
@@ -350,8 +382,10 @@ def test_healthchecks_and_clean_stops():
         elif role == "worker":
             port = _flag(command, "--health-port")
             assert port and f"127.0.0.1:{port}/health" in check, (name, check)
-        elif role == "server":
+        elif role == "server" and "--no-services" in command:
             assert f"{_flag(command, '--host')}:{_flag(command, '--port')}/api/" in check, check
+        elif role == "server":  # the services process: healthy once its deployments exist on a server
+            assert "HARVEST_PREFECT_API_URLS" in check and "/deployments/name/" in check, check
 
 
 def test_gpu_workers_are_optional_and_reserve_gpus():
@@ -377,8 +411,7 @@ def test_each_database_has_a_user_of_its_own():
     (pg_name, postgres), = ((n, s) for n, s in services.items() if str(s.get("image", "")).split("/")[-1].startswith("postgres"))
     pg_env = _env(postgres)
     superuser = pg_env["POSTGRES_USER"]
-    (_, control_plane), = _by_role("server").items()
-    prefect_url = urlparse(_env(control_plane)["PREFECT_API_DATABASE_CONNECTION_URL"])
+    (prefect_url,) = {urlparse(_env(s)["PREFECT_API_DATABASE_CONNECTION_URL"]) for s in _by_role("server").values()}
     api_urls = {urlparse(_env(s)["HARVEST_DATABASE_URL"]) for s in _by_role("api").values()}
     (jobs_url,) = api_urls
     users = {jobs_url.path.lstrip("/"): jobs_url.username, prefect_url.path.lstrip("/"): prefect_url.username}
@@ -650,16 +683,18 @@ def test_runbook_harvest_commands_parse():
 
 def test_the_prefect_api_is_authenticated():
     """The control plane checks Prefect's basic auth, and every other role sends the same string."""
-    (_, control_plane), = _by_role("server").items()
+    _, (_, prefect_services) = _control_plane()
     want = _example_env()["PREFECT_AUTH_STRING"]
     assert ":" in want, "Prefect's auth string is USER:PASSWORD"
-    assert _env(control_plane).get("PREFECT_SERVER_API_AUTH_STRING") == want
+    for name, server in _by_role("server").items():
+        assert _env(server).get("PREFECT_SERVER_API_AUTH_STRING") == want, name
     for role in ("api", "worker"):
         for name, service in _by_role(role).items():
             assert _env(service).get("PREFECT_API_AUTH_STRING") == want, f"{name} does not authenticate to Prefect"
     assert _variables_used(COMPOSE.read_text())["PREFECT_AUTH_STRING"] == ":?", "the auth string must be required"
-    # Its healthcheck reads an authenticated route, so it must send the string too.
-    assert "Authorization" in _healthcheck(control_plane) and "PREFECT_SERVER_API_AUTH_STRING" in _healthcheck(control_plane)
+    # The services' healthcheck reads an authenticated route, so it must send the string too.
+    check = _healthcheck(prefect_services)
+    assert "Authorization" in check and "PREFECT_SERVER_API_AUTH_STRING" in check
 
 
 def _image_files() -> list[Path]:

@@ -7,8 +7,8 @@ namespaces of their own, files on moto's S3 server, nothing else shared.
   host wrote and the tokenizer run here, not the column the API charged); the presigned S3
   links download with no key and match the manifest's sha256.
 - Progress on S3: two jobs at once, one per host, read through both replicas mid-run, rise
-  through every shard count (the lease holder's watcher lists each job's records on S3 every
-  tick, from a process up for the whole fleet: no stale listing).
+  through every shard count (each job's run reports its count on its flow run as each shard
+  lands, and the lease holder's watcher reads it on the run's progress event).
 - Host death: every process of the host running a job is SIGKILLed mid-job; Prefect's
   heartbeat automation marks the run Crashed, the lease-holding replica reschedules it, the
   other host resumes it: done, the shards written before the kill untouched (S3
@@ -193,9 +193,10 @@ def test_jobs_cross_replicas_and_hosts_with_status_forward_charges_once_and_s3_l
 def test_progress_read_mid_run_on_s3_rises_shard_by_shard_through_both_replicas_on_both_hosts(fleet, request):
     """Two jobs at once, one on each worker host (a host runs one job at a time), read through
     both replicas while they run: each job's `shards_done` passes through every count from the
-    first shard to the last. The replica holding the watcher lease counts each job's shard
-    records on S3 every tick, from a process up since the fleet started (the long-lived reader
-    whose listings cache once froze this count); the other reads what it recorded."""
+    first shard to the last. Each job's run reports its count on its flow run as each shard
+    lands (`flows.progress`), from the worker host's namespace; the replica holding the watcher
+    lease reads it on the run's progress event and records it; the other reads what it
+    recorded."""
     n = 8  # below twice the scale-out minimum: each job is one run, whose shards land one by one
     deadline = time.monotonic() + 120
     while any(h.flow_run_ids() for h in fleet.hosts):  # the hosts are free, so each takes a job

@@ -38,7 +38,8 @@ EVERY_SECRET = {name: f"secret-{name.lower()}" for name in SECRETS}
 
 NEVER_ON_A_WORKER_HOST = ("HARVEST_DATABASE_URL", "HARVEST_METRICS_TOKEN", "HARVEST_SIGNING_SECRET",
                           "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_DATABASE_CONNECTION_URL",
-                          "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_PASSWORD")
+                          "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_PASSWORD",
+                          "PREFECT_REDIS_MESSAGING_URL", "PREFECT_SERVER_DOCKET_URL", "HARVEST_REDIS_URL")
 
 
 def test_handed_keeps_only_the_named_secrets():
@@ -52,11 +53,14 @@ def test_handed_keeps_only_the_named_secrets():
 
 def test_the_roles_children_are_handed_only_their_own():
     from fleet.processes import API_NEEDS, SERVER_NEEDS, WORKER_NEEDS
-    from harvest.credentials import PREFECT_DATABASE
+    from harvest.credentials import PREFECT_DATABASE, PREFECT_REDIS
 
     assert not set(NEVER_ON_A_WORKER_HOST) & set(WORKER_NEEDS)
     assert {"PREFECT_SERVER_API_AUTH_STRING", *PREFECT_DATABASE}.isdisjoint(API_NEEDS)
     assert set(PREFECT_DATABASE) <= set(SERVER_NEEDS)
+    # A scaled control plane's Redis (fleet.control_plane) is its Prefect processes' alone.
+    assert set(PREFECT_REDIS) <= set(SERVER_NEEDS)
+    assert {*PREFECT_REDIS, "HARVEST_REDIS_URL"}.isdisjoint({*API_NEEDS, *WORKER_NEEDS})
     assert {"HARVEST_DATABASE_URL", "HARVEST_METRICS_TOKEN", "HARVEST_SIGNING_SECRET", "AWS_SECRET_ACCESS_KEY"}.isdisjoint(SERVER_NEEDS)
 
 

@@ -4,8 +4,9 @@ A real job, in one flow run or split over two (scale-out), on the session's Pref
 worker hosts `harvest up` runs: slot tables, warm engine servers) writes to moto's S3 server
 through `tests.fault_proxy` (which only records the requests here), its shards slowed to a
 second each (`tests.slow_engine`). An API replica on the same bucket, up for the whole module,
-is the long-lived reader: its watcher counts the job's shard records on every tick and finds
-its manifest at the end. Read through the API mid-run, the count must rise shard by shard (one
+is the long-lived reader: its run store (`FileRuns`, standing in for the run's own report,
+`flows.progress`) counts the job's shard records at each of the watcher's reads, and its
+watcher finds the manifest at the end. Read through the API mid-run, the count must rise shard by shard (one
 run: every value from 0 to the end; two runs may land two shards within one tick) and reach
 done; s3fs's listings cache (one filesystem object per process) once froze it at the first
 count and hid the manifest.
@@ -71,8 +72,8 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     # run the job for real: two runs, each writing through the proxy.
     assert http_calls.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["progress"]["shards_done"] == 0
     api.runs.set(f"run-{job_id}", "running")
-    # The watcher's tick that shows the job running has also counted its shards: it listed
-    # `_parts/` while the folder was empty (the listing a cache would keep).
+    # The watcher's read that shows the job running has also counted its shards: the run
+    # store listed `_parts/` while the folder was empty (the listing a cache would keep).
     deadline = time.monotonic() + 30
     while http_calls.get(f"{api.base_url}/harvest/{job_id}", headers=auth).json()["status"] != "running":
         assert time.monotonic() < deadline, "the watcher never applied the run's state"

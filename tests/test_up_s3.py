@@ -1,8 +1,8 @@
 """`harvest up` on S3 (moto's server, in its own process), as an operator runs it with
 `HARVEST_STORAGE_URL=s3://…`: a job's progress, read over HTTP while it runs, rises shard by
-shard. The count comes from the stack's long-lived API process listing the job's shard
-records on S3 every watcher tick (the listing a cache once froze at its first answer); each
-shard takes 3 s more here (`tests.slow_engine`), so every count lasts several ticks.
+shard. The count comes from the job's run, which reports it on its flow run as each shard
+lands (`flows.progress`); the stack's API watcher reads it on the run's progress event. Each
+shard takes 3 s more here (`tests.slow_engine`), so every count lasts several watcher ticks.
 
 What was written is checked against the bucket itself (boto3, not the service's storage code):
 every shard and the manifest are objects of the job's folder, and nothing went to local disk.

@@ -140,7 +140,7 @@ async def submit_harvest(
             key.id, idempotency_key, harvest_request,
             lambda: _submit(key, harvest_request, job, storage, runs, settings, store.engine),
         )
-    watcher.kick()
+    watcher.kick(row.get("flow_run_id"))  # read its run at once, not when the watcher's re-read comes round
     return JSONResponse(render(row, storage, links), status_code=202)
 
 
