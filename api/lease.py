@@ -138,13 +138,18 @@ class LeaseKeeper:
             self._thread.join()
 
     def _keep(self) -> None:
+        from harvest.metrics import WATCHER_LEASE_RENEWALS
+
         while not self._stop.is_set():
             was_held = self.lease.held
             try:
-                gained = self.lease.acquire() and not was_held
+                held = self.lease.acquire()
+                gained = held and not was_held
+                outcome = "held" if held else "lost" if was_held else "elsewhere"
             except Exception:  # the database briefly away: the lease lapses by `holds` if it lasts
                 log.warning("could not renew the %s lease", self.lease.name, exc_info=True)
-                gained = False
+                gained, outcome = False, "error"
+            WATCHER_LEASE_RENEWALS.labels(outcome).inc()
             if gained and self.on_gained is not None:
                 self.on_gained()
             self._stop.wait(self.period_s)

@@ -83,6 +83,7 @@ from api.store import (
     unstarted_jobs,
 )
 from harvest.jobfiles import JobFiles
+from harvest.metrics import WATCHER_TICK_SECONDS
 from harvest.storage import Storage
 
 __all__ = ["Watcher"]
@@ -270,7 +271,8 @@ class Watcher:
         self.ticks += 1
         named = self._take_named()
         try:
-            return self._tick(named)
+            with WATCHER_TICK_SECONDS.time():
+                return self._tick(named)
         except Exception:  # Prefect or the store away, or the lease lost: read them next time
             for run_id in named:
                 self._name(run_id)

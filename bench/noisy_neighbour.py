@@ -116,7 +116,7 @@ def _role(process: psutil.Process) -> str:
                          ("api.app", "api"), ("uvicorn", "api"),
                          ("harvest.warm.server", "engine-server"), ("fleet.run_starter", "run-starter"),
                          ("fleet.prefect_server", "prefect-server"), ("prefect server", "prefect-server"),
-                         ("prefect worker", "worker"), ("harvest up", "harvest-up"), ("harvest worker", "worker"),
+                         ("prefect worker", "worker"), ("fleet.pool_worker", "worker"), ("harvest up", "harvest-up"), ("harvest worker", "worker"),
                          ("harvest server", "prefect-server"), ("harvest api", "api")):
         if needle in line:
             return role

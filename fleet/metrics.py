@@ -35,12 +35,12 @@ from pathlib import Path
 
 import psutil
 
+from fleet.processes import POOL_WORKER_MODULE, STARTER_MODULE
 from harvest.metrics_export import authorized, exposition, host_registry, process_tree
 from harvest.warm.protocol import GroupFiles
 
 __all__ = ["Exporter", "MetricsPortTaken", "worker_processes", "serve_worker_metrics"]
 
-STARTER = "fleet.run_starter"
 MOVE_ASIDE = 16
 """Ports past a taken default port tried, in order, before any free one."""
 
@@ -75,14 +75,14 @@ def _kind(process: psutil.Process, root: int) -> str:
     line = " ".join(command)
     if "harvest.warm.server" in line:
         return "engine_server"
-    if STARTER in line:
+    if STARTER_MODULE in line:
         if process.pid == root:
             return "run_starter"
         # A run forked from the starter keeps its command line; the launcher has no --socket.
         return "flow_run" if "--socket" in command else "launcher"
     if "prefect.engine" in line:
         return "flow_run"  # a run started the slow way (no starter)
-    if "prefect" in line and "worker" in command and "start" in command:
+    if POOL_WORKER_MODULE in line or ("prefect" in line and "worker" in command and "start" in command):
         return "prefect_worker"
     return "other"
 

@@ -40,7 +40,7 @@ from harvest.metrics import MULTIPROC_ENV
 from harvest.metrics_export import fresh_directory
 
 __all__ = [
-    "Managed", "Supervisor", "serve", "say", "WORKER_QUERY_S", "STARTER_MODULE", "RUN_COMMAND", "free_port", "start_server", "start_worker", "wait_http",
+    "Managed", "Supervisor", "serve", "say", "WORKER_QUERY_S", "STARTER_MODULE", "POOL_WORKER_MODULE", "RUN_COMMAND", "free_port", "start_server", "start_worker", "wait_http",
     "descendants", "SERVER_NEEDS", "WORKER_NEEDS", "API_NEEDS", "prefect_argv",
 ]
 
@@ -67,6 +67,8 @@ in bench/RESULTS.md ("Worker polling"). An operator's PREFECT_WORKER_QUERY_SECON
 
 STARTER_MODULE = "fleet.run_starter"
 """The run starter (a worker host's fork server) and its launcher, run as `python -m`."""
+POOL_WORKER_MODULE = "fleet.pool_worker"
+"""A host's Prefect process worker, woken by Prefect's events as well as its poll, run as `python -m`."""
 RUN_COMMAND = f"python -m {STARTER_MODULE}"
 """The harvest deployments' `command` job variable (`flows.deploy` is handed it): the launcher,
 which forks the run from its host's starter, or becomes `python -m prefect.engine` where there
@@ -288,7 +290,8 @@ def start_worker(
                                      "PREFECT_API_URL": api_url, "PATH": path}, WORKER_NEEDS))
     if metrics_dir is not None:
         env[MULTIPROC_ENV] = str(fresh_directory(metrics_dir))
-    argv = [*prefect_argv(), "worker", "start", "--pool", pool, "--type", "process"]
+    # Prefect's process worker, woken by Prefect's events as well as its poll (`fleet.pool_worker`).
+    argv = [sys.executable, "-m", POOL_WORKER_MODULE, "--pool", pool]
     if name:
         argv += ["--name", name]
     if healthcheck:

@@ -32,6 +32,8 @@ __all__ = [
     "SHARD_BYTES",
     "RUN_START_SECONDS",
     "ENGINE_LOADS",
+    "WATCHER_TICK_SECONDS",
+    "WATCHER_LEASE_RENEWALS",
     "ENGINE_LOAD_SECONDS",
     "JOBS",
     "QUEUE_DEPTH",
@@ -76,6 +78,20 @@ RUN_START_SECONDS = Histogram(
     "harvest_run_start_seconds",
     "Seconds from a flow run's scheduled start (its creation by the API, or its rescheduling) to its flow code running on a worker host, by lane.",
     ["lane"], buckets=_START_BUCKETS,
+)
+# Seconds: a tick reads one page of runs and the runs events named: milliseconds when idle; it
+# must stay well under the watcher lease's TTL (5 s), which its own thread renews.
+_TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+WATCHER_TICK_SECONDS = Histogram(
+    "harvest_watcher_tick_seconds",
+    "Seconds each tick of the API's watcher took (the lease-holding replica's; `api.watcher`): its cost stays flat as jobs grow.",
+    buckets=_TICK_BUCKETS,
+)
+WATCHER_LEASE_RENEWALS = Counter(
+    "harvest_watcher_lease_renewals",
+    "The watcher lease's renewal attempts on this replica, by outcome: held (taken or renewed), "
+    "elsewhere (another replica holds it), lost (this replica held it and no longer does), error (the job store did not answer).",
+    ["outcome"],
 )
 ENGINE_LOADS = Counter(
     "harvest_engine_loads", "Engine loads (a model loaded into an engine server, inline engine or one-off run), by lane, model and engine.",

@@ -224,6 +224,8 @@ def test_the_lease_is_renewed_while_a_tick_is_stuck_and_nobody_takes_it_over(rig
     lease = Lease("watcher", "replica-a", ttl, store.engine)
     other = Lease("watcher", "replica-b", ttl, store.engine)
 
+    held_before, tick_s_before = _sample("harvest_watcher_lease_renewals_total", outcome="held"), _sample("harvest_watcher_tick_seconds_sum")
+
     async def scenario():
         watcher = _watcher(runs, storage, store, interval=0.05, lease=lease)
         await watcher.start()
@@ -249,6 +251,16 @@ def test_the_lease_is_renewed_while_a_tick_is_stuck_and_nobody_takes_it_over(rig
     assert renewed >= 3, f"{renewed} renewals in {2 * ttl} s (every {ttl / 3:.2f} s expected)"
     assert holder == "replica-a"
     assert lease.current_holder() is None  # a clean stop hands it over at once
+    # What an operator sees (`harvest_watcher_*`): the renewals, and the stuck tick's seconds.
+    assert _sample("harvest_watcher_lease_renewals_total", outcome="held") - held_before >= renewed
+    assert _sample("harvest_watcher_tick_seconds_sum") - tick_s_before >= runs.block_s
+
+
+def _sample(name: str, **labels: str) -> float:
+    """A metric's value in this process's registry (the watcher's metrics count in memory here)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 class RenewalsFail:
@@ -298,8 +310,10 @@ def test_a_tick_stuck_past_a_lapsed_lease_writes_nothing(rig):
         finally:
             await watcher.stop()
 
+    errors_before = _sample("harvest_watcher_lease_renewals_total", outcome="error")
     renewals = asyncio.run(scenario())
     assert all(renewals), "the new holder lost the lease"
+    assert _sample("harvest_watcher_lease_renewals_total", outcome="error") > errors_before  # the failed renewals, counted
     assert runs.reads, "the tick never read"
     assert _job(store, job)["status"] == "pending", "a tick wrote after its lease was lost"
     assert other.current_holder() == "replica-b"

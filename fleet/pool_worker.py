@@ -1,0 +1,123 @@
+"""A host's Prefect process worker that takes a run as soon as Prefect says there is one.
+
+`prefect worker start --type process` asks its pool for scheduled runs every
+`PREFECT_WORKER_QUERY_SECONDS` (the roles ship `fleet.processes.WORKER_QUERY_S`, 1 s): a new
+run waits for the next poll, half an interval on average, which was a third of a warm small
+job's whole time through `make run` (bench/RESULTS.md, "Where a warm job's time goes").
+Polling faster costs the Prefect server per host per second, so this worker keeps the poll
+(it still finds every run, whatever happens to events) and is also woken by Prefect's own
+event stream (`/events/out`, authenticated as every client is):
+
+- a run of its pool was scheduled (`prefect.flow-run.Scheduled`, a new run;
+  `AwaitingRetry`, one rescheduled after its host died): it may take it;
+- a run of its pool ended (Completed, Failed, Cancelled, Crashed): a slot of the run's key
+  queue may have come free for a run that waited;
+- this worker let a run's slot go (its process exited, or a submit failed): a run that waited
+  for this host's `--limit` may start. A run's process outlives its Completed state by up to
+  a second (Prefect's flow heartbeat thread sleeps in whole seconds before it is joined), so
+  without this wake the next job on a one-slot host waited for the poll after that.
+
+A wake is one more `get_and_submit_flow_runs`, Prefect's own poll-and-submit. Wakes that come
+while one runs are folded into one more after it. Two polls that see the same run submit it
+once: the worker skips a run it is already submitting, and Prefect's `Pending` proposal lets
+only one worker (or one poll) take a run.
+
+`python -m fleet.pool_worker --pool P [--name N] [--limit K] [--with-healthcheck]`: the same
+flags as `prefect worker start` for what the roles use (`fleet.processes.start_worker`), and
+the same worker: Prefect's `ProcessWorker`, its signal handling and its health check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+__all__ = ["WAKE_STATES", "wakes_pool", "main"]
+
+log = logging.getLogger("harvest.pool_worker")
+
+WAKE_STATES = ("Scheduled", "AwaitingRetry", "Completed", "Failed", "Cancelled", "Crashed")
+"""Flow-run state events that may leave a run of the pool for this worker to take."""
+RESUBSCRIBE_S = 2.0
+"""Pause before subscribing again when the event stream broke (the poll goes on meanwhile)."""
+
+
+def wakes_pool(event, pool: str) -> bool:
+    """Whether a flow-run event concerns a run of `pool` (its related work-pool resource)."""
+    return any(
+        related.get("prefect.resource.role") == "work-pool" and related.get("prefect.resource.name") == pool
+        for related in event.related
+    )
+
+
+async def _listen(pool: str, wake: asyncio.Event) -> None:
+    from prefect.events.clients import get_events_subscriber
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    names = [f"prefect.flow-run.{state}" for state in WAKE_STATES]
+    while True:
+        try:
+            async with get_events_subscriber(filter=EventFilter(event=EventNameFilter(name=names))) as events:
+                async for event in events:
+                    if wakes_pool(event, pool):
+                        wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the server away or restarting: the poll still finds every run
+            log.warning("Prefect's event stream broke (%s); subscribing again in %g s", exc, RESUBSCRIBE_S)
+        await asyncio.sleep(RESUBSCRIBE_S)
+
+
+async def _take_on_wake(worker, wake: asyncio.Event) -> None:
+    while True:
+        await wake.wait()
+        wake.clear()  # a wake from now on means one more poll after this one
+        try:
+            await worker.get_and_submit_flow_runs()
+        except Exception as exc:  # as a failed poll: the next wake or poll tries again
+            log.warning("a woken poll failed: %s", exc)
+
+
+async def run_worker(pool: str, name: str | None, limit: int | None, with_healthcheck: bool) -> None:
+    from prefect.settings import PREFECT_WORKER_HEARTBEAT_SECONDS, PREFECT_WORKER_PREFETCH_SECONDS
+    from prefect.utilities.processutils import setup_signal_handlers_worker
+    from prefect.workers.process import ProcessWorker
+
+    setup_signal_handlers_worker(os.getpid(), "the process worker", print)
+    worker = ProcessWorker(
+        name=name, work_pool_name=pool, limit=limit, prefetch_seconds=PREFECT_WORKER_PREFETCH_SECONDS.value(),
+        heartbeat_interval_seconds=int(PREFECT_WORKER_HEARTBEAT_SECONDS.value()),
+    )
+    wake = asyncio.Event()
+    release = worker._release_limit_slot  # Prefect's one place a slot of --limit is let go
+
+    def release_and_wake(flow_run_id):
+        release(flow_run_id)
+        wake.set()
+
+    worker._release_limit_slot = release_and_wake
+    woken = [asyncio.create_task(_listen(pool, wake)), asyncio.create_task(_take_on_wake(worker, wake))]
+    try:
+        await worker.start(with_healthcheck=with_healthcheck)
+    finally:
+        for task in woken:
+            task.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fleet.pool_worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--pool", required=True)
+    parser.add_argument("--name")
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--with-healthcheck", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(run_worker(args.pool, args.name, args.limit, args.with_healthcheck))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"Worker {args.name!r} stopped!")
+
+
+if __name__ == "__main__":
+    main()
