@@ -7,15 +7,14 @@ that other records give, not the code under test's own timers:
 
 - `submit`, `seen done`: the client's clock;
 - `created`: the job store's `created_at`;
-- `pending`, `running`, `completed`: the flow run's state history in Prefect (the worker
-  took the run; the engine started it; it finished);
-- `flow body`: the first log line the flow itself writes (`placed on …` comes after the
-  tokenized request; Prefect's log records carry their own timestamps);
-- `manifest`: the manifest file's modification time on disk;
+- `pending`, `submitting`, `running`, `completed`: the flow run's state history in Prefect
+  (the worker took the run; it launched it; the engine started it; it finished);
+- `forward`, `last task`: the run's first task (the forward pass) starting, its last task
+  (statistics and the manifest) ending, from Prefect's task-run events;
 - `job done`: the job store's `completed_at` (the watcher recorded the run's end).
 
-Each segment's median over the jobs is printed as a row; the sum is the submit-to-done median.
-All on one machine, so the clocks agree.
+Each segment's median over the jobs is printed as a row (medians: they need not add up to the
+submit-to-done median, the last row). All on one machine, so the clocks agree.
 
 Run: `.venv/bin/python bench/bench_latency.py [--jobs 10]`
 """
@@ -36,14 +35,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-MARKS = ["submit", "created", "pending", "running", "flow body", "manifest", "completed", "job done", "seen done"]
 SEGMENTS = {
-    ("submit", "created"): "the API admits the job (request.json, the job row)",
-    ("created", "pending"): "the run waits in its queue for the worker's poll, which takes it",
-    ("pending", "running"): "the worker launches the run (fork from the starter) and the engine sets Running",
-    ("running", "flow body"): "the flow reads and tokenizes the request, its first log line",
-    ("flow body", "manifest"): "placement, the warm engine, the forward pass, shards, statistics, manifest",
-    ("manifest", "completed"): "the run's summary artifact and its Completed state",
+    ("submit", "created"): "the API admits the job (request.json, the job row) and creates its run",
+    ("created", "pending"): "the worker hears of the run (Prefect's event) and takes it",
+    ("pending", "submitting"): "the worker reads the run's configuration and labels it",
+    ("submitting", "running"): "the launcher, the fork from the starter, Prefect's engine up to Running",
+    ("running", "forward"): "the flow: request read and tokenized, a slot, the warm engine",
+    ("forward", "last task"): "forward pass, shard write, statistics and manifest (Prefect tasks)",
+    ("last task", "completed"): "the run's summary artifact and its Completed state",
     ("completed", "job done"): "the watcher hears of the end and records it",
     ("job done", "seen done"): "the long-poll wakes and answers",
 }
@@ -57,31 +56,42 @@ def _ts(value) -> float:
     return value.timestamp()
 
 
-def _marks(home: Path, api_url: str, auth: str, job_id: str, submit: float, seen: float) -> dict[str, float]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.client.schemas.sorting import LogSort
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
+def _marks(home: Path, client, job_id: str, submit: float, seen: float) -> dict[str, float]:
     with sqlite3.connect(home / "harvest.db") as db:
         created, completed, flow_run_id = db.execute(
             "SELECT created_at, completed_at, flow_run_id FROM jobs WHERE id = ?", (job_id,)
         ).fetchone()
     marks = {"submit": submit, "created": _ts(created), "job done": _ts(completed), "seen done": seen}
+    for state in client.read_flow_run_states(flow_run_id):
+        name = state.type.value.lower()
+        if state.name == "Submitting":
+            name = "submitting"
+        marks.setdefault(name, state.timestamp.timestamp())
+    events = client.request("POST", "/events/filter", json={
+        "filter": {"any_resource": {"id": [f"prefect.flow-run.{flow_run_id}"]}, "event": {"prefix": ["prefect.task-run."]},
+                   "occurred": {"since": "2000-01-01T00:00:00Z"}},
+        "limit": 50,
+    }).json()["events"]
+    started = sorted(_ts(e["occurred"]) for e in events if e["event"] == "prefect.task-run.Running")
+    ended = sorted(_ts(e["occurred"]) for e in events if e["event"] == "prefect.task-run.Completed")
+    if started and ended:
+        marks["forward"], marks["last task"] = started[0], ended[-1]
+    return marks
+
+
+def _read_marks(home: Path, ran: list[tuple[str, float, float]]) -> list[dict[str, float]]:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    api_url = json.loads((home / "stack.json").read_text())["prefect_api_url"]
+    auth = (home / "prefect-auth").read_text().strip()
     with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}):
         with get_client(sync_client=True) as client:
-            for state in client.read_flow_run_states(flow_run_id):
-                name = state.type.value.lower()
-                if name in ("pending", "running", "completed"):
-                    marks.setdefault(name, state.timestamp.timestamp())
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), sort=LogSort.TIMESTAMP_ASC)
-    placed = [log.timestamp.timestamp() for log in logs if log.message.startswith(("placed on", "llama-tiny on"))]
-    if placed:
-        marks["flow body"] = placed[0]
-    manifest = next((home / "storage" / "jobs" / job_id).glob("manifest.json"), None)
-    if manifest is not None:
-        marks["manifest"] = manifest.stat().st_mtime
-    return marks
+            rows = [_marks(home, client, *job) for job in ran]
+    if os.environ.get("BENCH_LATENCY_MARKS"):
+        for marks in rows:
+            print("     ", {k: round(v - marks["submit"], 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])})
+    return rows
 
 
 def main() -> None:
@@ -95,12 +105,9 @@ def main() -> None:
 
     home = Path(tempfile.mkdtemp(prefix="bench-latency-"))
     proc, info = _start_stack(home, f"sqlite:///{home / 'harvest.db'}", None)
-    rows: list[dict[str, float]] = []
-    totals: list[float] = []
+    ran: list[tuple[str, float, float]] = []
     try:
         base, key = info["ACS_API_BASE"], info["ACS_API_KEY"]
-        api_url = json.loads((home / "stack.json").read_text())["prefect_api_url"]
-        auth = (home / "prefect-auth").read_text().strip()
         headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=base, headers=headers, timeout=120) as http:
             for n in range(args.jobs + 1):
@@ -112,16 +119,15 @@ def main() -> None:
                 seen = time.time()
                 if job["status"] != "done":
                     raise RuntimeError(f"job {job['job_id']} ended {job['status']}: {job.get('error')}")
-                label = "first (loads the model)" if n == 0 else f"job {n}"
-                print(f"   {label}: {seen - submit:.2f} s", flush=True)
-                if n == 0:
-                    continue
-                marks = _marks(home, api_url, auth, job["job_id"], submit, seen)
-                rows.append(marks)
-                totals.append(seen - submit)
+                print(f"   {'first (loads the model)' if n == 0 else f'job {n}'}: {seen - submit:.2f} s", flush=True)
+                if n:
+                    ran.append((job["job_id"], submit, seen))
                 time.sleep(0.5)  # as a user's next job would come: not on the heels of the last one's answer
+        time.sleep(3.0)  # Prefect records events a moment after they happen
+        rows = _read_marks(home, ran)
     finally:
         _stop_stack(proc)
+    totals = [seen - submit for _, submit, seen in ran]
 
     load = os.getloadavg()[0]
     print(f"\n`harvest up` as shipped, {len(rows)} warm 2-prompt llama-tiny jobs, sequential; load avg 1 min {load:.1f}")

@@ -6,7 +6,8 @@ fleet"), on a fresh PostgreSQL database for Prefect and one for the job store:
 
 - `one`: `harvest server` (one Prefect process, its services inside, on PostgreSQL);
 - `scaled`: `harvest server --api-servers 2 --redis-url …` (two API servers, the services
-  apart, PostgreSQL and Redis at 127.0.0.1:6379), the other roles given both servers;
+  apart, on PostgreSQL and a Redis server of the bench's own), the other roles given both
+  servers;
 - one API replica (`harvest api`, holding the watcher lease) and one worker host
   (`harvest worker --lane small`), with their defaults.
 
@@ -28,7 +29,12 @@ through the API (submit, long-poll to done) and a reader reads seeded jobs
 - CPU (% of one core) and resident memory of each role's process tree.
 
 Run: `.venv/bin/python bench/bench_scale.py [--planes one,scaled] [--jobs 100,1000,10000]
-[--hosts 1,10,50,100,200] [--seconds 20]` (PostgreSQL and Redis on loopback).
+[--hosts 1,10,50,100,200] [--seconds 20] [--faults 50]` (PostgreSQL on loopback; `redis-server`).
+
+`--faults H`: then, on the scaled plane, three more points with H hosts, each with one fault a
+quarter of the way in: one Prefect API server SIGKILLed (the role restarts it), Redis
+restarted empty, the services process SIGKILLed (the role restarts it). The row shows what the
+fleet did meanwhile: polls refused, real jobs done and failed, job reads, the lease.
 """
 
 from __future__ import annotations
@@ -60,7 +66,6 @@ from bench.bench_polling import SimulatedHosts, _p  # noqa: E402
 
 HARVEST = [sys.executable, "-m", "fleet.cli"]
 PG = "postgres@127.0.0.1:5432"
-REDIS = "redis://127.0.0.1:6379"
 SEED_LANE = "large"  # the seeded jobs' runs: on a lane whose pool no host here serves
 
 
@@ -120,13 +125,39 @@ def _database(name: str, drop: bool = False) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' if drop else f'CREATE DATABASE "{name}"')
 
 
-def _free_redis_db() -> int:
-    import redis
+class PrivateRedis:
+    """A Redis server of the bench's own on a free loopback port (nothing kept on disk), so a
+    fault can restart it without touching the machine's."""
 
-    for db in random.sample(range(1, 16), 15):
-        if redis.Redis.from_url(f"{REDIS}/{db}").dbsize() == 0:
-            return db
-    raise RuntimeError("no empty Redis database at 127.0.0.1:6379")
+    def __init__(self, home: Path):
+        from fleet.processes import free_port
+
+        self.port = free_port()
+        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.log = home / "redis.log"
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(self.argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url, socket_connect_timeout=1).ping()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start: {self.log.read_text()[-500:]}")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 class Plane:
@@ -137,7 +168,7 @@ class Plane:
 
         self.kind, self.root = kind, root
         self.prefect_db, self.jobs_db = f"bench_scale_{kind}_{uuid.uuid4().hex[:6]}", f"bench_scale_jobs_{uuid.uuid4().hex[:6]}"
-        self.redis_db = _free_redis_db() if kind == "scaled" else None
+        self.redis = PrivateRedis(root) if kind == "scaled" else None
         self.roles: list[Role] = []
         self.storage = f"file://{root / 'storage'}"
         self.store_url = f"postgresql+psycopg://{PG}/{self.jobs_db}"
@@ -149,7 +180,7 @@ class Plane:
             port = free_port()
             while not _port_free(port + 1):
                 port = free_port()
-            argv = [*HARVEST, "server", "--port", str(port), "--api-servers", "2", "--redis-url", f"{REDIS}/{self.redis_db}"]
+            argv = [*HARVEST, "server", "--port", str(port), "--api-servers", "2", "--redis-url", self.redis.url]
         server = self._role("server", argv, PREFECT_API_DATABASE_CONNECTION_URL=f"postgresql+asyncpg://{PG}/{self.prefect_db}")
         if kind == "scaled":
             self.urls = server.wait_for("HARVEST_PREFECT_API_URLS=").split(",")
@@ -185,10 +216,8 @@ class Plane:
             role.stop()
         for name in (self.prefect_db, self.jobs_db):
             _database(name, drop=True)
-        if self.redis_db is not None:
-            import redis
-
-            redis.Redis.from_url(f"{REDIS}/{self.redis_db}").flushdb()
+        if self.redis is not None:
+            self.redis.stop()
 
     # --- active jobs, held in the store and in Prefect ----------------------------------
     def seed(self, total: int) -> None:
@@ -326,7 +355,40 @@ def _reads(plane: Plane, stop: threading.Event, out: list[float], errors: list[s
             stop.wait(0.2)
 
 
-def point(plane: Plane, hosts: int, seconds: float) -> dict:
+def _server_processes(plane: Plane) -> dict[str, psutil.Process]:
+    """The control plane's Prefect API servers (by port) and its services process ("services")."""
+    found = {}
+    for proc in plane.role("server").tree():
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "fleet.prefect_server" in cmd:
+            found[cmd[cmd.index("--port") + 1]] = proc
+        elif cmd[-3:] == ["server", "services", "start"]:
+            found["services"] = proc
+    return found
+
+
+def kill_one_api_server(plane: Plane) -> None:
+    port = sorted(p for p in _server_processes(plane) if p != "services")[-1]
+    _server_processes(plane)[port].kill()
+
+
+def restart_redis(plane: Plane) -> None:
+    plane.redis.stop()
+    time.sleep(1.0)
+    plane.redis.start()
+
+
+def kill_the_services(plane: Plane) -> None:
+    _server_processes(plane)["services"].kill()
+
+
+FAULTS = {"kill one API server": kill_one_api_server, "restart Redis": restart_redis, "kill the services": kill_the_services}
+
+
+def point(plane: Plane, hosts: int, seconds: float, fault=None) -> dict:
     # The worker host is one of the hosts; the rest are simulated, spread over the servers.
     per_server = [len(range(i, hosts - 1, len(plane.urls))) for i in range(len(plane.urls))]
     simulated = [SimulatedHosts(n, "small", url, plane.auth).start() for n, url in zip(per_server, plane.urls)]
@@ -343,7 +405,12 @@ def point(plane: Plane, hosts: int, seconds: float) -> dict:
                threading.Thread(target=_reads, args=(plane, stop, reads, read_errors))]
     for t in threads:
         t.start()
-    time.sleep(seconds)
+    if fault is not None:  # a quarter into the point, so the rest shows the recovery
+        time.sleep(seconds / 4)
+        fault(plane)
+        time.sleep(seconds * 3 / 4)
+    else:
+        time.sleep(seconds)
     stop.set()
     for t in threads:
         t.join(180)
@@ -374,6 +441,8 @@ def main() -> None:
     parser.add_argument("--jobs", default="100,1000,10000")
     parser.add_argument("--hosts", default="1,10,50,100,200")
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--faults", type=int, default=0, metavar="HOSTS",
+                        help="then, on the scaled plane at the last --jobs level with HOSTS hosts polling, one point per fault")
     args = parser.parse_args()
     rows: list[tuple[str, int, dict]] = []
     for kind in args.planes.split(","):
@@ -393,6 +462,12 @@ def main() -> None:
                     row = point(plane, hosts, args.seconds)
                     rows.append((kind, total, row))
                     print("  ", kind, total, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                          flush=True)
+            if kind == "scaled" and args.faults:
+                for name, fault in FAULTS.items():
+                    row = point(plane, args.faults, max(args.seconds, 40.0), fault)
+                    rows.append((f"scaled, {name}", total, row))
+                    print("  ", name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
                           flush=True)
         finally:
             plane.close()

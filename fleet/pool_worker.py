@@ -54,12 +54,19 @@ def wakes_pool(event, pool: str) -> bool:
 
 async def _listen(pool: str, wake: asyncio.Event) -> None:
     from prefect.events.clients import get_events_subscriber
-    from prefect.events.filters import EventFilter, EventNameFilter
+    from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
+    from prefect.events.schemas.events import ResourceSpecification
 
-    names = [f"prefect.flow-run.{state}" for state in WAKE_STATES]
+    # The server sends only this pool's runs' events (a fleet's other lanes cost it nothing here).
+    followed = EventFilter(
+        event=EventNameFilter(name=[f"prefect.flow-run.{state}" for state in WAKE_STATES]),
+        any_resource=EventAnyResourceFilter(
+            labels=ResourceSpecification({"prefect.resource.role": "work-pool", "prefect.resource.name": pool})
+        ),
+    )
     while True:
         try:
-            async with get_events_subscriber(filter=EventFilter(event=EventNameFilter(name=names))) as events:
+            async with get_events_subscriber(filter=followed) as events:
                 async for event in events:
                     if wakes_pool(event, pool):
                         wake.set()

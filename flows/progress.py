@@ -10,11 +10,22 @@ event, so a job's `progress` costs it one Prefect read per change, never a listi
 folder; the run, which holds no job-store credentials, writes nothing but Prefect. All of it is
 best effort: a display failure never fails a job (a missed event is caught by the watcher's
 paged re-read of every active run, `api.watcher`).
+
+The labels and the progress artifact go through a thread of the run's own (`ProgressWriter`),
+never the shard loop: a label update is a read-modify-write of the flow run, and on the embedded SQLite server it collides
+with the run's own state and event writes often enough that Prefect's client sleeps through a
+503 retry (0.4-1.8 s in 7 of 11 warm 2-prompt jobs through `make run`, bench/RESULTS.md "Where a
+warm job's time goes"). A count that the run's end makes known anyway (its last shard) is not
+reported: the Completed run's result carries it.
 """
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import time
+from contextlib import AbstractContextManager
+from typing import Callable
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -29,7 +40,89 @@ from flows.run_status import PROGRESS_EVENT, SHARDS_DONE_LABEL
 from harvest.jobfiles import JobFiles
 from harvest.lanes import deployment_name
 
-__all__ = ["RunProgress", "summary_artifact"]
+__all__ = ["ProgressWriter", "RunProgress", "summary_artifact"]
+
+
+class ProgressWriter:
+    """A flow run's labels and progress artifact, written on a thread of its own, in order, the
+    newest value of each winning over one not yet written; after labels that carry a shard
+    count, the progress event naming the run (the label first, so the watcher's read on the
+    event finds it). `close` does not wait: what is left unwritten then is superseded by the
+    run's end."""
+
+    def __init__(self, run_id: UUID, artifact_key: str, client: Callable[[], AbstractContextManager] = lambda: get_client(sync_client=True)):
+        self.run_id = run_id
+        self.artifact_key = artifact_key
+        self._client = client
+        self._pending: dict[str, str] = {}
+        self._count: int | None = None  # a shard count to announce after the labels carrying it
+        self._progress: tuple[float, str] | None = None  # the artifact's percent and text
+        self._artifact: UUID | None = None
+        self._busy = False
+        self._closed = False
+        self._changed = threading.Condition()
+        # Prefect's settings (its API URL and auth) live in the context: the thread gets a copy.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._write_all,), daemon=True, name="harvest-run-progress")
+        self._thread.start()
+
+    def put(self, labels: dict[str, str] | None = None, count: int | None = None, progress: tuple[float, str] | None = None) -> None:
+        with self._changed:
+            self._pending.update(labels or {})
+            if count is not None:
+                self._count = count
+            if progress is not None:
+                self._progress = progress
+            self._changed.notify()
+
+    def _waiting(self) -> bool:
+        return bool(self._pending) or self._progress is not None
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything put so far is written (tests; a run never waits)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._waiting() or self._busy:
+                if not self._changed.wait(max(0.0, deadline - time.monotonic())):
+                    return False
+        return True
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+
+    def _show(self, percent: float, text: str) -> None:
+        """The run's progress artifact (the UI's bar): made on the first call, updated after."""
+        if self._artifact is None:
+            self._artifact = create_progress_artifact(progress=percent, key=self.artifact_key, description=text)
+        else:
+            update_progress_artifact(self._artifact, progress=percent, description=text)
+
+    def _write_all(self) -> None:
+        with self._client() as client:
+            while True:
+                with self._changed:
+                    while not self._waiting() and not self._closed:
+                        self._changed.wait()
+                    if self._closed:
+                        return
+                    labels, count, progress = self._pending, self._count, self._progress
+                    self._pending, self._count, self._progress, self._busy = {}, None, None, True
+                try:
+                    if labels:
+                        client.update_flow_run_labels(self.run_id, labels)
+                    if count is not None:
+                        emit_event(PROGRESS_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{self.run_id}"},
+                                   payload={"shards_done": count})
+                    if progress is not None:
+                        self._show(*progress)
+                except Exception:  # display and progress: the watcher's paged re-read catches up
+                    get_run_logger().debug("progress write failed", exc_info=True)
+                finally:
+                    with self._changed:
+                        self._busy = False
+                        self._changed.notify_all()
 
 
 class RunProgress:
@@ -44,7 +137,7 @@ class RunProgress:
         self.tokens_per_shard = tokens_per_shard
         self.client = get_client(sync_client=True)
         self.client.__enter__()
-        me = self.client.read_flow_run(self.id) if self.id is not None else None
+        me = self._me()
         # Helpers are runs of this run's own deployment, so they land on the pool whose free
         # slots were counted; a run without one (a subflow: a corpus refresh's part done in
         # the refresh's process) uses its lane's.
@@ -59,13 +152,25 @@ class RunProgress:
         self.tokens_done = 0
         self.shards_done = 0
         self.skipped = 0
-        self.artifact: UUID | None = None
         self.job_split: bool | None = None
         """None: a helper (its count is not the job's; the parent reports); else whether the
         job is split over helper runs too (`reports_for_job`)."""
         self.reported: int | None = None  # the last count this run reported for its job
+        self.writer = ProgressWriter(self.id, f"harvest-progress-{job_id}"[:100].lower()) if self.id is not None else None
+
+    def _me(self):
+        """This flow run as Prefect's engine read it when the run began (its context holds it;
+        a read of our own would cost the run's start a request), else read now."""
+        from prefect.context import FlowRunContext
+
+        context = FlowRunContext.get()
+        if context is not None and context.flow_run is not None and context.flow_run.id == self.id:
+            return context.flow_run
+        return self.client.read_flow_run(self.id) if self.id is not None else None
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
         self.client.__exit__(None, None, None)
 
     def cancelling(self) -> bool:
@@ -86,15 +191,12 @@ class RunProgress:
     def label(self, workers: int) -> None:
         """Where this run landed and how many runs share the job, as labels of the flow run
         (the UI shows them; `choose_workers` reads `harvest.workers` back on a reschedule)."""
-        if self.id is None:
+        if self.writer is None:
             return
         labels = {WORKERS_LABEL: str(workers)}
         for key, value in (self.placement or {}).items():
             labels[f"harvest.{key}"] = "" if value is None else str(value)
-        try:
-            self.client.update_flow_run_labels(self.id, labels)
-        except Exception:  # display and resume aid; the job goes on without it
-            get_run_logger().warning("could not label flow run %s", self.id, exc_info=True)
+        self.writer.put(labels)
 
     def reports_for_job(self, split: bool) -> None:
         """This run is the job's own (not a helper): its count is the job's progress. `split`:
@@ -103,21 +205,20 @@ class RunProgress:
         self.job_split = split
 
     def report(self) -> None:
-        """Tell the API how many of the job's shards are written, if that changed: the job
-        run's `SHARDS_DONE_LABEL`, then a `PROGRESS_EVENT` naming the run (the label first, so
-        the watcher's read on the event finds it). A helper reports nothing."""
-        if self.id is None or self.job_split is None:
+        """Tell the API how many of the job's shards are written, if that changed and the
+        run's end will not say it (its last shard): the job run's `SHARDS_DONE_LABEL`, then a
+        `PROGRESS_EVENT` naming the run (`LabelWriter`). A helper reports nothing."""
+        if self.writer is None or self.job_split is None:
             return
         try:
             count = self.files.shards_done() if self.job_split else self.shards_done
-            if count == self.reported:
-                return
-            self.client.update_flow_run_labels(self.id, {SHARDS_DONE_LABEL: str(count)})
-            emit_event(PROGRESS_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{self.id}"},
-                       payload={"shards_done": count})
-            self.reported = count
         except Exception:  # progress is shown late (the watcher's paged re-read), never fails the job
-            get_run_logger().debug("progress report failed", exc_info=True)
+            get_run_logger().debug("progress count failed", exc_info=True)
+            return
+        if count == self.reported or count >= self.n_shards:
+            return
+        self.writer.put({SHARDS_DONE_LABEL: str(count)}, count=count)
+        self.reported = count
 
     def shard_done(self, k: int, skipped: bool) -> None:
         self.shards_done += 1
@@ -137,17 +238,8 @@ class RunProgress:
             placement=self.placement,
         )
         self.report()
-        if self.id is None:
-            return
-        try:
-            if self.artifact is None:
-                self.artifact = create_progress_artifact(
-                    progress=fraction, key=f"harvest-progress-{self.job_id}"[:100].lower(), description=text
-                )
-            else:
-                update_progress_artifact(self.artifact, progress=fraction, description=text)
-        except Exception:  # progress display is best effort
-            get_run_logger().debug("progress artifact update failed", exc_info=True)
+        if self.writer is not None:
+            self.writer.put(progress=(fraction, text))
 
 
 

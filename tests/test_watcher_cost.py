@@ -321,8 +321,11 @@ def test_a_tick_stuck_past_a_lapsed_lease_writes_nothing(rig):
 
 def test_a_runs_report_is_its_label_and_only_the_jobs_own_run_reports(tmp_path, monkeypatch):
     """The flow side (`flows.progress.RunProgress.report`): the count goes on the job's own
-    run as the `harvest.shards_done` label, then an event naming the run, only when it moved;
-    a helper run reports nothing; and `flows.run_status` reads the label back."""
+    run as the `harvest.shards_done` label, then an event naming the run, only when it moved
+    and the run's end will not say it (not the last shard); a helper run reports nothing; the
+    labels go out on the run's label thread, in order; and `flows.run_status` reads the label
+    back."""
+    from contextlib import nullcontext
     from uuid import uuid4
 
     from prefect.client.schemas.objects import FlowRun
@@ -343,16 +346,21 @@ def test_a_runs_report_is_its_label_and_only_the_jobs_own_run_reports(tmp_path, 
     events = []
     monkeypatch.setattr(progress, "emit_event", lambda name, **kw: events.append((name, kw)))
     run = object.__new__(progress.RunProgress)  # a run's view of itself, without a Prefect server
-    run.id, run.client = uuid4(), Client()
+    client = Client()
+    run.id, run.n_shards = uuid4(), 3
+    run.writer = progress.ProgressWriter(run.id, "harvest-progress-test", client=lambda: nullcontext(client))
     run.files = JobFiles(Storage(f"file://{tmp_path / 'job'}"))
     run.shards_done, run.job_split, run.reported = 0, None, None
     run.report()
-    assert run.client.labels == [] and events == []  # a helper's (or not yet the job's) count
+    assert run.writer.flush(10)
+    assert client.labels == [] and events == []  # a helper's (or not yet the job's) count
     run.reports_for_job(split=False)
-    for done in (1, 1, 2):
+    for done in (1, 1, 2, 3):  # 3: the last shard, which the run's end reports
         run.shards_done = done
         run.report()
-    assert run.client.labels == [{SHARDS_DONE_LABEL: "1"}, {SHARDS_DONE_LABEL: "2"}]
+        assert run.writer.flush(10)
+    run.writer.close()
+    assert client.labels == [{SHARDS_DONE_LABEL: "1"}, {SHARDS_DONE_LABEL: "2"}]
     assert [(name, kw["resource"]["prefect.resource.id"], kw["payload"]) for name, kw in events] == [
         (PROGRESS_EVENT, f"prefect.flow-run.{run.id}", {"shards_done": n}) for n in (1, 2)]
 
