@@ -167,14 +167,6 @@ def become_run(fork: Fork) -> None:
     sys.argv = ["prefect.engine", *fork.payload["argv"]]
     # Preloaded, as intended: `-m` on an imported module is what this is for.
     warnings.filterwarnings("ignore", message="'prefect.engine' found in sys.modules", category=RuntimeWarning)
-    if os.environ.get("XPROF"):  # TEMP-PROFILE
-        import cProfile  # TEMP-PROFILE
-        prof = cProfile.Profile()  # TEMP-PROFILE
-        try:  # TEMP-PROFILE
-            prof.runcall(runpy.run_module, "prefect.engine", run_name="__main__", alter_sys=True)  # TEMP-PROFILE
-        finally:  # TEMP-PROFILE
-            prof.dump_stats(f"{os.environ['XPROF']}/{os.getpid()}.prof")  # TEMP-PROFILE
-        return  # TEMP-PROFILE
     runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 
 
