@@ -47,8 +47,14 @@ class ProgressWriter:
     """A flow run's labels and progress artifact, written on a thread of its own, in order, the
     newest value of each winning over one not yet written; after labels that carry a shard
     count, the progress event naming the run (the label first, so the watcher's read on the
-    event finds it). `close` does not wait: what is left unwritten then is superseded by the
-    run's end."""
+    event finds it).
+
+    `close(after=…)`: nothing more is taken; what is pending (the bar at 100 %) is written once
+    `after()` is true (the run's state is final) or `DRAIN_WAIT_S` passed, and the thread ends.
+    It is not a daemon, so the run's process ends after it: the last writes never delay the
+    run's Completed state (on SQLite they collided with it and cost it 0.7 s, median of 10)."""
+
+    DRAIN_WAIT_S = 5.0
 
     def __init__(self, run_id: UUID, artifact_key: str, client: Callable[[], AbstractContextManager] = lambda: get_client(sync_client=True)):
         self.run_id = run_id
@@ -60,10 +66,11 @@ class ProgressWriter:
         self._artifact: UUID | None = None
         self._busy = False
         self._closed = False
+        self._after: Callable[[], bool] = lambda: True
         self._changed = threading.Condition()
         # Prefect's settings (its API URL and auth) live in the context: the thread gets a copy.
         context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._write_all,), daemon=True, name="harvest-run-progress")
+        self._thread = threading.Thread(target=context.run, args=(self._write_all,), daemon=False, name="harvest-run-progress")
         self._thread.start()
 
     def put(self, labels: dict[str, str] | None = None, count: int | None = None, progress: tuple[float, str] | None = None) -> None:
@@ -79,7 +86,7 @@ class ProgressWriter:
         return bool(self._pending) or self._progress is not None
 
     def flush(self, timeout: float) -> bool:
-        """Wait until everything put so far is written (tests; a run never waits)."""
+        """Wait until everything put so far is written, at most `timeout` seconds."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while self._waiting() or self._busy:
@@ -87,9 +94,9 @@ class ProgressWriter:
                     return False
         return True
 
-    def close(self) -> None:
+    def close(self, after: Callable[[], bool] = lambda: True) -> None:
         with self._changed:
-            self._closed = True
+            self._closed, self._after = True, after
             self._changed.notify()
 
     def _show(self, percent: float, text: str) -> None:
@@ -105,8 +112,14 @@ class ProgressWriter:
                 with self._changed:
                     while not self._waiting() and not self._closed:
                         self._changed.wait()
-                    if self._closed:
+                    if self._closed and not self._waiting():
                         return
+                    closed = self._closed
+                if closed:  # the last writes: once the run's end is recorded
+                    deadline = time.monotonic() + self.DRAIN_WAIT_S
+                    while not self._after() and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                with self._changed:
                     labels, count, progress = self._pending, self._count, self._progress
                     self._pending, self._count, self._progress, self._busy = {}, None, None, True
                 try:
@@ -123,6 +136,16 @@ class ProgressWriter:
                     with self._changed:
                         self._busy = False
                         self._changed.notify_all()
+
+
+def _run_ended() -> bool:
+    """Whether this flow run's state is final, as its engine last set it (the engine's own
+    flow run object, which the run context holds)."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    state = context.flow_run.state if context is not None and context.flow_run is not None else None
+    return state is None or state.is_final()
 
 
 class RunProgress:
@@ -170,7 +193,7 @@ class RunProgress:
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close(after=_run_ended)
         self.client.__exit__(None, None, None)
 
     def cancelling(self) -> bool:

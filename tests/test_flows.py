@@ -5,6 +5,7 @@ starts them (`flows.submit.start_harvest_run`) and read back from storage."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import pytest
@@ -59,9 +60,14 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
         assert [n for n in names if n.startswith("forward-")] == ["forward-0", "forward-1", "forward-2"]
         assert [n for n in names if n.startswith("write-")] == ["write-0", "write-1", "write-2"]
         assert all(t.state.is_completed() for t in tasks)
-        artifacts = client.read_artifacts()
-        progress = [a for a in artifacts if a.flow_run_id == run.id and a.type == "progress"]
-        assert progress and progress[0].data == 100.0
+        # The progress bar's last write comes once the run's end is recorded (`flows.progress`).
+        deadline = time.monotonic() + 30
+        while True:
+            progress = [a.data for a in client.read_artifacts() if a.flow_run_id == run.id and a.type == "progress"]
+            if progress == [100.0] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert progress == [100.0]
     assert job.files.read_progress()["stage"] == "done"  # the manifest says so: nothing is written after it
 
 
