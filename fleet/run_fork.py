@@ -30,7 +30,10 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["REREAD", "Fork", "engine_argv", "fork_hazard", "preload", "settle_thread_pools", "fork_in_group", "become_run"]
+__all__ = [
+    "REREAD", "Fork", "engine_argv", "fork_hazard", "preload", "preload_tokenizers", "settle_thread_pools", "fork_in_group",
+    "become_run",
+]
 
 # Variables a run may set differently from its worker and still fork: read again in the child
 # (Prefect's, ours, fsspec's; `_settings_from_environment`) or only when a client is made
@@ -53,26 +56,40 @@ def engine_argv(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "prefect.engine", *argv]
 
 
-def preload() -> None:
+def preload() -> set[str]:
     """Import what every run imports, make the TLS context its Prefect clients share
     (`flows.prefect_clients`), and load the tokenizer classes of the checkpoints already on
-    this host (the tokenizers themselves are not kept: their files may change). A checkpoint
-    not built yet is left to the first run that needs it."""
+    this host (`preload_tokenizers`); returns the checkpoints whose tokenizers it read."""
     import prefect.engine  # noqa: F401
     import prefect.flow_engine  # noqa: F401
 
     import flows.harvest  # noqa: F401  (torch, the harvest core, the warm-engine client)
     from flows.prefect_clients import share_tls_context, tls_context
-    from harvest.registry import load_registry
-    from harvest.tokenize import read_tokenizer
 
     share_tls_context()  # a run's ~9 Prefect clients share one context, made here once for every run
     tls_context()
+    return preload_tokenizers(set())
+
+
+def preload_tokenizers(done: set[str]) -> set[str]:
+    """Read the tokenizer of each checkpoint on this host not in `done`, which imports its
+    tokenizer classes (0.83 s for llama-tiny's on the dev box, paid by every run forked before
+    it); the tokenizers themselves are not kept (their files may change). Returns `done` and
+    the names read. The starter calls it again after each run ends: a checkpoint that a run
+    built (a host that started before its models were) is preloaded for the runs after it."""
+    from harvest.registry import load_registry
+    from harvest.tokenize import read_tokenizer
+
+    read = set(done)
     for name, path in load_registry().checkpoints_on_disk().items():
+        if name in read:
+            continue
+        read.add(name)
         try:
             read_tokenizer(path)
         except Exception as exc:  # the run will say what is wrong with it; this is only speed
             print(f"run starter: no preload of {name}'s tokenizer: {exc}", flush=True)
+    return read
 
 
 def fork_hazard() -> str | None:

@@ -46,7 +46,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from fleet.run_fork import Fork, become_run, engine_argv, fork_hazard, fork_in_group, preload, settle_thread_pools
+from fleet.run_fork import (
+    Fork, become_run, engine_argv, fork_hazard, fork_in_group, preload, preload_tokenizers, settle_thread_pools,
+)
 
 __all__ = ["STARTER_ENV", "HANDSHAKE_S", "launch", "connect_to_starter", "RunStarter", "main"]
 
@@ -185,14 +187,19 @@ _LISTENER, _WAKE = "listener", "wake"
 class RunStarter:
     """The worker's parent on a worker host: preloads, then forks a run per launcher.
 
-    preload: what to import before serving (`preload`); handshake_s: how long one launcher may
-    take over its launch before it is dropped (`HANDSHAKE_S`).
+    preload: what to import before serving (`preload`; returns what it preloaded, or None);
+    refresh: what to preload after a run ends, given that (`preload_tokenizers`: checkpoints
+    built since); handshake_s: how long one launcher may take over its launch before it is
+    dropped (`HANDSHAKE_S`).
     """
 
-    def __init__(self, path: str, worker_argv: list[str], *, preload=preload, handshake_s: float = HANDSHAKE_S):
+    def __init__(self, path: str, worker_argv: list[str], *, preload=preload, refresh=preload_tokenizers,
+                 handshake_s: float = HANDSHAKE_S):
         self.path = path
         self.worker_argv = worker_argv
         self.preload = preload
+        self.refresh = refresh
+        self.preloaded: set[str] | None = None  # None: nothing to refresh (no preload, or a test's own)
         self.handshake_s = handshake_s
         self.runs: dict[int, socket.socket | None] = {}  # run pid -> its launcher's connection, if still there
         self.worker_status: int | None = None
@@ -218,7 +225,7 @@ class RunStarter:
         selector.register(self.wake[0], selectors.EVENT_READ, _WAKE)
         listener = None
         try:
-            self.preload()
+            self.preloaded = self.preload()
             # What the imports set themselves (a fresh run's imports would set the same).
             self.set_by_preload = {k: v for k, v in os.environ.items() if self.worker_env.get(k) != v and k != STARTER_ENV}
             settle_thread_pools()
@@ -409,11 +416,29 @@ class RunStarter:
             code = os.waitstatus_to_exitcode(status)
             if pid == worker_pid:
                 self.worker_status = code
+            ran = pid in self.runs
             conn = self.runs.pop(pid, None)
             if conn is not None:
                 self._unregister(conn)
                 _send(conn, f"exit {code}\n")
                 conn.close()
+            if ran:
+                self._refresh()
+
+    def _refresh(self) -> None:
+        """After a run ended: preload what it may have added (a checkpoint it built), then let
+        the thread pools its imports started stop, as after the first preload."""
+        if self.preloaded is None or fork_hazard() is not None:
+            return
+        try:
+            before = self.preloaded
+            self.preloaded = self.refresh(before)
+            if self.preloaded != before:
+                settle_thread_pools()
+                print(f"run starter: preloaded {', '.join(sorted(self.preloaded - before))} after a run"
+                      + (f"; not forking while it has {hazard}" if (hazard := fork_hazard()) else ""), flush=True)
+        except Exception as exc:  # only speed: the runs read what they need themselves
+            print(f"run starter: preloading after a run failed: {exc!r}", flush=True)
 
     def _stop_runs(self, grace_s: float = 10.0) -> None:
         """The worker has ended: runs still going get SIGTERM, then SIGKILL after the grace."""

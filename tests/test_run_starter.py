@@ -49,13 +49,13 @@ class Starter:
     """`tests.trivial_starter` in its own process, serving a socket in a fresh /tmp folder
     (a Unix socket path must stay short)."""
 
-    def __init__(self, preload: str = "bare", handshake_s: float = 60):
+    def __init__(self, preload: str = "bare", handshake_s: float = 60, env: dict[str, str] | None = None):
         self.folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="harvest-test-starter-"))
         self.path = self.folder / "runs" / "runs.sock"
         self.log = self.folder / "starter.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.trivial_starter", str(self.path), preload, str(handshake_s)],
-                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while "run starter: pid" not in self.text():
             assert self.proc.poll() is None and time.monotonic() < deadline, self.text()
@@ -264,6 +264,28 @@ def test_the_preload_builds_nothing_and_leaves_the_starter_single_threaded(tiny)
         os.killpg(real.pid, signal.SIGKILL)  # it and its worker: how it stops is not what this checks
         real.wait()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_checkpoint_built_after_the_preload_is_preloaded_once_the_run_that_built_it_ends(tiny, tmp_path):
+    """A host whose starter preloaded before its model was built (a worker started on a fresh
+    host): the run that builds it imports the tokenizer classes itself; once it ends the
+    starter reads the new checkpoint's tokenizer, and the runs forked after it have them
+    (0.83 s of each run's start on the dev box otherwise). What a forked run reports is its own
+    `sys.modules`."""
+    (tmp_path / "models" / "org").mkdir(parents=True)
+    (tmp_path / "models.toml").write_text('[models.installed]\nweights = "org/installed"\n')
+    host = Starter(preload="tokenizers", env={"HARVEST_HOME": str(tmp_path), "HARVEST_MODELS_FILE": str(tmp_path / "models.toml")})
+    try:
+        builder = start_launcher(str(host.path), ["3", "0", "modules"])  # runs 3 s: it "builds" the model meanwhile
+        time.sleep(1.0)
+        (tmp_path / "models" / "org" / "installed").symlink_to(tiny.path)
+        first = builder.finish(time.monotonic() + 60)
+        after = _job(host, ["0", "0", "modules"])
+        assert first["lines"][1:] == ["tokenizers imported: False"], first
+        assert after["lines"][1:] == ["tokenizers imported: True"], (after, host.text())
+        assert _proc_status(host.proc.pid)["Threads"] == "1"  # the preload started no thread
+    finally:
+        host.stop()
 
 
 def _proc_status(pid: int) -> dict[str, str]:

@@ -2,10 +2,12 @@
 milliseconds per run (tests/test_run_starter.py).
 
 `python -m tests.trivial_starter SOCKET PRELOAD HANDSHAKE_S`: the starter's own loop, whose
-worker is `sleep` and whose preload is nothing (`bare`) or a thread that stays (`threaded`).
-A forked run writes `run PID PPID PGID` on the stdout its launcher handed over, keeps it open,
-sleeps ARGV[0] seconds and exits with status ARGV[1]: a reader of that stdout sees its end
-when every process holding it (the launcher, the run) has ended.
+worker is `sleep` and whose preload is nothing (`bare`), a thread that stays (`threaded`), or
+the real tokenizer preload of `HARVEST_HOME`'s checkpoints (`tokenizers`, refreshed after each
+run as the real starter's is). A forked run writes `run PID PPID PGID` on the stdout its
+launcher handed over (and, given an ARGV[2] of `modules`, whether the `tokenizers` package is
+imported in it), keeps it open, sleeps ARGV[0] seconds and exits with status ARGV[1]: a reader
+of that stdout sees its end when every process holding it (the launcher, the run) has ended.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 
+from fleet.run_fork import preload_tokenizers
 from fleet.run_starter import RunStarter
 
 
@@ -22,12 +25,14 @@ def _thread_that_stays() -> None:
     threading.Thread(target=time.sleep, args=(3600,), name="stays", daemon=True).start()
 
 
-PRELOADS = {"bare": lambda: None, "threaded": _thread_that_stays}
+PRELOADS = {"bare": lambda: None, "threaded": _thread_that_stays, "tokenizers": lambda: preload_tokenizers(set())}
 
 
 def _run(payload: dict, fds: list[int]) -> None:
     os.write(fds[1], f"run {os.getpid()} {os.getppid()} {os.getpgid(0)}\n".encode())
-    sleep_s, code = payload["argv"]
+    sleep_s, code, *asked = payload["argv"]
+    if asked == ["modules"]:
+        os.write(fds[1], f"tokenizers imported: {'tokenizers' in sys.modules}\n".encode())
     time.sleep(float(sleep_s))
     os._exit(int(code))
 
