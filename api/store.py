@@ -345,13 +345,14 @@ def jobs_of_runs(run_ids: list[str], engine: Engine) -> list[dict]:
         return [dict(r) for r in conn.execute(query).mappings().all()]
 
 
-def unstarted_jobs(older_than_s: float, engine: Engine) -> list[dict]:
+def unstarted_jobs(older_than_s: float, engine: Engine, limit: int | None = None) -> list[dict]:
     """Active jobs with no run, admitted over `older_than_s` ago: their admitting replica died
-    between admission and starting the run (a live one takes well under a second)."""
+    between admission and starting the run (a live one takes well under a second). The oldest
+    first, at most `limit`."""
     cutoff = utcnow() - timedelta(seconds=older_than_s)
     with transaction(engine) as conn:
         query = select(jobs).where(jobs.c.status.in_(ACTIVE), jobs.c.flow_run_id.is_(None), jobs.c.created_at < cutoff)
-        return [dict(r) for r in conn.execute(query).mappings().all()]
+        return [dict(r) for r in conn.execute(query.order_by(jobs.c.created_at).limit(limit)).mappings().all()]
 
 
 def attach_run(job_id: str, run_id: str, engine: Engine) -> None:

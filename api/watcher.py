@@ -97,6 +97,10 @@ SETTLE_BATCH = 20
 run is over. After an upgrade to migration 0008 every earlier job is one of them, once."""
 WATCH_PAGE = 200
 """Active jobs re-read per interval, by default (`ApiSettings.watch_page`): one Prefect request."""
+ORPHANS_PER_TICK = 20
+"""Orphaned jobs (admitted, no run) a tick starts, the oldest first; more wait for the next
+interval. Starting a run is a Prefect write (~60 ms): a replica that died with many submits in
+flight must not make one tick long (900 at once took a tick 53 s in `bench/bench_scale.py`)."""
 NAMED_PER_TICK = 1000
 """Runs named by events that one tick takes; more wait for the next tick (kicked at once), so a
 burst of events never makes one tick long."""
@@ -327,7 +331,7 @@ class Watcher:
             self._guard()
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
             prune_expired(self.idempotency_window_s, engine=engine)
-        for row in unstarted_jobs(self.orphan_after_s, engine):
+        for row in unstarted_jobs(self.orphan_after_s, engine, limit=ORPHANS_PER_TICK):
             self._guard()
             changed += self._start_orphan(row)
         for job_id in runs_to_stop(engine):

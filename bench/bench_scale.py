@@ -222,7 +222,7 @@ class Plane:
     # --- active jobs, held in the store and in Prefect ----------------------------------
     def seed(self, total: int) -> None:
         """Active jobs up to `total`: job rows (running) and their flow runs (forced Running)."""
-        from sqlalchemy import create_engine, insert, select, update
+        from sqlalchemy import create_engine, insert, select
 
         from api.db import api_keys, jobs, utcnow
         from flows.submit import astart_harvest_run
@@ -236,13 +236,6 @@ class Plane:
         engine = create_engine(self.store_url)
         with engine.begin() as conn:
             key_id = conn.execute(select(api_keys.c.id).where(api_keys.c.name == "bench-scale")).scalar_one()
-            conn.execute(insert(jobs), [{
-                "id": job_id, "key_id": key_id, "model": "llama-tiny", "lane": SEED_LANE, "status": "running", "n_prompts": 2,
-                "layers": [1, 3], "shard_size": 32, "n_shards": 1, "shards_done": 0, "add_special_tokens": True,
-                "contents": "residuals", "reserved_tokens": 24, "tokens": None, "created_at": utcnow(), "started_at": utcnow(),
-                "completed_at": None, "error": None, "request_url": f"{self.storage}/jobs/{job_id}/request.json",
-                "flow_run_id": None, "restarts": 0, "result": None, "stop_run": False,
-            } for job_id in new])
 
         async def start_all() -> dict[str, str]:
             gate = asyncio.Semaphore(8)
@@ -259,12 +252,19 @@ class Plane:
                 await asyncio.gather(*(one(j, client) for j in new))
             return runs
 
+        # The runs first, then the rows naming them: a row without its run for long is an
+        # orphan to the watcher (a replica that died mid-submit), which would start it itself.
         started = time.monotonic()
         with temporary_settings({PREFECT_API_URL: self.urls[0], PREFECT_API_AUTH_STRING: self.auth}):
             runs = asyncio.run(start_all())
         with engine.begin() as conn:
-            for job_id, run_id in runs.items():
-                conn.execute(update(jobs).where(jobs.c.id == job_id).values(flow_run_id=run_id))
+            conn.execute(insert(jobs), [{
+                "id": job_id, "key_id": key_id, "model": "llama-tiny", "lane": SEED_LANE, "status": "running", "n_prompts": 2,
+                "layers": [1, 3], "shard_size": 32, "n_shards": 1, "shards_done": 0, "add_special_tokens": True,
+                "contents": "residuals", "reserved_tokens": 24, "tokens": None, "created_at": utcnow(), "started_at": utcnow(),
+                "completed_at": None, "error": None, "request_url": f"{self.storage}/jobs/{job_id}/request.json",
+                "flow_run_id": runs[job_id], "restarts": 0, "result": None, "stop_run": False,
+            } for job_id in new])
         engine.dispose()
         self.seeded += new
         print(f"   {self.kind}: {len(new)} active jobs added in {time.monotonic() - started:.0f} s ({len(self.seeded)} held)",

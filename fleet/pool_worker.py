@@ -2,8 +2,8 @@
 
 `prefect worker start --type process` asks its pool for scheduled runs every
 `PREFECT_WORKER_QUERY_SECONDS` (the roles ship `fleet.processes.WORKER_QUERY_S`, 1 s): a new
-run waits for the next poll, half an interval on average, which was a third of a warm small
-job's whole time through `make run` (bench/RESULTS.md, "Where a warm job's time goes").
+run waited for the next poll, 0.63 s (median) of a warm small job's 3.8 s through `make run`
+(bench/RESULTS.md, "Through make run as shipped", 2026-12-07).
 Polling faster costs the Prefect server per host per second, so this worker keeps the poll
 (it still finds every run, whatever happens to events) and is also woken by Prefect's own
 event stream (`/events/out`, authenticated as every client is):
@@ -13,9 +13,10 @@ event stream (`/events/out`, authenticated as every client is):
 - a run of its pool ended (Completed, Failed, Cancelled, Crashed): a slot of the run's key
   queue may have come free for a run that waited;
 - this worker let a run's slot go (its process exited, or a submit failed): a run that waited
-  for this host's `--limit` may start. A run's process outlives its Completed state by up to
-  a second (Prefect's flow heartbeat thread sleeps in whole seconds before it is joined), so
-  without this wake the next job on a one-slot host waited for the poll after that.
+  for this host's `--limit` may start. A run's process outlives its Completed state by 1.5-1.8 s
+  (Prefect's flow heartbeat thread sleeps in whole seconds before it is joined, then the
+  interpreter exits), so without this wake the next job on a one-slot host waited for the
+  poll after that too.
 
 A wake is one more `get_and_submit_flow_runs`, Prefect's own poll-and-submit. Wakes that come
 while one runs are folded into one more after it. Two polls that see the same run submit it
@@ -34,7 +35,7 @@ import asyncio
 import logging
 import os
 
-__all__ = ["WAKE_STATES", "wakes_pool", "main"]
+__all__ = ["WAKE_STATES", "wakes_pool", "run_worker", "main"]
 
 log = logging.getLogger("harvest.pool_worker")
 

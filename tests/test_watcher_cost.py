@@ -213,6 +213,34 @@ def test_the_paged_reread_records_a_missed_change_within_its_bound(rig):
     print(f"a missed change recorded after {passes} passes (bound {bound}) of {page} runs each")
 
 
+def test_a_tick_starts_a_bounded_number_of_orphans_the_oldest_first(rig):
+    """Jobs admitted by a replica that died before starting their runs: each interval's pass
+    starts at most `ORPHANS_PER_TICK` of them, the oldest first, so many orphans at once never
+    make one tick long; the next passes start the rest."""
+    from datetime import timedelta
+
+    from api.db import jobs, transaction, utcnow
+    from api.watcher import ORPHANS_PER_TICK
+
+    store, key, storage, fs, runs = rig
+    n = ORPHANS_PER_TICK + 7
+    admitted = utcnow() - timedelta(hours=1)
+    ids = [str(uuid.uuid4()) for _ in range(n)]
+    with transaction(store.engine) as conn:
+        conn.execute(insert(jobs), [{
+            "id": job_id, "key_id": key.id, "model": "llama-tiny", "lane": "small", "status": "pending", "n_prompts": 1,
+            "layers": [1], "shard_size": 1, "n_shards": 1, "shards_done": 0, "add_special_tokens": True,
+            "contents": "activations", "reserved_tokens": 10, "created_at": admitted + timedelta(seconds=k),
+            "request_url": f"memory://nowhere/jobs/{job_id}/request.json", "flow_run_id": None, "output_bytes": 1000,
+        } for k, job_id in enumerate(ids)])
+    watcher = _watcher(runs, storage, store, interval=1e-6)  # every tick is a pass
+    watcher.tick()
+    started = [job_id for job_id in ids if _job(store, job_id)["flow_run_id"] is not None]
+    assert started == ids[:ORPHANS_PER_TICK]  # the oldest, in the store's own record
+    watcher.tick()
+    assert all(_job(store, job_id)["flow_run_id"] is not None for job_id in ids)
+
+
 def test_the_lease_is_renewed_while_a_tick_is_stuck_and_nobody_takes_it_over(rig):
     from api.lease import Lease
 
