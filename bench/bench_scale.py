@@ -321,7 +321,9 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def _real_jobs(plane: Plane, stop: threading.Event, out: list[float], failed: list[str]) -> None:
+def _real_jobs(plane: Plane, stop: threading.Event, out: list[float], failed: list[str], refused: list[float]) -> None:
+    """Sequential 2-prompt jobs, as `harvest-client` sends them: a submit answered 503 is sent
+    again after its Retry-After (each counted in `refused`); its time runs from the first."""
     headers = {"Authorization": f"Bearer {plane.key}"}
     with httpx.Client(base_url=plane.base, headers=headers, timeout=120) as http:
         n = 0
@@ -330,7 +332,10 @@ def _real_jobs(plane: Plane, stop: threading.Event, out: list[float], failed: li
             body = {"model": "llama-tiny", "prompts": [f"The sky is {n}", "Grass is"], "layers": [2, 4, 6]}
             started = time.perf_counter()
             try:
-                job = http.post("/harvest", json=body).raise_for_status().json()
+                while (answer := http.post("/harvest", json=body)).status_code == 503:
+                    refused.append(time.perf_counter())
+                    time.sleep(float(answer.headers.get("Retry-After", "5")))
+                job = answer.raise_for_status().json()
                 while job["status"] not in ("done", "failed", "cancelled"):
                     job = http.get(f"/harvest/{job['job_id']}", params={"wait": 30}).raise_for_status().json()
             except httpx.HTTPError as exc:
@@ -396,12 +401,13 @@ def point(plane: Plane, hosts: int, seconds: float, fault=None) -> dict:
     stop = threading.Event()
     jobs: list[float] = []
     failed: list[str] = []
+    submits_refused: list[float] = []
     reads: list[float] = []
     read_errors: list[str] = []
     before_polls = [len(s.latencies) for s in simulated]
     before_errors = [len(s.errors) for s in simulated]
     watcher, cpu, wall = plane.watcher(), plane.cpu(), time.monotonic()
-    threads = [threading.Thread(target=_real_jobs, args=(plane, stop, jobs, failed)),
+    threads = [threading.Thread(target=_real_jobs, args=(plane, stop, jobs, failed, submits_refused)),
                threading.Thread(target=_reads, args=(plane, stop, reads, read_errors))]
     for t in threads:
         t.start()
@@ -424,7 +430,7 @@ def point(plane: Plane, hosts: int, seconds: float, fault=None) -> dict:
     return {
         "hosts": hosts, "polls/s": len(polls) / wall, "refused/s": refused / wall,
         "poll p50 ms": 1000 * _p(polls, 0.5) if polls else float("nan"), "poll p95 ms": 1000 * _p(polls, 0.95) if polls else float("nan"),
-        "jobs done": len(jobs), "jobs failed": len(failed),
+        "jobs done": len(jobs), "jobs failed": len(failed), "submits refused": len(submits_refused),
         "job p50 s": statistics.median(jobs) if jobs else float("nan"), "job p95 s": _p(jobs, 0.95),
         "read p95 ms": 1000 * _p(reads, 0.95), "read errors": len(read_errors),
         "ticks": ticks, "tick mean ms": 1000 * (watcher_after["tick_s"] - watcher["tick_s"]) / ticks if ticks else float("nan"),
@@ -472,7 +478,7 @@ def main() -> None:
         finally:
             plane.close()
     columns = ["hosts", "polls/s", "refused/s", "poll p50 ms", "poll p95 ms", "job p50 s", "job p95 s", "jobs done",
-               "jobs failed", "read p95 ms", "ticks", "tick mean ms", "renewals held", "lease lost", "CPU % server",
+               "jobs failed", "submits refused", "read p95 ms", "ticks", "tick mean ms", "renewals held", "lease lost", "CPU % server",
                "CPU % api", "CPU % worker", "MiB server", "MiB api", "MiB worker", "load"]
     print("\n| plane | active jobs | " + " | ".join(columns) + " |")
     print("|---|---:|" + "---:|" * len(columns))
