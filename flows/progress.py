@@ -12,11 +12,12 @@ best effort: a display failure never fails a job (a missed event is caught by th
 paged re-read of every active run, `api.watcher`).
 
 The labels and the progress artifact go through a thread of the run's own (`ProgressWriter`),
-never the shard loop: a label update is a read-modify-write of the flow run, and on the embedded SQLite server it collides
-with the run's own state and event writes often enough that Prefect's client sleeps through a
-503 retry (0.4-1.8 s in 7 of 11 warm 2-prompt jobs through `make run`, bench/RESULTS.md "Where a
-warm job's time goes"). A count that the run's end makes known anyway (its last shard) is not
-reported: the Completed run's result carries it.
+never the shard loop: a label update is a read-modify-write of the flow run, and on the
+embedded SQLite server it collides with the run's own state and event writes often enough that
+Prefect's client sleeps through a 503 retry (0.45-1.88 s in 7 of 11 warm 2-prompt jobs through
+`make run`; bench/RESULTS.md, "Through make run as shipped", 2026-12-07). A count that the
+run's end makes known anyway (its last shard) is not reported: the Completed run's result
+carries it.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class ProgressWriter:
 
     DRAIN_WAIT_S = 5.0
 
-    def __init__(self, run_id: UUID, artifact_key: str, client: Callable[[], AbstractContextManager] = lambda: get_client(sync_client=True)):
+    def __init__(
+        self, run_id: UUID, artifact_key: str,
+        client: Callable[[], AbstractContextManager] = lambda: get_client(sync_client=True),
+    ):
         self.run_id = run_id
         self.artifact_key = artifact_key
         self._client = client
