@@ -441,6 +441,11 @@ def point(plane: Plane, hosts: int, seconds: float, fault=None) -> dict:
     }
 
 
+def _say(row: tuple[str, int, dict]) -> None:
+    plane, total, figures = row
+    print("  ", plane, total, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--planes", default="one,scaled")
@@ -465,16 +470,12 @@ def main() -> None:
             for total in (int(j) for j in args.jobs.split(",")):
                 plane.seed(total)
                 for hosts in (int(h) for h in args.hosts.split(",")):
-                    row = point(plane, hosts, args.seconds)
-                    rows.append((kind, total, row))
-                    print("  ", kind, total, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
-                          flush=True)
+                    rows.append((kind, total, point(plane, hosts, args.seconds)))
+                    _say(rows[-1])
             if kind == "scaled" and args.faults:
                 for name, fault in FAULTS.items():
-                    row = point(plane, args.faults, max(args.seconds, 40.0), fault)
-                    rows.append((f"scaled, {name}", total, row))
-                    print("  ", name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
-                          flush=True)
+                    rows.append((f"scaled, {name}", total, point(plane, args.faults, max(args.seconds, 40.0), fault)))
+                    _say(rows[-1])
         finally:
             plane.close()
     columns = ["hosts", "polls/s", "refused/s", "poll p50 ms", "poll p95 ms", "job p50 s", "job p95 s", "jobs done",
