@@ -84,13 +84,13 @@ RUN_START_SECONDS = Histogram(
 _TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 WATCHER_TICK_SECONDS = Histogram(
     "harvest_watcher_tick_seconds",
-    "Seconds each tick of the API's watcher took (the lease-holding replica's; `api.watcher`): its cost stays flat as jobs grow.",
+    "Seconds each tick of the API's watcher took (`api.watcher`, on the API process holding its lease): its cost stays flat as jobs grow.",
     buckets=_TICK_BUCKETS,
 )
 WATCHER_LEASE_RENEWALS = Counter(
     "harvest_watcher_lease_renewals",
-    "The watcher lease's renewal attempts on this replica, by outcome: held (taken or renewed), "
-    "elsewhere (another replica holds it), lost (this replica held it and no longer does), error (the job store did not answer).",
+    "The watcher lease's renewal attempts of this API process, by outcome: held (taken or renewed), "
+    "elsewhere (another API process holds it), lost (this one held it and no longer does), error (the job store did not answer).",
     ["outcome"],
 )
 ENGINE_LOADS = Counter(
