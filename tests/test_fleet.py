@@ -231,7 +231,8 @@ def test_progress_read_mid_run_on_s3_rises_shard_by_shard_through_both_replicas_
         assert body["status"] == "done" and body["progress"] == {"shards_done": n, "n_shards": n}, body
         for replica, values in seen[job].items():
             assert values == sorted(values), (replica, values)
-            assert set(range(1, n)) <= set(values), f"{replica} read {values} mid-run"
+            # The count before the last lasts only until the run's end (tests/test_watcher_events.py).
+            assert set(range(1, n - 1)) <= set(values), f"{replica} read {values} mid-run"
     assert sorted(ran_on) == sorted(jobs.values()) and len(set(ran_on.values())) == 2, ran_on
     for job, run_id in jobs.items():
         print(f"progress of {job} on {ran_on[run_id]}: " + "; ".join(
