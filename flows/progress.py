@@ -17,7 +17,7 @@ embedded SQLite server it collides with the run's own state and event writes oft
 Prefect's client sleeps through a 503 retry (0.45-1.88 s in 7 of 11 warm 2-prompt jobs through
 `make run`; bench/RESULTS.md, "Through make run as shipped", 2026-12-07). A count that the
 run's end makes known anyway (its last shard) is not reported: the Completed run's result
-carries it.
+carries it; a count mid-job is waited for, so each is shown in turn.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from harvest.jobfiles import JobFiles
 from harvest.lanes import deployment_name
 
 __all__ = ["ProgressWriter", "RunProgress", "summary_artifact"]
+
+REPORT_WAIT_S = 10.0
+"""The longest a shard count mid-job waits for its label to be written (`RunProgress.report`)."""
 
 
 class ProgressWriter:
@@ -245,6 +248,10 @@ class RunProgress:
         if count == self.reported or count >= self.n_shards:
             return
         self.writer.put({SHARDS_DONE_LABEL: str(count)}, count=count)
+        # A count mid-job is waited for (bounded), as when the loop wrote it itself: under load
+        # a count left to the thread could be folded into the next and never shown. A one-shard
+        # job has none, so its path waits for no label write.
+        self.writer.flush(REPORT_WAIT_S)
         self.reported = count
 
     def shard_done(self, k: int, skipped: bool) -> None:
