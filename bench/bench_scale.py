@@ -284,30 +284,28 @@ class Plane:
                 found[m.group(1)] = float(m.group(2))
         return found
 
-    def cpu(self) -> dict[str, float]:
+    def _per_role(self, reading) -> dict[str, float]:
+        """`reading(process)` summed over each role's process tree (a process that ended counts 0)."""
         out = {}
         for role in self.roles:
             total = 0.0
             for proc in role.tree():
                 try:
-                    t = proc.cpu_times()
-                    total += t.user + t.system + t.children_user + t.children_system
+                    total += reading(proc)
                 except psutil.Error:
                     pass
             out[role.name] = total
         return out
 
+    def cpu(self) -> dict[str, float]:
+        def seconds(proc):
+            t = proc.cpu_times()
+            return t.user + t.system + t.children_user + t.children_system
+
+        return self._per_role(seconds)
+
     def rss_mib(self) -> dict[str, float]:
-        out = {}
-        for role in self.roles:
-            total = 0
-            for proc in role.tree():
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    pass
-            out[role.name] = total / 2**20
-        return out
+        return self._per_role(lambda proc: proc.memory_info().rss / 2**20)
 
 
 def _port_free(port: int) -> bool:

@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.api_fixtures import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +34,8 @@ def test_ci_stops_before_the_tests_when_nothing_answers():
     assert time.monotonic() - started < 30 and "pytest" not in out.stdout + out.stderr  # make test never ran
 
 
-def test_a_port_held_by_something_else_is_not_postgresql():
+@pytest.mark.parametrize(("check", "reads", "says"), [("postgres_ready", 8, "not PostgreSQL"), ("redis_ready", 16, "not a Redis")])
+def test_a_port_held_by_something_else_is_refused(check, reads, says):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -40,16 +43,16 @@ def test_a_port_held_by_something_else_is_not_postgresql():
     def answer_wrongly():
         conn, _ = server.accept()
         with conn:
-            conn.recv(8)
+            conn.recv(reads)
             conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
 
     threading.Thread(target=answer_wrongly, daemon=True).start()
     try:
-        out = subprocess.run([str(REPO / ".ci" / "postgres_ready"), f"127.0.0.1:{server.getsockname()[1]}"],
+        out = subprocess.run([str(REPO / ".ci" / check), f"127.0.0.1:{server.getsockname()[1]}"],
                              capture_output=True, text=True, timeout=30)
     finally:
         server.close()
-    assert out.returncode == 1 and "not PostgreSQL" in out.stderr, out.stderr
+    assert out.returncode == 1 and says in out.stderr, out.stderr
 
 
 def test_the_projects_redis_answers():
@@ -65,23 +68,3 @@ def test_ci_stops_before_the_tests_when_redis_does_not_answer():
     assert f"Redis is not answering at {address}" in out.stderr
     assert "stopping before the tests: Redis is required" in out.stderr
     assert "pytest" not in out.stdout + out.stderr  # make test never ran
-
-
-def test_a_port_held_by_something_else_is_not_redis():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-
-    def answer_wrongly():
-        conn, _ = server.accept()
-        with conn:
-            conn.recv(16)
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-
-    threading.Thread(target=answer_wrongly, daemon=True).start()
-    try:
-        out = subprocess.run([str(REPO / ".ci" / "redis_ready"), f"127.0.0.1:{server.getsockname()[1]}"],
-                             capture_output=True, text=True, timeout=30)
-    finally:
-        server.close()
-    assert out.returncode == 1 and "not a Redis" in out.stderr, out.stderr
