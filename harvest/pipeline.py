@@ -10,8 +10,9 @@ does both in one process, which is what `harvest run` uses; the flow calls the s
 its Prefect tasks.
 
 No process holds a whole shard: the engine hands each batch's values to the shard's file,
-staged on local disk (`harvest.shard_file`), as soon as they exist, and the write step hashes
-that file and publishes it (a hard link on local disk, one multipart upload on S3). Memory
+staged on local disk (`harvest.shard_file`), as soon as they exist, hashed as they are written,
+and the write step publishes that file (a hard link on local disk, one multipart upload on S3).
+Memory
 follows `HARVEST_ENGINE_PIECE_BYTES` and `HARVEST_ENGINE_BATCH_TOKENS`, not `shard_size`.
 """
 
@@ -33,7 +34,7 @@ from harvest.metrics import count_forward, count_shard_written
 from harvest.request import ResolvedJob, check_token_total
 from harvest.shard_file import StagedShard
 from harvest.jobfiles import JobFiles, shard_ranges
-from harvest.shards import ShardRecord, read_part, shard_name, stored_stats, verified_part, write_part
+from harvest.shards import Part, ShardRecord, read_part, shard_name, stored_stats, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts
@@ -112,7 +113,7 @@ def tokenize_job(job: ResolvedJob) -> list[TokenizedPrompt]:
 
 @dataclass
 class CapturedShard:
-    """Shard k after its forward passes: its file complete on local disk (not yet hashed or
+    """Shard k after its forward passes: its file complete on local disk (not yet sealed or
     published), and its statistics partial."""
 
     k: int
@@ -130,7 +131,7 @@ def capture_shard(job: ResolvedJob, engine: Engine, tokenized: list[TokenizedPro
     n_features = job.spec.n_features(job.model.hidden_size)
     staged = StagedShard(storage.staging_path(shard_name(k)), indices, ids, len(job.layers), n_features, job.spec.stored_dtype)
     try:
-        capture = hand_over(engine.capture(ids, job.spec, batch_size=job.request.batch_size, sink=staged.put), staged.put)
+        capture = hand_over(engine.capture(ids, job.spec, batch_size=job.request.batch_size, sink=staged), staged)
     except BaseException:
         staged.discard()
         raise
@@ -169,14 +170,14 @@ def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPro
         staged.published = True
     if staged.superseded:
         record, stats = _as_stored(job, storage, record, stats, storage.digest(record.file))
-    write_part(storage, record, stats)
+    write_part(storage, record, stats, storage.fingerprint(record.file))
     timings.upload_s = time.perf_counter() - started
     return record, timings
 
 
 class ShardWriter:
-    """Writes shards behind the forward passes: shard k is hashed and published in the
-    background while shard k+1 runs. `submit` first waits for the previous write, so at most
+    """Writes shards behind the forward passes: shard k is published in the background while
+    shard k+1 runs. `submit` first waits for the previous write, so at most
     two shards are staged on local disk (one being published, one being filled) and a write's
     error surfaces at the next shard, never later than `close`.
 
@@ -278,8 +279,8 @@ def run_shards(
 
 
 HASH_THREADS = 4
-"""Shards hashed at once by `stored_records`: enough to keep a disk or an S3 connection pool
-busy; memory is one `HASH_CHUNK_BYTES` buffer each."""
+"""Shards checked at once by `stored_records`: enough to keep a disk or an S3 connection pool
+busy; memory is one `HASH_CHUNK_BYTES` buffer each where one is hashed."""
 
 
 def _remove_disowned(storage: Storage, k: int) -> None:
@@ -288,7 +289,7 @@ def _remove_disowned(storage: Storage, k: int) -> None:
     check. A record-less file is left alone: another write of it is between its file and its
     record, and this one will list that file (`write_shard`)."""
     try:
-        record, _ = read_part(storage, k)
+        record = read_part(storage, k).record
     except FileNotFoundError:
         return
     if storage.exists(record.file) and storage.digest(record.file) != (record.bytes, record.sha256):
@@ -316,13 +317,14 @@ def stored_records(job: ResolvedJob, storage: Storage, n_shards: int) -> tuple[l
     job's statistics merged over them.
 
     A shard file never changes once created (`harvest.storage`), and each record names its
-    file's bytes (`write_shard`), so the hashes agree. They are checked again here all the
-    same, each shard streamed (`Storage.digest`), `HASH_THREADS` at a time, so that the
-    manifest vouches for what is stored, not for what was meant: a store that ignores
+    file's bytes (`write_shard`), so the hashes agree. They are checked all the same, so that
+    the manifest vouches for what is stored, not for what was meant: a store that ignores
     `If-None-Match` lets a late write replace a shard, and a file can be damaged after its
-    record. Where a file is not its record's, its statistics are read from the file too. The
-    cost is one read of each shard per job (on local disk mostly from the page cache the
-    writes just filled; on S3 a streamed GET, like a resume's check).
+    record. The check reads no bytes where it need not: each file's fingerprint now
+    (`Storage.fingerprint`: a stat on local disk, a HEAD on S3), `HASH_THREADS` at a time,
+    against the one its record kept. A file whose fingerprint changed, or that has none, is
+    hashed again, streamed (`Storage.digest`); where it is not its record's, its statistics are
+    read from the file too.
     """
     parts = []
     for k in range(n_shards):
@@ -330,12 +332,19 @@ def stored_records(job: ResolvedJob, storage: Storage, n_shards: int) -> tuple[l
         if part is None:
             raise RuntimeError(f"shard {k} is missing or does not match its record; the job cannot be finalised")
         parts.append(part)
-    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="shard-hash") as pool:
-        digests = list(pool.map(lambda part: storage.digest(part[0].file), parts))
+
+    def as_stored_now(part: Part) -> tuple[int, str]:
+        fingerprint = storage.fingerprint(part.record.file)
+        if fingerprint is not None and fingerprint == part.stored_as:
+            return part.record.bytes, part.record.sha256
+        return storage.digest(part.record.file)
+
+    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="shard-check") as pool:
+        digests = list(pool.map(as_stored_now, parts))
     records: list[ShardRecord] = []
     stats = RunningStats(len(job.layers), job.spec.n_features(job.model.hidden_size))
-    for (record, partial), digest in zip(parts, digests, strict=True):
-        record, partial = _as_stored(job, storage, record, partial, digest)
+    for part, digest in zip(parts, digests, strict=True):
+        record, partial = _as_stored(job, storage, part.record, part.stats, digest)
         records.append(record)
         stats.merge(partial)
     return records, stats

@@ -4,9 +4,11 @@ Shard k (`harvest.jobfiles.shard_name`) holds prompts `k*shard_size .. (k+1)*sha
 the prompt at global index i, `prompt_{i}` (`[n_layers_kept, n_tokens, n_features]`) and
 `tokens_{i}` (int32 `[n_tokens]`, the ids that ran). Its record (`harvest.jobfiles.part_name`)
 keeps the shard's exact float64 statistics partial and, in its metadata, the shard's size and
-sha256. That record is written after the shard, so a shard whose record exists and matches is
-complete: a retry or resume skips it, and the final merge takes the statistics from the
-records (it reads the shards only to hash them: `harvest.pipeline.stored_records`).
+sha256, and the stored file's fingerprint (`Storage.fingerprint`: size, inode and time on
+disk, ETag on S3) as it was once published. That record is written after the shard, so a
+shard whose record exists and matches is complete: a retry or resume skips it, and the final
+merge takes the statistics from the records, and reads a shard again only where its
+fingerprint changed (`harvest.pipeline.stored_records`).
 The shard file itself is written as its values arrive (`harvest.shard_file`).
 The file names are the job folder's layout, owned by `harvest.jobfiles` (`shard_name` is
 re-exported here for the pipeline).
@@ -15,6 +17,7 @@ re-exported here for the pipeline).
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +30,7 @@ from harvest.shard_file import shard_layout
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 
-__all__ = ["ShardRecord", "shard_name", "write_part", "read_part", "verified_part", "stored_stats"]
+__all__ = ["ShardRecord", "Part", "shard_name", "write_part", "read_part", "verified_part", "stored_stats"]
 
 
 class ShardRecord(BaseModel):
@@ -47,34 +50,45 @@ class ShardRecord(BaseModel):
     """Hex digest of the file."""
 
 
-def write_part(storage: Storage, record: ShardRecord, stats: RunningStats) -> None:
-    storage.write_bytes(part_name(record.index), save_tensors(stats.state_dict(), metadata={"record": record.model_dump_json()}))
+class Part(NamedTuple):
+    """Shard k's record as kept beside it."""
+
+    record: ShardRecord
+    stats: RunningStats
+    stored_as: str | None = None
+    """The file's `Storage.fingerprint` once published (None: a store without one)."""
 
 
-def read_part(storage: Storage, k: int) -> tuple[ShardRecord, RunningStats]:
+def write_part(storage: Storage, record: ShardRecord, stats: RunningStats, stored_as: str | None = None) -> None:
+    metadata = {"record": record.model_dump_json(), **({"stored_as": stored_as} if stored_as else {})}
+    storage.write_bytes(part_name(record.index), save_tensors(stats.state_dict(), metadata=metadata))
+
+
+def read_part(storage: Storage, k: int) -> Part:
     raw = storage.read_bytes(part_name(k))
     # safetensors keeps string metadata in its JSON header: 8 bytes of length, then the header.
     header_len = int.from_bytes(raw[:8], "little")
     metadata = json.loads(raw[8 : 8 + header_len])["__metadata__"]
     record = ShardRecord.model_validate_json(metadata["record"])
-    return record, RunningStats.from_state_dict(load_tensors(raw))
+    return Part(record, RunningStats.from_state_dict(load_tensors(raw)), metadata.get("stored_as"))
 
 
-def verified_part(storage: Storage, k: int, *, check_hash: bool = True) -> tuple[ShardRecord, RunningStats] | None:
+def verified_part(storage: Storage, k: int, *, check_hash: bool = True) -> Part | None:
     """The record of shard k if the shard on storage is complete and matches it, else None.
 
-    `check_hash=False` checks only the size, for a caller that hashes the files itself
+    `check_hash=False` checks only the size, for a caller that checks the files itself
     (`harvest.pipeline.stored_records`, many at once).
     """
     try:
-        record, stats = read_part(storage, k)
+        part = read_part(storage, k)
     except FileNotFoundError:
         return None
+    record = part.record
     if not storage.exists(record.file) or storage.size(record.file) != record.bytes:
         return None
     if check_hash and storage.digest(record.file)[1] != record.sha256:
         return None
-    return record, stats
+    return part
 
 
 def stored_stats(storage: Storage, record: ShardRecord, n_layers: int, n_features: int, dtype: torch.dtype) -> RunningStats:

@@ -28,8 +28,9 @@ never its own), and a retry whose earlier try landed finds its own bytes there. 
 names with the manifest naming the winner would fence as well, but change the shard names
 that the SPEC, the client's downloads, the links and the resume all read, and leave the
 losers' copies to sweep; here nothing is renamed and nothing is left over. A store that
-ignores the condition (an old S3-compatible server) replaces instead: the manifest's re-hash
-of each shard is still there for it (`harvest.pipeline.stored_records`). A shard damaged in
+ignores the condition (an old S3-compatible server) replaces instead: the manifest's check of
+each shard is still there for it (`harvest.pipeline.stored_records`): a replaced object has
+another ETag than the one its record kept (`fingerprint`), and is then hashed again. A shard damaged in
 place is deleted before it is written again (`harvest.pipeline.run_shards`): that delete,
 then create, is the one replacement, and only a resume does it.
 
@@ -194,6 +195,20 @@ class Storage:
         one reused buffer: a shard can be larger than memory."""
         with self.fs.open(self._fresh(self.path(name)), "rb", block_size=HASH_CHUNK_BYTES, cache_type="none") as handle:
             return stream_digest(handle)
+
+    def fingerprint(self, name: str) -> str | None:
+        """What names file `name`'s bytes as stored now without reading them: on local disk its
+        size, inode and modification time (a replacement is another inode, a write in place
+        another time), on S3 its size and ETag (a replacement, or a second upload of the same
+        bytes, has another); None on stores with neither, whose files are hashed instead."""
+        path = self._fresh(self.path(name))
+        if self.is_local:
+            st = os.stat(path)
+            return f"local:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}"
+        if self._is_s3:
+            info = self.fs.info(path)
+            return f"s3:{info['size']}:{info['ETag']}"
+        return None
 
     def exists(self, name: str) -> bool:
         return self.fs.exists(self._fresh(self.path(name)))

@@ -18,7 +18,9 @@ from pathlib import Path
 from harvest.engines.hf import HFEngine
 from harvest.settings import get_settings
 
-__all__ = ["SlowShards", "SlowLoad", "slow_shards", "slow_load", "calls_file", "recorded_calls"]
+__all__ = ["SlowShards", "SlowLoad", "GatedShards", "slow_shards", "slow_load", "gated_shards", "gate_file", "calls_file", "recorded_calls"]
+
+GATE_WAIT_S = 300.0  # a gate nobody opens fails the run instead of holding its slot for ever
 
 
 def calls_file(home: Path) -> Path:
@@ -55,17 +57,45 @@ class SlowLoad(HFEngine):
         super().__init__(model, device)
 
 
+def gate_file(home: Path, gate: str) -> Path:
+    return Path(home) / f"slow-engine-gate-{gate}"
+
+
+class GatedShards(HFEngine):
+    """Every engine call waits until the test opens its gate (class `ShardsWaitFor<gate>`,
+    file `gate_file(home, gate)`): runs stay active for exactly as long as a test needs, however
+    slowly a loaded box starts them."""
+
+    gate = ""
+
+    def capture_cobatch(self, shards, spec, *, batch_size=None, sinks=None):
+        gate = gate_file(get_settings().home, self.gate)
+        deadline = time.monotonic() + GATE_WAIT_S
+        while not gate.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{gate} was not opened within {GATE_WAIT_S:g} s")
+            time.sleep(0.1)
+        return super().capture_cobatch(shards, spec, batch_size=batch_size, sinks=sinks)
+
+
 def __getattr__(name: str) -> type:
-    """`ShardsTake1.5s` → a `SlowShards` of 1.5 s, made when the engine server asks for it."""
-    match = re.fullmatch(r"ShardsTake([0-9.]+)s", name)
-    if match is None:
-        raise AttributeError(name)
-    return type(name, (SlowShards,), {"shard_s": float(match.group(1))})
+    """`ShardsTake1.5s` → a `SlowShards` of 1.5 s; `ShardsWaitForX` → a `GatedShards` on gate
+    X; made when the engine server asks for them."""
+    if match := re.fullmatch(r"ShardsTake([0-9.]+)s", name):
+        return type(name, (SlowShards,), {"shard_s": float(match.group(1))})
+    if match := re.fullmatch(r"ShardsWaitFor([a-z0-9]+)", name):
+        return type(name, (GatedShards,), {"gate": match.group(1)})
+    raise AttributeError(name)
 
 
 def slow_shards(seconds: float) -> dict[str, str]:
     """Flow-run environment: each shard takes `seconds` more."""
     return {"HARVEST_ENGINE": f"tests.slow_engine:ShardsTake{seconds:g}s"}
+
+
+def gated_shards(gate: str) -> dict[str, str]:
+    """Flow-run environment: each shard waits until `gate_file(home, gate)` exists."""
+    return {"HARVEST_ENGINE": f"tests.slow_engine:ShardsWaitFor{gate}"}
 
 
 def slow_load() -> dict[str, str]:

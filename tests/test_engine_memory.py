@@ -34,7 +34,7 @@ from harvest.jobfiles import MANIFEST
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
-from harvest.shard_file import StagedShard
+from harvest.shard_file import HOLD_BYTES, StagedShard
 from harvest.storage import Storage
 from tests.reference import bf16_tolerance, hf_reference_layers
 
@@ -50,13 +50,16 @@ def _whole_shard(indices: range, tokens: list[list[int]], values: list[torch.Ten
     return save_tensors(tensors, metadata={"format": "pt"})
 
 
+@pytest.mark.parametrize("hold_bytes", [HOLD_BYTES, 0, 600], ids=["held", "read-back", "some-held"])
 @pytest.mark.parametrize("dtype, n_features", [(torch.bfloat16, 24), (torch.float32, 3)])
-def test_a_streamed_shard_is_byte_for_byte_the_whole_shard_encoding(tmp_path, dtype, n_features):
+def test_a_streamed_shard_is_byte_for_byte_the_whole_shard_encoding(tmp_path, dtype, n_features, hold_bytes):
+    """Its bytes and its sha256, taken as the values are written (held for their turn, or read
+    back past the hold), against `safetensors` and `hashlib` over the same tensors."""
     rng = random.Random(7)
     indices = range(96, 104)  # prompt_100 sorts before prompt_96 by name: order matters
     tokens = [[rng.randrange(2048) for _ in range(rng.randrange(1, 40))] for _ in indices]
     values = [torch.randn(3, len(ids), n_features).to(dtype) for ids in tokens]
-    staged = StagedShard(str(tmp_path / "shard.partial"), indices, tokens, 3, n_features, dtype)
+    staged = StagedShard(str(tmp_path / "shard.partial"), indices, tokens, 3, n_features, dtype, hold_bytes=hold_bytes)
     order = list(range(len(indices)))
     rng.shuffle(order)  # as an engine's length-sorted batches hand them over
     for position in order:
@@ -66,6 +69,8 @@ def test_a_streamed_shard_is_byte_for_byte_the_whole_shard_encoding(tmp_path, dt
     written = (tmp_path / "shard.partial").read_bytes()
     assert written == expected
     assert (size, sha256) == (len(expected), hashlib.sha256(expected).hexdigest())
+    # Nothing is read back while the early values fit the hold; past it, some are.
+    assert (staged.read_back_bytes == 0) == (hold_bytes == HOLD_BYTES)
 
 
 def test_a_shard_missing_a_prompt_is_never_sealed(tmp_path):
@@ -138,6 +143,13 @@ class PeakRSS:
         return self.peak[name] - self.base[name]
 
 
+def _io(pid: int) -> dict[str, int]:
+    """The kernel's I/O counts of a process: `rchar` and `wchar` count every byte its read and
+    write calls moved, sockets and the page cache included."""
+    lines = open(f"/proc/{pid}/io").read().split("\n")
+    return {name: int(value) for name, value in (line.split(": ") for line in lines if line)}
+
+
 def _prompts(n: int, chars: int) -> list[str]:
     """`n` different prompts of `chars` characters (about 2.5 characters a token on llama-tiny)."""
     words = "the river runs past old stone walls toward a quiet harbour where boats wait".split()
@@ -203,8 +215,10 @@ def test_a_shard_streams_through_the_engine_server_in_bounded_memory(registry, t
         # The server's peak over a few prompts of the shard's size: its working set for one piece.
         with PeakRSS({"server": server}) as warm:
             engine.capture([list(range(1 + k, 516 + k)) for k in range(4)], job.spec, sink=lambda position, value: None)
+        read_before, server_before = _io(os.getpid()), _io(server)
         with PeakRSS({"server": server, "run": os.getpid()}) as rss:
             run_job(job, storage, engine, "streamed")
+        read_after, server_after = _io(os.getpid()), _io(server)
     finally:
         engine.close()
         os.kill(server, 15)
@@ -219,3 +233,8 @@ def test_a_shard_streams_through_the_engine_server_in_bounded_memory(registry, t
     print(report)
     assert rss.peak["server"] - warm.peak["server"] < SERVER_OVER_WARM_PEAK, report
     assert rss.growth("run") < RUN_GROWTH_BOUND, report
+    # One host pass from engine to file: the server wrote the values into the run's file (its
+    # descriptor handed over), and the run read none of them, neither from the socket nor to
+    # hash the file (the kernel's count of bytes each process read and wrote).
+    assert server_after["wchar"] - server_before["wchar"] >= size - 1 * MiB, (server_before, server_after)
+    assert read_after["rchar"] - read_before["rchar"] < size / 20, (read_before, read_after)

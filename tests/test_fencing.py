@@ -297,7 +297,7 @@ def test_a_retry_whose_upload_landed_unanswered_keeps_its_own_file_and_statistic
     storage.publish_file(SHARD, str(tmp_path / "landed"))
     record, _ = write_shard(two_prompts, storage, tokenized, 0, captured)
     assert (record.bytes, record.sha256) == (size, sha256) and captured.staged.superseded
-    stored_record, stats = read_part(storage, 0)
+    stored_record, stats, _ = read_part(storage, 0)
     assert stored_record == record and stats.count == captured.stats.count and stats.mean.equal(captured.stats.mean)
 
 

@@ -8,11 +8,12 @@ import json
 import math
 import os
 import time
+import uuid
 
 
 from harvest.jobfiles import MANIFEST, PROGRESS
 from tests.proc_threads import thread_stats
-from tests.slow_engine import slow_load, slow_shards
+from tests.slow_engine import gate_file, gated_shards, slow_load, slow_shards
 
 
 def _progress(job) -> dict:
@@ -99,33 +100,49 @@ def test_cancel_before_start_never_runs(harvest_stack):
 def test_pool_limit_3_holds_the_fourth_job_back(harvest_stack):
     from prefect.client.orchestration import get_client
 
+    from harvest.settings import get_settings
+
+    # The runs' shards wait on a gate this test opens: three runs stay active, however slowly a
+    # loaded box submits and starts them, until the fourth is seen held back.
+    gate = uuid.uuid4().hex[:12]
     jobs = [
         # One key each: a key's own runs stop at the lane's key_run_limit (2) before the pool's.
-        # Six one-second shards: the three runs overlap for seconds even when a loaded box
-        # takes a second or two to start each (with three, the first could end first).
         harvest_stack.submit(
-            {"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(6)], "shard_size": 1},
-            env=slow_shards(1), key_id=f"pool-limit-{i}",
+            {"model": "llama-tiny", "prompts": [f"job {i} prompt {k}" for k in range(2)], "shard_size": 1},
+            env=gated_shards(gate), key_id=f"pool-limit-{i}",
         )
         for i in range(4)
     ]
     ids = [j.flow_run_id for j in jobs]
     most_active = 0
-    held_back = False
+    held_since = None
     deadline = time.monotonic() + 300
     with get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
+        def sample() -> tuple[int, int]:
             runs = [client.read_flow_run(i) for i in ids]
-            active = [r for r in runs if r.state.type.value in ("PENDING", "RUNNING")]
-            most_active = max(most_active, len(active))
-            waiting = [r for r in runs if r.state.type.value == "SCHEDULED"]
-            held_back |= len(active) == 3 and len(waiting) == 1
+            active = sum(r.state.type.value in ("PENDING", "RUNNING") for r in runs)
+            waiting = sum(r.state.type.value == "SCHEDULED" for r in runs)
+            return active, waiting
+
+        # Held back: three active and the fourth scheduled, for 3 s of samples on end.
+        while time.monotonic() < deadline:
+            active, waiting = sample()
+            most_active = max(most_active, active)
+            held = active == 3 and waiting == 1
+            held_since = (held_since or time.monotonic()) if held else None
+            if held_since is not None and time.monotonic() - held_since >= 3:
+                break
+            time.sleep(0.3)
+        assert held_since is not None, (most_active, active, waiting)
+        gate_file(get_settings().home, gate).touch()
+        while time.monotonic() < deadline:
+            most_active = max(most_active, sample()[0])
+            runs = [client.read_flow_run(i) for i in ids]
             if all(r.state.is_final() for r in runs):
                 break
             time.sleep(0.3)
-        runs = [client.read_flow_run(i) for i in ids]
     assert all(r.state.is_completed() for r in runs), [(r.state.name, r.state.message) for r in runs]
-    assert most_active == 3 and held_back
+    assert most_active == 3
     first_end = min(r.end_time for r in runs)
     last = max(runs, key=lambda r: r.start_time)
     assert last.start_time >= first_end  # the fourth started only once one of the three ended

@@ -20,7 +20,8 @@ from harvest.heap import TrimEvery
 from harvest.private_files import open_private_log
 from harvest.registry import ModelInfo
 from harvest.settings import Settings, get_settings
-from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send
+from harvest.shard_file import FileDigest, StagedShard
+from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send, send_fd
 
 __all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status", "engine_server_env"]
 
@@ -108,17 +109,7 @@ class RemoteEngine(Engine):
         self.name = self.load.engine
 
     def _call(self, *message):
-        assert self.conn is not None
-        try:
-            send(self.conn, message)
-            status, reply = receive(self.conn)
-        except (EOFError, OSError) as exc:
-            self.conn.close()
-            self.conn = None
-            raise EngineLost(f"the engine server of group {self.files.group} went away: {exc!r}") from exc
-        if status == "error":
-            raise_error(reply)
-        return reply
+        return self._call_with_fd(message, None)
 
     def _load(self) -> EngineLoad:
         self.conn = connect(self.files, self.settings)
@@ -142,6 +133,35 @@ class RemoteEngine(Engine):
         raise AssertionError("unreachable")
 
     def _capture(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None, sink: ValueSink | None) -> ShardCapture:
+        if isinstance(sink, StagedShard):
+            return self._capture_into(prompts, spec, batch_size, sink)
+        return self._capture_streamed(prompts, spec, batch_size, sink)
+
+    def _capture_into(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None, staged: StagedShard) -> ShardCapture:
+        """The server fills the staged file itself, handed over as its descriptor, and answers
+        its digest with the statistics: no value crosses the socket."""
+        capture = self._call_with_fd(("capture_into", prompts, list(spec.layers), spec.directions, batch_size, staged.first_index),
+                                     staged.fd)
+        staged.filled_elsewhere(FileDigest(**capture.extra.pop("file")))
+        return capture
+
+    def _call_with_fd(self, message: tuple, fd: int | None):
+        """One request (with a descriptor after it, if `fd`) and its answer."""
+        assert self.conn is not None
+        try:
+            send(self.conn, message)
+            if fd is not None:
+                send_fd(self.conn, fd)
+            status, reply = receive(self.conn)
+        except (EOFError, OSError) as exc:
+            self.conn.close()
+            self.conn = None
+            raise EngineLost(f"the engine server of group {self.files.group} went away: {exc!r}") from exc
+        if status == "error":
+            raise_error(reply)
+        return reply
+
+    def _capture_streamed(self, prompts: list[list[int]], spec: CaptureSpec, batch_size: int | None, sink: ValueSink | None) -> ShardCapture:
         assert self.conn is not None
         values: list = [None] * len(prompts)
         trim = TrimEvery(self.settings.engine_piece_bytes)  # the values' buffers, freed once written

@@ -7,10 +7,14 @@ signalled), `<group>.lock` (held by whoever starts the server, so two runs never
 `authkey` for the host, created owner-only: `multiprocessing.connection`'s handshake refuses
 any process that cannot read it. The log is `$HARVEST_HOME/logs/engine-<group>.log`.
 
-A capture's answer streams: each prompt's values come as a small `("value", position, shape,
-dtype)` message followed by the tensor's raw bytes (sent from the tensor's own memory, never
-pickled), as soon as the engine has them; then one `("ok", ShardCapture)` with the
-statistics and no values. So neither the server nor the run holds a whole shard.
+A shard's capture (`capture_into`) comes with the run's staged shard file itself: its
+descriptor follows the request over the socket (`send_fd`, SCM_RIGHTS). The server writes each
+prompt's values into it at their place and hashes them as it writes (`harvest.shard_file.
+ShardFill`), then answers one `("ok", ShardCapture)` with the statistics and the file's digest.
+So the values cross no socket: one host pass from the engine's buffer into the file (RESULTS,
+"Host passes"). A capture without a file (`capture`: an engine's caller that wants the values
+back) streams them: each prompt's values come as a small `("value", position, shape, dtype)`
+message followed by the tensor's raw bytes, then the `("ok", …)`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ if TYPE_CHECKING:  # only the values' two functions need torch: the API's assess
     import torch
 
 __all__ = [
-    "unix_socket_path", "GroupFiles", "group_name", "send", "receive", "send_value", "receive_value", "error_reply", "raise_error",
+    "unix_socket_path", "GroupFiles", "group_name", "send", "receive", "send_value", "receive_value", "send_fd", "receive_fd", "error_reply", "raise_error",
     "stop_engine_servers", "process_started", "start_child", "stop_child", "child_main",
 ]
 
@@ -149,11 +153,30 @@ def receive_value(conn, header: tuple) -> tuple[int, torch.Tensor]:
 
     _, position, shape, dtype_name = header
     value = torch.empty(shape, dtype=getattr(torch, dtype_name))
-    # Straight into the tensor's memory: one copy of the bytes, never two.
+    # CPython's Connection reads the message into a buffer of its own, then copies it here: two
+    # host passes. Shards never come this way (`capture_into` writes them into the run's file).
     received = conn.recv_bytes_into(value.view(torch.uint8).reshape(-1).numpy() if value.numel() else bytearray(1))
     if received != value.numel() * value.element_size():
         raise EOFError(f"a value of shape {shape} came with {received} bytes")
     return position, value
+
+
+def send_fd(conn: Connection, fd: int) -> None:
+    """Hand descriptor `fd` to the other end (SCM_RIGHTS, with one byte of data): it gets its
+    own descriptor of the same open file."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+        socket.send_fds(sock, [b"F"], [fd])
+
+
+def receive_fd(conn: Connection) -> int:
+    """The descriptor `send_fd` handed over, owned by the caller (close it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+        data, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if data != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("the shard file's descriptor did not come")
+    return fds[0]
 
 
 def error_reply(exc: BaseException) -> tuple[str, bytes]:

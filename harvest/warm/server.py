@@ -2,9 +2,10 @@
 
 It listens on the group's Unix socket (`harvest.warm.protocol`) and serves each client (a
 job's run) in a thread of its own. A client first asks for a model (`load`: which engine and
-why, whether it was warm, the load time), then for shards (`capture`), one at a time, each
-answered as a stream of its prompts' values as the engine makes them, then its statistics
-(`harvest.warm.protocol`). The engines are an `EngineCache` of `CobatchedEngine`s: the shards of
+why, whether it was warm, the load time), then for shards, one at a time: `capture_into`, with
+the run's staged shard file, which the server fills and hashes as the engine makes the values
+(`_FileSink`), then answers the statistics and the file's digest; or `capture`, answered as a
+stream of the prompts' values (`harvest.warm.protocol`). The engines are an `EngineCache` of `CobatchedEngine`s: the shards of
 jobs on one engine that wait together can be co-batched, in shared forward passes
 (`harvest.warm.cobatch`).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import asdict
 import signal
 import sys
 import threading
@@ -31,7 +33,8 @@ from harvest.registry import load_registry
 from harvest.settings import get_settings
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
 from harvest.warm.cache import EngineCache, Loaded
-from harvest.warm.protocol import GroupFiles, error_reply, receive, send, send_value
+from harvest.shard_file import ShardFill, token_bytes
+from harvest.warm.protocol import GroupFiles, error_reply, receive, receive_fd, send, send_value
 
 __all__ = ["EngineServer", "main"]
 
@@ -55,6 +58,21 @@ class _Stream:
         except (OSError, EOFError, ValueError):  # ValueError: the connection is already closed
             self.lost = True
             return
+        self.trim.passed(value.numel() * value.element_size())
+
+
+class _FileSink:
+    """A capture's sink in the server: each prompt's values into the run's staged shard file,
+    handed over as a descriptor (`harvest.shard_file.ShardFill`), hashed as they are written.
+    A run that went away leaves a file nobody reads; its shard's engine call, shared with
+    others, goes on all the same."""
+
+    def __init__(self, fill: ShardFill, trim_every: int):
+        self.fill = fill
+        self.trim = TrimEvery(trim_every)
+
+    def __call__(self, position: int, value) -> None:
+        self.fill.put(position, value)
         self.trim.passed(value.numel() * value.element_size())
 
 
@@ -108,6 +126,22 @@ class EngineServer:
                             "versions": held.engine.engine.versions(),
                             "group": self.files.group,
                         }
+                    elif op == "capture_into":
+                        fd = receive_fd(conn)  # the run's staged shard file, right behind the request
+                        try:
+                            if held is None:
+                                raise RuntimeError("capture before load")
+                            prompts, layers, directions, batch_size, first_index = args
+                            spec = CaptureSpec(layers=list(layers), directions=directions)
+                            model = held.engine.engine.model
+                            fill = ShardFill(fd, range(first_index, first_index + len(prompts)), [len(p) for p in prompts],
+                                             len(layers), spec.n_features(model.hidden_size), spec.stored_dtype,
+                                             {f"tokens_{first_index + i}": token_bytes(p) for i, p in enumerate(prompts)})
+                            reply = held.engine.capture(prompts, spec, batch_size, gone=lambda: conn.poll(0), peers=held.users,
+                                                        sink=_FileSink(fill, self.trim_every))
+                            reply.extra["file"] = asdict(fill.finish())
+                        finally:
+                            os.close(fd)
                     elif op == "capture":
                         if held is None:
                             raise RuntimeError("capture before load")
@@ -135,7 +169,7 @@ class EngineServer:
                 except (OSError, EOFError):
                     return  # cancelled while its shard ran: the answer has nobody to go to
                 finally:
-                    if op == "capture":
+                    if op in ("capture", "capture_into"):
                         give_back_free_memory()  # the shard's buffers, freed but kept by malloc (harvest.heap)
         finally:
             if held is not None:
