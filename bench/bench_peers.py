@@ -15,8 +15,10 @@ Arms, each a process of its own, started in turn, `--rounds` times (the median i
 - `harvest run, all layers` against `bare` (every block runs either way);
 - `harvest run, vLLM`: the same with `HARVEST_ENGINE=vllm`, for what `auto` should pick;
 - `make run`: `harvest up` as `make run` starts it (a temporary `HARVEST_HOME`, nothing else
-  changed), then `harvest_client.Client().harvest(...)` of the corpus, submit to files
-  downloaded and verified, after one other job warmed the engine server; each round one job.
+  changed), then `harvest_client.Client().harvest(...)` of the corpus, after one other job
+  warmed the engine server; each round one job. Its corpus time is the job's, from its run's
+  start to its manifest (`started_at` to the manifest's `created_at`); its whole time is the
+  client's, submit to files downloaded and verified.
 
 Also, in one process (`steady`): the HF and the vLLM engine loaded once each, as a warm engine
 server holds them, the corpus captured in 32-prompt shards, rounds alternating: what a warm
@@ -138,31 +140,46 @@ def shard_values(folder: Path, layers: list[int]) -> dict[tuple[int, int], objec
     return values
 
 
-def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int) -> list[dict]:
-    """Each round: the corpus through `make run`'s stack, submit to verified files, on an
-    engine server another job has already warmed."""
+def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int, arms: list[str]) -> dict[str, list[dict]]:
+    """Each round, each arm (`make run`: `layers`; `make run, all layers`): the corpus through
+    `make run`'s stack, submit to verified files, on an engine server another job has already
+    warmed."""
     from harvest_client import Client
 
     home = Path(tempfile.mkdtemp(prefix="bench-peers-up-"))
-    results = []
+    results: dict[str, list[dict]] = {}
     try:
         with harvest_up(home) as (base, key):
             client = Client(api_base=base, api_key=key)
             model = os.environ.get("BENCH_MODEL", MODEL)
             client.harvest(model, texts[::-1][:16], out=str(work / "make_run_warmup"), layers=layers, progress=False)
             for r in range(rounds):
-                out = work / f"make_run_{r}"
-                shutil.rmtree(out, ignore_errors=True)
-                # A corpus the stack has not seen (else the client's idempotency finds the
-                # first job): the same paragraphs, the round's number in front of the first.
-                corpus = [f"{r}. {texts[0]}"] + texts[1:]
-                started = time.perf_counter()
-                summary = client.harvest(model, corpus, out=str(out), layers=layers, progress=False)
-                results.append({"arm": "make run", "whole_s": time.perf_counter() - started, "corpus_s": time.perf_counter() - started,
-                                "tokens": summary.tokens, "out": str(out)})
+                for arm in arms:
+                    out = work / f"{arm.replace(' ', '_').replace(',', '')}_{r}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    # A corpus the stack has not seen (else the client's idempotency finds the
+                    # first job): the same paragraphs, the round's number in front of the first.
+                    corpus = [f"{r}. {texts[0]}"] + texts[1:]
+                    started = time.perf_counter()
+                    summary = client.harvest(model, corpus, out=str(out), layers="all" if "all" in arm else layers, progress=False)
+                    whole = time.perf_counter() - started
+                    (job_id,) = summary.job_ids
+                    results.setdefault(arm, []).append({
+                        "arm": arm, "whole_s": whole, "corpus_s": _run_to_manifest_s(client.wait(job_id), out),
+                        "tokens": summary.tokens, "out": str(out)})
     finally:
         shutil.rmtree(home, ignore_errors=True)
     return results
+
+
+def _run_to_manifest_s(harvest: dict, out: Path) -> float:
+    """A job's corpus time as `harvest run`'s is: from its run's start (the job's `started_at`,
+    its Prefect run's Running) to its manifest's `created_at`, both this machine's clock."""
+    from datetime import datetime
+
+    (manifest,) = out.rglob("manifest.json")
+    written = datetime.fromisoformat(json.loads(manifest.read_text())["created_at"])
+    return (written - datetime.fromisoformat(harvest["started_at"])).total_seconds()
 
 
 def _shards(engine, ids: list[list[int]], spec) -> None:
@@ -262,8 +279,9 @@ def main() -> None:
                 continue
             runs.setdefault(name, []).append(harvest_run(work, name, layer_arg, env))
             print(f"  {name}: {runs[name][-1]['corpus_s']:.2f} s", flush=True)
-    if "make_run" not in skip:
-        runs["make run"] = make_run_jobs(work, texts, layers, args.rounds)
+    make_arms = [] if "make_run" in skip else ["make run"] + ([] if "all" in skip else ["make run, all layers"])
+    if make_arms:
+        runs.update(make_run_jobs(work, texts, layers, args.rounds, make_arms))
     results = {name: _median_arm(r) for name, r in runs.items()}
     if "steady" not in skip:
         done = subprocess.run([str(PROJECT_PY), __file__, "--steady-only", "--work", str(work), "--layers", args.layers,
@@ -276,7 +294,7 @@ def main() -> None:
     reference = load_values(work / "handwritten") if "handwritten" in results else None
     checks = {}
     for name, result in results.items():
-        if reference is None or name in ("bare", "handwritten", "steady", "harvest run, all layers"):
+        if reference is None or name in ("bare", "handwritten", "steady", "harvest run, all layers", "make run, all layers"):
             continue
         got = load_values(result["out"]) if name in PEER_ARMS else shard_values(Path(result["out"]), layers)
         if name == "make run":
@@ -293,12 +311,15 @@ def main() -> None:
         if name == "steady":
             continue
         vs_bare = bare["corpus_s"] / r["corpus_s"] if bare else float("nan")
-        blocks_run = n_blocks if name in ("bare", "harvest run, all layers") else deepest
+        blocks_run = n_blocks if name in ("bare", "harvest run, all layers", "make run, all layers") else deepest
         vs_free = vs_bare / (n_blocks / blocks_run)
         check = checks.get(name)
         values = "" if check is None else f"{'equal' if check['ok'] else 'DIFFER'} (cos ≥ {check['min_cosine']:.5f}, rel RMS ≤ {check['max_rel_rms']:.1e})"
         print(f"| {name} | {r['corpus_s']:.2f} ({', '.join(map(str, r['runs']))}) | {vs_bare:.2f} | {vs_free:.2f} | "
               f"{r['whole_s']:.2f} ({', '.join(map(str, r['whole_runs']))}) | {r.get('padded_tokens', '')} | {values} |")
+    for shipped, alone in (("make run", "harvest run"), ("make run, all layers", "harvest run, all layers")):
+        if shipped in results and alone in results:
+            print(f"\n{alone} ÷ {shipped}, corpus time: {results[alone]['corpus_s'] / results[shipped]['corpus_s']:.3f}")
     if "steady" in results:
         s = results["steady"]
         print(f"\nsteady state, engines loaded once (32-prompt shards): HF {s['hf']['corpus_s']:.2f} s "

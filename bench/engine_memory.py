@@ -5,8 +5,10 @@
 Starts a real engine server (`python -m harvest.warm.server`, HF engine) in a scratch
 HARVEST_HOME, harvests every layer of `--prompts` prompts as ONE shard into local storage
 through it (this process is the run), and samples both processes' RSS with psutil every few
-milliseconds. Prints the shard's size and each process's growth over its baseline and peak;
-checks the manifest's sha256 against a fresh hash of the file. The CI-sized version is
+milliseconds. Prints the shard's size and each process's growth over its baseline and peak,
+and what each process read and wrote (the kernel's `rchar`/`wchar`: sockets and the page cache
+included) and its CPU seconds over the job: where the values' host passes go; checks the
+manifest's sha256 against a fresh hash of the file. The CI-sized version is
 tests/test_engine_memory.py; results in bench/RESULTS.md ("Engine memory").
 """
 
@@ -71,9 +73,11 @@ def main() -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     storage = Storage(f"file://{home}/job")
+    io_before = {name: _io_and_cpu(p) for name, p in procs.items()}
     started = time.perf_counter()
     try:
         run_job(job, storage, engine, "engine-memory")
+        io_after = {name: _io_and_cpu(p) for name, p in procs.items()}
     finally:
         stop.set()
         sampler.join()
@@ -89,8 +93,16 @@ def main() -> None:
     print(f"shard {record['bytes'] / 1e9:.2f} GB ({sum(record['token_counts'])} tokens), piece {args.piece_mib} MiB, "
           f"batch tokens {args.batch_tokens}, {wall:.0f} s; sha256 checked")
     for name in procs:
-        print(f"  {name}: +{(peak[name] - base[name]) / MiB:.0f} MiB over its baseline, peak {peak[name] / MiB:.0f} MiB")
+        moved = {k: io_after[name][k] - io_before[name][k] for k in io_before[name]}
+        print(f"  {name}: +{(peak[name] - base[name]) / MiB:.0f} MiB over its baseline, peak {peak[name] / MiB:.0f} MiB; "
+              f"read {moved['rchar'] / MiB:.0f} MiB, wrote {moved['wchar'] / MiB:.0f} MiB, CPU {moved['cpu_s']:.1f} s")
     storage.delete_all()
+
+
+def _io_and_cpu(process) -> dict[str, float]:
+    io = process.io_counters()
+    cpu = process.cpu_times()
+    return {"rchar": io.read_chars, "wchar": io.write_chars, "cpu_s": cpu.user + cpu.system}
 
 
 if __name__ == "__main__":
