@@ -1,10 +1,11 @@
 """The service against the tools a researcher would pick instead, side by side on real text.
 
-Corpus: the paragraphs of the GNU GPL version 3 (`/usr/share/common-licenses/GPL-3`, from
-Debian's base-files; the same text as gnu.org), 122 paragraphs, 6,919 tokens of
-`smollm2-135m`, 3 to 193 each (median 47): real prose with the spread of lengths real prose
-has (a heading, a sentence, a long clause). Quartile layers 7, 15, 22 unless `--layers` says otherwise; bf16 values
-written to safetensors on local disk by every arm that captures.
+Corpus (`--corpus`, `bench/corpora.py`): `short` (the default), the GPL-3's 122 paragraphs,
+6,919 tokens of `smollm2-135m`, 3 to 193 each (median 47): real prose with the spread of
+lengths real prose has (a heading, a sentence, a long clause); `medium`, 96 longer paragraphs
+of the GNU licenses cut at 1,500 characters; `long_tail`, 96 chunks of 8 to 2,000 tokens,
+log-uniform. Quartile layers 7, 15, 22 unless `--layers` says otherwise; bf16 values written to
+safetensors on local disk by every arm that captures.
 
 Arms, each a process of its own, started in turn, `--rounds` times (the median is reported):
 - `bare`, `handwritten`, `nnsight`, `transformer_lens`, `saelens`: `bench/peer_arms.py` (its
@@ -14,6 +15,8 @@ Arms, each a process of its own, started in turn, `--rounds` times (the median i
   (`--prompts corpus.jsonl`; it tokenizes, loads, harvests, writes the manifest);
 - `harvest run, all layers` against `bare` (every block runs either way);
 - `harvest run, vLLM`: the same with `HARVEST_ENGINE=vllm`, for what `auto` should pick;
+- `harvest run, rows N` (`--fixed-rows N,...`): the same with `HARVEST_ENGINE_ROW_TOKENS=N`,
+  rows of one fixed length instead of planned for the corpus;
 - `make run`: `harvest up` as `make run` starts it (a temporary `HARVEST_HOME`, nothing else
   changed), then `harvest_client.Client().harvest(...)` of the corpus, after one other job
   warmed the engine server; each round one job. Its corpus time is the job's, from its run's
@@ -61,31 +64,30 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import BENCH_MODELS, use  # noqa: E402
+from corpora import CORPORA, corpus  # noqa: E402
 from peer_arms import compare, load_values  # noqa: E402
 from stack import harvest_up  # noqa: E402
 
-__all__ = ["corpus_texts", "main"]
+__all__ = ["main"]
 
 MODEL = "smollm2-135m"
-CORPUS = Path("/usr/share/common-licenses/GPL-3")
 PEER_ARMS = ["bare", "handwritten", "nnsight", "transformer_lens", "saelens"]
 PROJECT_PY = REPO / ".venv" / "bin" / "python"
 PEERS_PY = REPO / ".venv-peers" / "bin" / "python"
 
 
-def corpus_texts() -> list[str]:
-    """The paragraphs of the GPL-3, whitespace inside each folded to single spaces."""
-    paragraphs = re.split(r"\n\s*\n", CORPUS.read_text())
-    return [" ".join(p.split()) for p in paragraphs if p.strip()]
+def _tokenizer():
+    from harvest.registry import load_registry
+    from harvest.tokenize import load_tokenizer
+
+    return load_tokenizer(load_registry().get(MODEL).require_path())
 
 
 def _tokenized(texts: list[str]) -> list[list[int]]:
     from harvest.registry import load_registry
-    from harvest.tokenize import load_tokenizer, tokenize_prompts
+    from harvest.tokenize import tokenize_prompts
 
-    model = load_registry().get(MODEL)
-    tokenizer = load_tokenizer(model.require_path())
-    return [t.ids for t in tokenize_prompts(tokenizer, texts, add_special_tokens=True, max_len=model.max_model_len)]
+    return [t.ids for t in tokenize_prompts(_tokenizer(), texts, add_special_tokens=True, max_len=load_registry().get(MODEL).max_model_len)]
 
 
 def _model_dir() -> Path:
@@ -158,7 +160,7 @@ def make_run_jobs(work: Path, texts: list[str], layers: list[int], rounds: int, 
                     out = work / f"{arm.replace(' ', '_').replace(',', '')}_{r}"
                     shutil.rmtree(out, ignore_errors=True)
                     # A corpus the stack has not seen (else the client's idempotency finds the
-                    # first job): the same paragraphs, the round's number in front of the first.
+                    # first job): the same texts, the round's number in front of the first.
                     corpus = [f"{r}. {texts[0]}"] + texts[1:]
                     started = time.perf_counter()
                     summary = client.harvest(model, corpus, out=str(out), layers="all" if "all" in arm else layers, progress=False)
@@ -236,9 +238,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", default="7,15,22")
+    parser.add_argument("--corpus", default="short", choices=CORPORA, help="bench/corpora.py")
     parser.add_argument("--skip", default="", help="comma-separated arms to leave out")
     parser.add_argument("--json", help="write every figure here too")
     parser.add_argument("--rows", default="", help="row sizes for the HF engine's rows sweep (steady process)")
+    parser.add_argument("--fixed-rows", default="", help="arms `harvest run, rows N`: rows fixed at N, not planned")
     parser.add_argument("--model", default=MODEL, help=f"{MODEL} (default) or a bench model: {', '.join(BENCH_MODELS)}")
     parser.add_argument("--steady-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -254,7 +258,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     if not PEERS_PY.exists() and set(PEER_ARMS[2:]) - skip:
         subprocess.run(["bash", str(REPO / "bench" / "peers_venv.sh")], check=True)  # the peers' own venv, once
-    texts = corpus_texts()
+    texts = corpus(args.corpus, _tokenizer())
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     ids = _tokenized(texts)
     (work / "ids.json").write_text(json.dumps({"prompts": ids}))
@@ -263,7 +267,7 @@ def main() -> None:
             f.write(json.dumps({"text": text}) + "\n")
     n_blocks = json.loads((_model_dir() / "config.json").read_text())["num_hidden_layers"]
     lengths = sorted(map(len, ids))
-    print(f"model: {os.environ.get('BENCH_MODEL', MODEL)}; corpus: {len(ids)} paragraphs of {CORPUS}, {sum(lengths)} tokens, {lengths[0]}-{lengths[-1]} each "
+    print(f"model: {os.environ.get('BENCH_MODEL', MODEL)}; corpus {args.corpus}: {len(ids)} texts, {sum(lengths)} tokens, {lengths[0]}-{lengths[-1]} each "
           f"(median {lengths[len(lengths) // 2]}); layers {layers}; {args.rounds} round(s); work {work}", flush=True)
 
     runs: dict[str, list[dict]] = {}
@@ -273,8 +277,9 @@ def main() -> None:
             python = PROJECT_PY if arm in ("bare", "handwritten") else PEERS_PY
             runs.setdefault(arm, []).append(peer_arm(arm, work, layers, python))
             print(f"  {arm}: {runs[arm][-1]['corpus_s']:.2f} s", flush=True)
+        fixed = [(f"harvest run, rows {r}", args.layers, {"HARVEST_ENGINE_ROW_TOKENS": r}) for r in filter(None, args.fixed_rows.split(","))]
         for name, layer_arg, env in [("harvest run", args.layers, None), ("harvest run, all layers", "all", None),
-                                     ("harvest run, vLLM", args.layers, {"HARVEST_ENGINE": "vllm"})]:
+                                     ("harvest run, vLLM", args.layers, {"HARVEST_ENGINE": "vllm"}), *fixed]:
             if name in skip or ("vLLM" in name and "vllm" in skip) or ("all" in name and "all" in skip):
                 continue
             runs.setdefault(name, []).append(harvest_run(work, name, layer_arg, env))

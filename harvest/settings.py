@@ -134,12 +134,11 @@ class Settings(BaseSettings):
     it bounds the memory a forward pass and its captured values take in the process running
     the engine."""
 
-    engine_row_tokens: int = Field(default=128, ge=1)
+    engine_row_tokens: int | None = Field(default=None, ge=1)
     """Tokens in one packed row of the HF engine: whole prompts back to back, each attending
-    to itself only (`harvest.engines.packing`); a longer prompt is a row of its own. A row's
-    attention spans the whole row, so longer rows spend more on attention that the mask
-    discards: on the CPU rows of 128 and 192 ran a real-text corpus fastest, 256 2 % and 512
-    5-8 % slower, 64 12 % slower (too many small passes; bench/RESULTS.md, "Peers")."""
+    to itself only (`harvest.engines.packing`); a longer prompt is a row of its own. Unset (the
+    default), each capture plans its rows for its prompts' lengths, its model and its device
+    (`packing.plan_for`); a number fixes them (benches sweep it)."""
 
     engine_piece_bytes: int = Field(default=256 << 20, ge=1 << 20)
     """Most bytes of captured values (as stored: tokens × layers kept × hidden or directions ×

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load as load_tensors
 
 from harvest.capture_spec import CaptureSpec
-from harvest.engines.packing import PAD_BUDGET, packed_inputs, plan_passes
+from harvest.engines.packing import DEVICE_RATES, PAD_BUDGET, ROW_CANDIDATES, PassCost, packed_inputs, plan_for, plan_passes
 from harvest.jobfiles import MANIFEST
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
@@ -65,6 +65,62 @@ def test_one_row_a_pass_runs_no_filler_at_all():
     assert sum(p.padded_tokens for p in passes) == 0
     # and the rows are packed: the prompts shorter than a row share rows
     assert len(passes) < len(lengths) / 2
+
+
+def _corpus_lengths(kind: str, seed: int = 46) -> list[int]:
+    """Lengths shaped like the benches' corpora: `short` prose paragraphs (3-193 tokens, most
+    under 64), `medium` paragraphs (40-330), a `long_tail` (8-2,000, log-uniform)."""
+    rng = random.Random(seed)
+    if kind == "short":
+        return [max(3, min(193, round(rng.lognormvariate(3.8, 0.8)))) for _ in range(122)]
+    if kind == "medium":
+        return [rng.randrange(40, 331) for _ in range(96)]
+    return [round(2 ** rng.uniform(3, 11)) for _ in range(96)]
+
+
+# smollm2-135m's shapes, by hand from its config: per block q and o (576 x 576), k and v
+# (576 x 192), the MLP's three 576 x 1536; quartile layers run 23 of its 30 blocks.
+SMOLLM2_BLOCK_PARAMS = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+SMOLLM2_HIDDEN, BLOCKS_RUN = 576, 23
+
+
+@pytest.mark.parametrize("kind", ["short", "medium", "long_tail"])
+def test_rows_are_planned_for_the_lengths_at_hand(kind):
+    """Of the row lengths, the one whose passes cost least: each candidate's passes priced here
+    in float64 from the shapes (2 FLOPs a parameter a token, 4 x hidden a query-key pair of a
+    row, per block run) at the CPU's rate plus its cost a pass, the cheapest against the
+    planner's choice; and shards of another kind of text get other rows."""
+    lengths = _corpus_lengths(kind)[:32]  # one shard, as `shard_size` cuts them by default
+    flops_per_s, pass_s = DEVICE_RATES["cpu"]
+    cost = PassCost.of_model(SMOLLM2_BLOCK_PARAMS, SMOLLM2_HIDDEN, BLOCKS_RUN, "cpu")
+
+    def priced(row_tokens: int) -> float:
+        total = np.float64(0)
+        for p in plan_passes(lengths, row_tokens=row_tokens, batch_tokens=16384):
+            tokens = np.float64(len(p.rows) * p.width)
+            flops = tokens * 2 * SMOLLM2_BLOCK_PARAMS * BLOCKS_RUN + tokens * p.width * 4 * SMOLLM2_HIDDEN * BLOCKS_RUN
+            total += flops / flops_per_s + pass_s
+        return float(total)
+
+    cheapest = min(ROW_CANDIDATES, key=lambda r: (priced(r), r))
+    chosen = plan_for(lengths, cost, batch_tokens=16384)
+    assert chosen == plan_passes(lengths, row_tokens=cheapest, batch_tokens=16384)
+    assert sorted(i for p in chosen for i in p.prompts) == list(range(len(lengths)))
+    # A fixed row length is kept as given.
+    assert plan_for(lengths, cost, batch_tokens=16384, row_tokens=128) == plan_passes(lengths, row_tokens=128, batch_tokens=16384)
+
+
+def test_short_and_long_prompts_get_rows_of_their_own_size():
+    """Not one constant: short prose packs into rows longer than its prompts; prompts of a few
+    hundred tokens get rows that hold several of them, not one each."""
+    cost = PassCost.of_model(SMOLLM2_BLOCK_PARAMS, SMOLLM2_HIDDEN, BLOCKS_RUN, "cpu")
+
+    def widest(lengths: list[int]) -> int:
+        return max(p.width for p in plan_for(lengths, cost, batch_tokens=16384))
+
+    short, medium = _corpus_lengths("short")[:32], _corpus_lengths("medium")[:32]
+    assert widest(short) < widest(medium)
+    assert len(plan_for(medium, cost, batch_tokens=16384)) < len(plan_passes(medium, row_tokens=128, batch_tokens=16384))
 
 
 def test_packed_inputs_place_each_prompt_with_positions_from_zero():

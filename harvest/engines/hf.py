@@ -26,7 +26,7 @@ from harvest.capture import Landing, PromptReducer, ShardCapture, StopForward, b
 from harvest.capture_spec import CaptureSpec
 from harvest.engines.base import Engine, ValueSink, tokens_per_piece
 from harvest.engines.hf_model import decoder, decoder_blocks, packed_attention_mask
-from harvest.engines.packing import Pass, packed_inputs, plan_passes
+from harvest.engines.packing import Pass, PassCost, packed_inputs, plan_for
 from harvest.errors import ModelUnavailable
 from harvest.registry import ModelInfo
 from harvest.settings import get_settings
@@ -63,14 +63,19 @@ class HFEngine(Engine):
         self.device = next(self.hf_model.parameters()).device
         self.blocks = decoder_blocks(self.hf_model, model.name)
         self.decoder = decoder(self.hf_model)
+        # The mean over blocks: some families alternate dense and mixture-of-experts blocks.
+        self.params_per_block = sum(p.numel() for p in self.blocks.parameters()) // len(self.blocks)
 
-    def passes(self, lengths: list[int], batch_size: int | None = None, max_tokens: int | None = None) -> list[Pass]:
+    def passes(self, lengths: list[int], batch_size: int | None = None, max_tokens: int | None = None,
+               blocks_run: int | None = None) -> list[Pass]:
         """The packed forward passes for prompts of these lengths (`harvest.engines.packing`):
-        at most `batch_size` prompts and `max_tokens` (default `HARVEST_ENGINE_BATCH_TOKENS`)
-        tokens a pass."""
+        rows planned for them, for this model on this device and the `blocks_run` a pass runs
+        (default all), at most `batch_size` prompts and `max_tokens` (default
+        `HARVEST_ENGINE_BATCH_TOKENS`) tokens a pass."""
         settings = get_settings()
-        return plan_passes(lengths, row_tokens=settings.engine_row_tokens, batch_tokens=max_tokens or settings.engine_batch_tokens,
-                           max_prompts=batch_size)
+        cost = PassCost.of_model(self.params_per_block, self.model.hidden_size, blocks_run or len(self.blocks), self.device.type)
+        return plan_for(lengths, cost, batch_tokens=max_tokens or settings.engine_batch_tokens, max_prompts=batch_size,
+                        row_tokens=settings.engine_row_tokens)
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
                 sink: ValueSink | None = None) -> ShardCapture:
@@ -105,7 +110,7 @@ class HFEngine(Engine):
         lag = 1 if self.device.type == "cuda" else 0
         pending: deque[tuple[list[tuple[int, torch.Tensor]], Landing]] = deque()
         padded = 0
-        for plan in self.passes(lengths, batch_size, max_tokens):
+        for plan in self.passes(lengths, batch_size, max_tokens, blocks_run=max(spec.layers) + 1):
             input_ids, positions, places = packed_inputs(prompts, plan)
             padded += plan.padded_tokens
             with block_hooks(self.blocks, spec.layers) as captured:

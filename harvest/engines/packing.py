@@ -12,8 +12,12 @@ values equal those of its own single-prompt forward pass (checked in tests/test_
 
 - Rows are filled best-fit, longest prompt first, up to `row_tokens`; a prompt longer than
   that is a row of its own. A row's attention is computed over the whole row (the mask only
-  hides the other prompts), which is why rows stay short (`HARVEST_ENGINE_ROW_TOKENS`, 128):
-  then that part is small beside the blocks' matrix products.
+  hides the other prompts), so a longer row spends more on attention that the mask discards;
+  a shorter one leaves more prompts in rows of their own, of ragged widths, in more and
+  smaller passes, each with its fixed cost. So the row length is planned for the prompts at
+  hand (`plan_for`): of `ROW_CANDIDATES`, the one whose passes cost least by `PassCost`, the
+  model's FLOPs at the device's rate plus a fixed cost per pass (fitted on the CPU:
+  bench/RESULTS.md, "Rows planned per corpus"). `HARVEST_ENGINE_ROW_TOKENS` fixes it instead.
 - A forward pass takes rows of the same width, by construction or within `PAD_BUDGET`: the
   rows are sorted by length and a row joins a pass only while the pass's filler (the tail of
   each row shorter than the longest) stays within the budget. A pass of one row has no filler
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PAD_BUDGET", "Pass", "plan_passes", "packed_inputs", "segments"]
+__all__ = ["PAD_BUDGET", "ROW_CANDIDATES", "DEVICE_RATES", "Pass", "PassCost", "plan_passes", "plan_for", "packed_inputs", "segments"]
 
 PAD_BUDGET = 1 / 64
 """The most filler a forward pass of several rows may hold, as a share of its tokens."""
@@ -107,6 +111,58 @@ def plan_passes(lengths: list[int], *, row_tokens: int, batch_tokens: int, max_p
         n_prompts += len(rows[r])
     close()
     return passes
+
+
+ROW_CANDIDATES = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+"""Row lengths `plan_for` weighs."""
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """What one forward pass of packed rows costs, in seconds, on one model and device: its
+    FLOPs at the device's rate, plus a fixed cost per pass (launching, masks, hooks)."""
+
+    token_flops: float
+    """Per token: the matrix products of the blocks run (2 × their parameters)."""
+    pair_flops: float
+    """Per query-key pair of a row, masked or not: scores and their weighted sum, 4 × hidden
+    per block run."""
+    flops_per_s: float
+    pass_s: float
+
+    @classmethod
+    def of_model(cls, params_per_block: int, hidden: int, blocks_run: int, device: str) -> "PassCost":
+        flops_per_s, pass_s = DEVICE_RATES.get(device, DEVICE_RATES["cpu"])
+        return cls(2.0 * params_per_block * blocks_run, 4.0 * hidden * blocks_run, flops_per_s, pass_s)
+
+    def seconds(self, plan: Pass) -> float:
+        tokens = len(plan.rows) * plan.width
+        return (tokens * self.token_flops + tokens * plan.width * self.pair_flops) / self.flops_per_s + self.pass_s
+
+
+DEVICE_RATES: dict[str, tuple[float, float]] = {
+    # Fitted by least squares to the HF engine's times on three corpora at five row lengths
+    # (smollm2-135m, 2-core dev box): 1.05 ms a token, 69 ms a pass, and attention's share
+    # within 15 % of the FLOPs' (bench/RESULTS.md, "Rows planned per corpus").
+    "cpu": (155e9, 0.069),
+    # Not measured yet (no GPU lent; issue 46 item 6): a bf16 H100's sustained rate and a
+    # few milliseconds of kernel launches a pass.
+    "cuda": (400e12, 0.004),
+}
+"""Per device type: sustained FLOPs a second, seconds of fixed cost per pass."""
+
+
+def plan_for(lengths: list[int], cost: PassCost, *, batch_tokens: int, max_prompts: int | None = None,
+             row_tokens: int | None = None) -> list[Pass]:
+    """The passes for prompts of these lengths at the row length, of `ROW_CANDIDATES` (or
+    `row_tokens` alone, when fixed), whose passes `cost` least; the shortest of equals."""
+    best: tuple[float, list[Pass]] | None = None
+    for candidate in (row_tokens,) if row_tokens else ROW_CANDIDATES:
+        passes = plan_passes(lengths, row_tokens=candidate, batch_tokens=batch_tokens, max_prompts=max_prompts)
+        seconds = sum(cost.seconds(p) for p in passes)
+        if best is None or seconds < best[0]:
+            best = (seconds, passes)
+    return best[1] if best else []
 
 
 def packed_inputs(prompts: list[list[int]], plan: Pass) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
