@@ -17,7 +17,10 @@ embedded SQLite server it collides with the run's own state and event writes oft
 Prefect's client sleeps through a 503 retry (0.45-1.88 s in 7 of 11 warm 2-prompt jobs through
 `make run`; bench/RESULTS.md, "Through make run as shipped", 2026-12-07). A count that the
 run's end makes known anyway (its last shard) is not reported: the Completed run's result
-carries it; a count mid-job is waited for, so each is shown in turn.
+carries it. Counts mid-job are written in turn, each on the run for at least `COUNT_SHOWN_S`
+before the next replaces it, so a reader following the job sees each one; the shard loop never
+waits for them (it once did, and a 4-shard job through `make run` spent seconds of its
+corpus time waiting for label writes; bench/RESULTS.md, "make run against harvest run").
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
+from collections import deque
 from contextlib import AbstractContextManager
 from typing import Callable
 from uuid import UUID
@@ -43,17 +47,20 @@ from harvest.lanes import deployment_name
 
 __all__ = ["ProgressWriter", "RunProgress", "summary_artifact"]
 
-REPORT_WAIT_S = 10.0
-"""The longest a shard count mid-job waits for its label to be written (`RunProgress.report`)."""
+COUNT_SHOWN_S = 1.0
+"""The least time a shard count mid-job stays on the run before the next is written: the API's
+watcher reads it within moments of its event, and a client polling the job sees it."""
 
 
 class ProgressWriter:
     """A flow run's labels and progress artifact, written on a thread of its own, in order, the
-    newest value of each winning over one not yet written; after labels that carry a shard
-    count, the progress event naming the run (the label first, so the watcher's read on the
-    event finds it).
+    newest value of each winning over one not yet written. Shard counts are not folded: each
+    is written in turn as the `SHARDS_DONE_LABEL` label, at least `COUNT_SHOWN_S` after the one
+    before, then the progress event naming the run (the label first, so the watcher's read on
+    the event finds it).
 
-    `close(after=…)`: nothing more is taken; what is pending (the bar at 100 %) is written once
+    `close(after=…)`: nothing more is taken, and counts not yet written are dropped (the run's
+    end carries the job's count); what else is pending (the bar at 100 %) is written once
     `after()` is true (the run's state is final) or `DRAIN_WAIT_S` passed, and the thread ends.
     It is not a daemon, so the run's process ends after it: the last writes never delay the
     run's Completed state (on SQLite they collided with it and cost it 0.7 s, median of 10)."""
@@ -68,7 +75,8 @@ class ProgressWriter:
         self.artifact_key = artifact_key
         self._client = client
         self._pending: dict[str, str] = {}
-        self._count: int | None = None  # a shard count to announce after the labels carrying it
+        self._counts: deque[int] = deque()  # shard counts to write, oldest first
+        self._count_written_at = float("-inf")
         self._progress: tuple[float, str] | None = None  # the artifact's percent and text
         self._artifact: UUID | None = None
         self._busy = False
@@ -83,14 +91,14 @@ class ProgressWriter:
     def put(self, labels: dict[str, str] | None = None, count: int | None = None, progress: tuple[float, str] | None = None) -> None:
         with self._changed:
             self._pending.update(labels or {})
-            if count is not None:
-                self._count = count
+            if count is not None and not self._closed:
+                self._counts.append(count)
             if progress is not None:
                 self._progress = progress
             self._changed.notify()
 
     def _waiting(self) -> bool:
-        return bool(self._pending) or self._progress is not None
+        return bool(self._pending) or bool(self._counts) or self._progress is not None
 
     def flush(self, timeout: float) -> bool:
         """Wait until everything put so far is written, at most `timeout` seconds."""
@@ -104,6 +112,7 @@ class ProgressWriter:
     def close(self, after: Callable[[], bool] = lambda: True) -> None:
         with self._changed:
             self._closed, self._after = True, after
+            self._counts.clear()
             self._changed.notify()
 
     def _show(self, percent: float, text: str) -> None:
@@ -127,12 +136,19 @@ class ProgressWriter:
                     while not self._after() and time.monotonic() < deadline:
                         time.sleep(0.02)
                 with self._changed:
-                    labels, count, progress = self._pending, self._count, self._progress
-                    self._pending, self._count, self._progress, self._busy = {}, None, None, True
+                    # The next count waits until the one before has been shown its while.
+                    shown_until = self._count_written_at + COUNT_SHOWN_S
+                    while self._counts and not self._closed and time.monotonic() < shown_until:
+                        self._changed.wait(shown_until - time.monotonic())
+                    count = self._counts.popleft() if self._counts else None
+                    labels = {**self._pending, **({SHARDS_DONE_LABEL: str(count)} if count is not None else {})}
+                    progress = self._progress
+                    self._pending, self._progress, self._busy = {}, None, True
                 try:
                     if labels:
                         client.update_flow_run_labels(self.run_id, labels)
                     if count is not None:
+                        self._count_written_at = time.monotonic()
                         emit_event(PROGRESS_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{self.run_id}"},
                                    payload={"shards_done": count})
                     if progress is not None:
@@ -247,11 +263,7 @@ class RunProgress:
             return
         if count == self.reported or count >= self.n_shards:
             return
-        self.writer.put({SHARDS_DONE_LABEL: str(count)}, count=count)
-        # A count mid-job is waited for (bounded), as when the loop wrote it itself: under load
-        # a count left to the thread could be folded into the next and never shown. A one-shard
-        # job has none, so its path waits for no label write.
-        self.writer.flush(REPORT_WAIT_S)
+        self.writer.put(count=count)  # written in turn, each shown its while (`ProgressWriter`)
         self.reported = count
 
     def shard_done(self, k: int, skipped: bool) -> None:
