@@ -19,9 +19,10 @@ every forward pass of every job on that group:
   forward passes (`HARVEST_ENGINE_COBATCH_SHARDS`, 1 by default: each shard alone).
 - `client`: what a run uses. `open_engine` connects to its group's server, starting it
   (detached, in its own session, so it outlives the run) when none answers, and returns an
-  `Engine` whose `capture` is a call to the server; the shard's values stream back prompt by
-  prompt as the engine makes them, straight into the run's staged shard file, so neither
-  process holds a whole shard. A cancelled run's process ends, its connection closes, and the
+  `Engine` whose `capture` is a call to the server, handing it the run's staged shard file
+  (its descriptor); the server writes each prompt's values into that file as the engine makes
+  them and hashes them as it writes, so the values never cross the socket and neither process
+  holds a whole shard. A cancelled run's process ends, its connection closes, and the
   server drops its work without touching the other jobs. A server that dies mid-shard (killed,
   out of memory) is started again and the shard in flight asked again: a shard is one whole
   answer or none, so it is never skipped or written short.
