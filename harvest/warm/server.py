@@ -5,9 +5,9 @@ job's run) in a thread of its own. A client first asks for a model (`load`: whic
 why, whether it was warm, the load time), then for shards, one at a time: `capture_into`, with
 the run's staged shard file, which the server fills and hashes as the engine makes the values
 (`_FileSink`), then answers the statistics and the file's digest; or `capture`, answered as a
-stream of the prompts' values (`harvest.warm.protocol`). The engines are an `EngineCache` of `CobatchedEngine`s: the shards of
-jobs on one engine that wait together can be co-batched, in shared forward passes
-(`harvest.warm.cobatch`).
+stream of the prompts' values (`harvest.warm.protocol`). The engines are an `EngineCache` of
+`CobatchedEngine`s: the shards of jobs on one engine that wait together can be co-batched, in
+shared forward passes (`harvest.warm.cobatch`).
 
 A client that goes away (its run was cancelled and its process ended) is noticed when its
 connection reads EOF or refuses the answer; only its own work is dropped. The server exits
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict
 import signal
 import sys
 import threading
 import time
+from dataclasses import asdict
 from multiprocessing.connection import Connection, Listener
 
 from harvest.capture_spec import CaptureSpec
@@ -31,9 +31,9 @@ from harvest.engines.choice import EngineChoice, choose_engine, load_engine
 from harvest.heap import TrimEvery, give_back_free_memory
 from harvest.registry import load_registry
 from harvest.settings import get_settings
+from harvest.shard_file import ShardFill, token_bytes
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
 from harvest.warm.cache import EngineCache, Loaded
-from harvest.shard_file import ShardFill, token_bytes
 from harvest.warm.protocol import GroupFiles, error_reply, receive, receive_fd, send, send_value
 
 __all__ = ["EngineServer", "main"]
