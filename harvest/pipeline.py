@@ -12,8 +12,7 @@ its Prefect tasks.
 No process holds a whole shard: the engine hands each batch's values to the shard's file,
 staged on local disk (`harvest.shard_file`), as soon as they exist, hashed as they are written,
 and the write step publishes that file (a hard link on local disk, one multipart upload on S3).
-Memory
-follows `HARVEST_ENGINE_PIECE_BYTES` and `HARVEST_ENGINE_BATCH_TOKENS`, not `shard_size`.
+Memory follows `HARVEST_ENGINE_PIECE_BYTES` and `HARVEST_ENGINE_BATCH_TOKENS`, not `shard_size`.
 """
 
 from __future__ import annotations
@@ -177,9 +176,9 @@ def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPro
 
 class ShardWriter:
     """Writes shards behind the forward passes: shard k is published in the background while
-    shard k+1 runs. `submit` first waits for the previous write, so at most
-    two shards are staged on local disk (one being published, one being filled) and a write's
-    error surfaces at the next shard, never later than `close`.
+    shard k+1 runs. `submit` first waits for the previous write, so at most two shards are
+    staged on local disk (one being published, one being filled) and a write's error surfaces
+    at the next shard, never later than `close`.
 
     `submit_write(fn)` runs `fn` off the caller's thread and returns a future; by default a
     thread of this writer's own (the flow passes Prefect's task submission, which adds its
