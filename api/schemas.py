@@ -12,8 +12,9 @@ from api.db import aware
 from api.links import JobLinks, Signed
 from harvest.jobfiles import JobFiles
 from harvest.storage import Storage
+from harvest.timings import Timings
 
-__all__ = ["Progress", "Timings", "Result", "Harvest", "HarvestList", "ErrorBody", "render"]
+__all__ = ["Progress", "Result", "Harvest", "HarvestList", "ErrorBody", "render"]
 
 
 class Progress(BaseModel):
@@ -21,21 +22,6 @@ class Progress(BaseModel):
     """Shard files written so far."""
     n_shards: int
     """Shard files the job writes in all."""
-
-
-class Timings(BaseModel):
-    load_s: float = 0.0
-    """Seconds loading the model."""
-    forward_s: float = 0.0
-    """Seconds of forward passes."""
-    save_s: float = 0.0
-    """Seconds encoding shard files."""
-    upload_s: float = 0.0
-    """Seconds writing files to storage."""
-    real_tokens: int = 0
-    """Tokens of the prompts the forward passes ran (a shard skipped on a resume counts none)."""
-    padded_tokens: int = 0
-    """Filler tokens the forward passes ran beside them: compute that belonged to no prompt."""
 
 
 class Result(BaseModel):

@@ -35,8 +35,9 @@ from prefect.states import Cancelled as CancelledState
 
 from flows.progress import RunProgress
 from harvest.jobfiles import JobFiles
-from harvest.pipeline import Cancelled, Timings
+from harvest.pipeline import Cancelled
 from harvest.settings import Settings
+from harvest.timings import Timings
 
 __all__ = [
     "split_ranges",

@@ -36,10 +36,11 @@ from harvest.jobfiles import JobFiles, shard_ranges
 from harvest.shards import Part, ShardRecord, read_part, shard_name, stored_stats, verified_part, write_part
 from harvest.stats import RunningStats
 from harvest.storage import Storage
+from harvest.timings import Timings
 from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts
 
 __all__ = [
-    "Timings", "JobSummary", "CapturedShard", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards",
+    "JobSummary", "CapturedShard", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards",
     "stored_records", "finalize", "run_job", "Cancelled", "HASH_THREADS",
 ]
 
@@ -48,39 +49,6 @@ logger = logging.getLogger(__name__)
 
 class Cancelled(Exception):
     """The job was cancelled between two shards."""
-
-
-@dataclass
-class Timings:
-    """Seconds spent in each step, and the tokens the forward passes ran: `real_tokens` of
-    prompts and `padded_tokens` of filler (`harvest.engines.packing`), summed over shards
-    and workers; a shard skipped on a resume counts nothing."""
-
-    load_s: float = 0.0
-    forward_s: float = 0.0
-    save_s: float = 0.0
-    upload_s: float = 0.0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-
-    def add(self, other: "Timings") -> None:
-        for name in vars(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    @classmethod
-    def from_dict(cls, figures: dict) -> "Timings":
-        """What `as_dict` wrote, by another run (a scale-out helper, which may run other code
-        during an upgrade): unknown figures left out, missing ones 0."""
-        return cls(**{name: figures[name] for name in vars(cls()) if name in figures})
-
-    def count(self, captured: "CapturedShard") -> None:
-        """Add one shard's forward passes."""
-        self.forward_s += captured.forward_s
-        self.real_tokens += captured.staged.n_tokens
-        self.padded_tokens += captured.padded_tokens
-
-    def as_dict(self) -> dict[str, int | float]:
-        return {k: round(v, 4) for k, v in vars(self).items()}
 
 
 @dataclass
@@ -266,7 +234,7 @@ def run_shards(
             _remove_disowned(storage, k)
             capture = forward(k)
             staged.append(capture.staged)
-            timings.count(capture)
+            timings.count_forward(capture.forward_s, capture.staged.n_tokens, capture.padded_tokens)
             count_forward(job.model.lane, capture.staged.n_tokens, capture.forward_s)
             writer.submit(written, write_shard, job, storage, tokenized, k, capture)
         ok = True

@@ -21,10 +21,11 @@ from prefect.cache_policies import NO_CACHE
 from harvest.engines.base import Engine
 from harvest.errors import HarvestError
 from harvest.jobfiles import JobFiles
-from harvest.pipeline import CapturedShard, JobSummary, Timings, capture_shard, finalize, run_shards, write_shard
+from harvest.pipeline import CapturedShard, JobSummary, capture_shard, finalize, run_shards, write_shard
 from harvest.request import ResolvedJob
 from harvest.shards import ShardRecord
 from harvest.storage import Storage
+from harvest.timings import Timings
 from harvest.tokenize import TokenizedPrompt
 
 __all__ = ["ShardWork", "Captured", "forward_shard", "write_shard_task", "run_shard_range", "finalize_job"]
@@ -126,5 +127,5 @@ def finalize_job(work: ShardWork, engine_entry: dict[str, str], job_id: str, tim
     Without it one statistics or manifest write failing past botocore's attempts failed a job
     whose shards were all written (tests/test_faults_finalize.py). `writer`: the flow
     attempt's token, recorded in the manifest (`harvest.manifest.Manifest.writer`)."""
-    timings = Timings(**vars(timings))  # a retry starts from the shards' timings again
+    timings = timings.model_copy()  # a retry starts from the shards' timings again
     return finalize(work.job, work.storage, engine_entry, job_id, timings=timings, tokenized=work.tokenized, writer=writer)

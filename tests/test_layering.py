@@ -168,6 +168,19 @@ def test_every_layer_is_scanned():
     assert set(FORBIDDEN) | {"fleet"} == set(LAYERS)
 
 
+def test_each_class_has_one_home():
+    """No two modules of the service define a class of one name: a concept (a job's `Timings`,
+    once in the API's schemas and again in the pipeline) lives in one place, and every layer
+    imports it from there."""
+    homes: dict[str, list[str]] = {}
+    for package in LAYERS:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    homes.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+
+
 def _module_of(root: Path, name: str) -> str | None:
     """The service module a name refers to (`harvest.registry.ModelInfo` → `harvest.registry`)."""
     parts = name.split(".")
