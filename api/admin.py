@@ -40,7 +40,7 @@ def _store(settings: ApiSettings) -> JobStore:
 
 def _key_rows(engine: Engine, settings: ApiSettings) -> list[dict]:
     """Each key with its effective caps and this month's usage (`keys list`)."""
-    lanes = load_lanes()
+    lanes = load_lanes(settings)
     rows = []
     keys = list_keys(engine)
     with transaction(engine) as conn:
@@ -57,7 +57,7 @@ def _key_rows(engine: Engine, settings: ApiSettings) -> list[dict]:
                 "active": {lane: used["active"].get(lane, 0) for lane in lanes},
                 "bytes_held": used["bytes_held"],
                 "caps": {
-                    "lanes": {lane: k.lane_limit(lane) for lane in lanes},
+                    "lanes": {name: k.lane_limit(lane) for name, lane in lanes.items()},
                     "monthly_jobs": k.monthly_jobs,
                     "token_budget": k.token_budget,
                     "activation_quota": k.activation_quota,
@@ -114,6 +114,10 @@ def _keys(argv: list[str]) -> int:
             if not value.isdigit():
                 parser.error(f"--limit takes LANE=N with N a whole number 0 or more, not {text!r}")
             limits[lane] = int(value)
+        lanes = load_lanes(settings)
+        for lane in limits:
+            if lane not in lanes:
+                parser.error(f"there is no lane {lane!r}; the lanes are {', '.join(lanes)}")
         try:
             key, record = create_key(
                 args.name,
@@ -138,7 +142,7 @@ def _keys(argv: list[str]) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
-        lanes = list(load_lanes())
+        lanes = list(load_lanes(settings))
         print(f"{'id':26} {'name':20} {'prefix':12} {'caps ' + '/'.join(lanes):>16} {'active':>8} {'jobs/mo':>8} "
               f"{'tokens/mo':>12} {'act/mo':>8} {'bytes held/quota':>24}  revoked")
         for r in rows:

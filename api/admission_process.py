@@ -65,12 +65,11 @@ def assess(request: HarvestRequest, registry: Registry) -> dict:
     counted as the route will write it: the request with the layers resolved here."""
     from harvest.cost import check_before_tokenizing, check_counts, kept_bytes
     from harvest.jobfiles import JobFiles, shard_ranges
-    from harvest.lanes import load_lanes
     from harvest.request import MAX_TOKENS, resolve_job
     from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 
     job = resolve_job(request, registry)
-    lane = load_lanes()[job.model.lane]
+    lane = registry.lanes()[job.model.lane]
     path = _checkpoint(job.model)
     chars_per_token = max_token_chars(path)
     check_before_tokenizing(job, lane, chars_per_token=chars_per_token)

@@ -212,12 +212,12 @@ def create_app(
     )
     app.state.settings = settings
     app.state.store = store if store is not None else JobStore.from_settings(settings)
-    app.state.runs = runs if runs is not None else PrefectRuns()
-    app.state.storage = storage if storage is not None else open_storage(settings.resolved_storage_url)
+    app.state.runs = runs if runs is not None else PrefectRuns(settings)
+    app.state.storage = storage if storage is not None else open_storage(settings)
     app.state.registry = registry if registry is not None else load_registry(settings)
     # Engines load on a request (or HARVEST_INLINE_PRELOAD's at start-up), not here.
     app.state.inline_engines = (inline_engines if inline_engines is not None
-                                 else InlineEngines(capacity=settings.engine_models_per_group))
+                                 else InlineEngines.in_children(settings))
     if inline_budget is None:
         inline_budget = ResponseBudget.from_settings(settings)
     if admission is None:

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from harvest.engines.base import Engine, Generation, SamplingSpec
 from harvest.registry import ModelInfo
@@ -195,19 +196,22 @@ def _settle(future: asyncio.Future, *, result=None, exception: BaseException | N
 class InlineEngines:
     """The replica's warm `EngineBatcher`s, one per loaded model, in an `EngineCache`."""
 
-    def __init__(self, factory: Callable[[ModelInfo], Engine] | None = None, *, capacity: int | None = None,
-                 close_engines: bool = True, **batcher_options):
-        """`factory` loads a model's engine (default: `ProcessEngine`, the chosen engine in a
-        child process, so that decoding never takes the replica's share of the CPU or its
-        GIL; `api.inline_process`). `capacity`: models kept loaded (the app passes
-        `HARVEST_ENGINE_MODELS_PER_GROUP`; default its default). `close_engines=False` leaves
-        engines the factory shares with others (a test session's engine) open when they are
-        unloaded."""
-        if factory is None:
-            from api.inline_process import ProcessEngine
+    @classmethod
+    def in_children(cls, settings: Settings) -> "InlineEngines":
+        """The app's: each model's engine chosen and bounded by `settings`, in a child process
+        of its own (`ProcessEngine`), so that decoding never takes the replica's share of the
+        CPU or its GIL; `settings.engine_models_per_group` of them kept loaded."""
+        from api.inline_process import ProcessEngine
 
-            factory = ProcessEngine
-        else:
+        return cls(partial(ProcessEngine, settings=settings), capacity=settings.engine_models_per_group, loads_here=False)
+
+    def __init__(self, factory: Callable[[ModelInfo], Engine], *, capacity: int | None = None,
+                 close_engines: bool = True, loads_here: bool = True, **batcher_options):
+        """`factory` loads a model's engine: in this process (`loads_here`), or in a child
+        (`in_children`). `capacity`: models kept loaded (default `DEFAULT_CAPACITY`).
+        `close_engines=False` leaves engines the factory shares with others (a test session's
+        engine) open when they are unloaded."""
+        if loads_here:
             # Engines load in this process's threads. transformers resolves its top-level
             # names lazily on first access, and that is not thread-safe: a request tokenizing
             # in one thread while an engine loaded in another got "cannot import name

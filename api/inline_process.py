@@ -36,7 +36,9 @@ from harvest.capture_spec import CaptureSpec
 from harvest.cpu_share import lower_priority, with_passive_waits
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
 from harvest.heap import give_back_free_memory
+from harvest.engines.limits import EngineLimits
 from harvest.registry import ModelInfo
+from harvest.settings import Settings
 from harvest.warm.protocol import (
     child_main, error_reply, raise_error, receive, receive_value, send, send_value, start_child, stop_child,
 )
@@ -54,8 +56,9 @@ class ProcessEngine(Engine):
     """A model's engine in a child process (module docstring); one batch at a time, as the
     replica's `EngineBatcher` calls it."""
 
-    def __init__(self, model: ModelInfo):
+    def __init__(self, model: ModelInfo, settings: Settings):
         self.model = model
+        self.settings = settings  # the engine's choice and limits, handed to the child with the model
         self.name = "process"
         self._versions: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -71,7 +74,7 @@ class ProcessEngine(Engine):
     def _start(self) -> None:
         child, conn = start_child(__name__, with_passive_waits(os.environ))
         try:
-            send(conn, self.model)
+            send(conn, (self.model, self.settings.engine, EngineLimits.of(self.settings)))
             reply = receive(conn)
         except (EOFError, OSError):
             reply = ("error", None)
@@ -141,8 +144,8 @@ def _serve(conn: Connection) -> int:
     if not torch.cuda.is_available():
         lower_priority(SESSION_NICE, session=True)
     try:
-        model = receive(conn)
-        engine = load_engine(model, warm=True)
+        model, setting, limits = receive(conn)
+        engine = load_engine(model, setting, limits, warm=True)
     except (EOFError, OSError):
         return 0
     except Exception as exc:  # noqa: BLE001 - handed to the replica, which raises it

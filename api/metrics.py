@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.db import jobs, reading
 from api.errors import Unauthorized
 from harvest.lanes import load_lanes
+from harvest.settings import Settings
 from harvest.metrics import HTTP_REQUESTS, HTTP_SECONDS, JOBS, LONGPOLL_SLOTS, LONGPOLL_WAITERS, MULTIPROC_ENV, QUEUE_DEPTH
 from harvest.metrics_export import authorized, exposition, host_registry, metrics_token, process_tree
 
@@ -83,8 +84,9 @@ class JobCounts:
     grouped count per scrape (on the app's job store: `engine`); every declared lane and status
     is reported, 0 included."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, settings: Settings):
         self.engine = engine
+        self.settings = settings  # its lanes file, re-read when it changes
 
     def collect(self):
         counts: dict[tuple[str, str], int] = {}
@@ -92,7 +94,7 @@ class JobCounts:
             query = select(jobs.c.lane, jobs.c.status, func.count()).group_by(jobs.c.lane, jobs.c.status)
             for lane, status, n in conn.execute(query):
                 counts[(lane, status)] = n
-        lanes = sorted(set(load_lanes()) | {lane for lane, _ in counts})
+        lanes = sorted(set(load_lanes(self.settings)) | {lane for lane, _ in counts})
         by_status = GaugeMetricFamily(JOBS, "Jobs in the job store by lane and status.", labels=["lane", "status"])
         queued = GaugeMetricFamily(QUEUE_DEPTH, "Jobs admitted whose run has not started yet (pending), by lane.", labels=["lane"])
         for lane in lanes:
@@ -151,7 +153,7 @@ class ReplicaMetrics:
         directory is prometheus_client's own variable, set by the role that started this
         replica before anything imported prometheus_client."""
         directory = os.environ.get(MULTIPROC_ENV)
-        registry = host_registry(Path(directory) if directory else None, replica_processes, [JobCounts(engine), LongPolls(state)])
+        registry = host_registry(Path(directory) if directory else None, replica_processes, [JobCounts(engine, settings), LongPolls(state)])
         return cls(registry, metrics_token(settings))
 
 

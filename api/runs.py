@@ -19,6 +19,8 @@ import logging
 from typing import Callable, Protocol
 
 from flows.run_status import PROGRESS_EVENT, RunStatus  # the one mapping of a run to a job's status
+from harvest.lanes import load_lanes
+from harvest.settings import Settings
 
 __all__ = ["RunStatus", "RunStore", "PrefectRuns"]
 
@@ -58,15 +60,17 @@ class RunStore(Protocol):
 class PrefectRuns:
     """Job runs as Prefect flow runs on the lane's deployment (the orchestration layer's API)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
         from flows.submit import share_tls_context
 
+        self.settings = settings  # its lanes file: each key's run limit (re-read when it changes)
         share_tls_context()  # the replica's Prefect clients (a few a second) build no TLS context each
 
     def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
         from flows.submit import start_harvest_run
 
-        return str(start_harvest_run(job_id, request_url, model, lane, key_id))
+        return str(start_harvest_run(job_id, request_url, model, lane, key_id,
+                                     lane_config=load_lanes(self.settings).get(lane)))
 
     def cancel(self, run_id: str) -> None:
         from flows.submit import cancel_harvest_run

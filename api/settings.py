@@ -203,3 +203,4 @@ class ApiSettings(Settings):
     idempotency_window_s: float = Field(default=24 * 3600, gt=0)
     """How long an `Idempotency-Key` of POST /v1/harvest keeps answering its job (a day, as
     Stripe's); after it the key is free for a new job, and its record is deleted."""
+

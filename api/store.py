@@ -63,6 +63,7 @@ from api.db import (
 from api.errors import BudgetExceeded, CapacityExceeded, StorageQuotaExceeded, ConcurrencyExceeded, NotCancellable, NotFound, QuotaExceeded, SpendCapped
 from api.runs import RunStatus
 from harvest.errors import echo, safe_job_error
+from harvest.lanes import Lane
 
 __all__ = [
     "ACTIVE",
@@ -179,7 +180,7 @@ def set_spend_cap(retry_after: int | None, engine: Engine) -> None:
 
 
 def admit(
-    key: ApiKey, job: dict, *, capacity: int, storage_quota: int | None = None, retention_days: float | None = None,
+    key: ApiKey, job: dict, *, declared: Lane, storage_quota: int | None = None, retention_days: float | None = None,
     engine: Engine,
 ) -> dict:
     """Insert the job if every cap allows it, atomically; else raise the cap's 429.
@@ -188,9 +189,12 @@ def admit(
     shard_size, n_shards, add_special_tokens, contents, reserved_tokens, output_bytes: the most
     its folder can hold, `harvest.cost.kept_bytes`, request_url). `storage_quota`: the bytes
     the key's kept files may hold (None: unlimited), counted with `retention_days`
-    (`bytes_held`; given with a quota: the service's setting).
+    (`bytes_held`; given with a quota: the service's setting). `declared`: the job's lane as
+    declared (`harvest.lanes`): its capacity, and its cap per key for a key without its own.
     """
-    lane = job["lane"]
+    lane, capacity = job["lane"], declared.capacity
+    if declared.name != lane:
+        raise ValueError(f"the job is on lane {lane!r}, not {declared.name!r}")
     now = utcnow()
     with transaction(engine) as conn:
         # Lock order is always lane, then key, so two admissions never deadlock. A lane added
@@ -209,7 +213,7 @@ def admit(
         mine = conn.execute(
             select(func.count()).where(jobs.c.key_id == key.id, jobs.c.lane == lane, jobs.c.status.in_(ACTIVE))
         ).scalar_one()
-        limit = key.lane_limit(lane)
+        limit = key.lane_limit(declared)
         if limit == 0:
             raise ConcurrencyExceeded(
                 f"Your key may not run harvests on {lane} models. Ask for a key with {lane}-lane harvests.",

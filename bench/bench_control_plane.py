@@ -130,8 +130,9 @@ def _start_runs(engine, ids: list[str], key_id: str, home: Path) -> list[str]:
 
     from api.runs import PrefectRuns
     from api.store import attach_run
+    from harvest.settings import get_settings
 
-    runs = PrefectRuns()
+    runs = PrefectRuns(get_settings())
 
     def start(job_id: str) -> str:
         from flows.submit import RunStartTimeout
@@ -278,6 +279,7 @@ def main() -> None:
     from flows.deploy import apply_sync
     from fleet.processes import RUN_COMMAND, free_port, start_server
     from fleet.roles import start_api_replica
+    from harvest.lanes import load_lanes
     from harvest.settings import get_settings
     from harvest.storage import Storage, open_storage
 
@@ -288,16 +290,16 @@ def main() -> None:
     rows_out = []
     try:
         with temporary_settings({PREFECT_API_URL: api_url}):
-            apply_sync(run_command=RUN_COMMAND)
+            apply_sync(load_lanes(get_settings()), run_command=RUN_COMMAND)
             # The store the replica opens too (the bench's HARVEST_HOME), migrated before it starts.
             store = JobStore.from_settings(get_settings(ApiSettings)).migrate()
             key, record = create_key("bench", small=100_000, rate_read_per_s=1000.0, rate_read_burst=1000,
                                      engine=store.engine)
             # The replica's own watcher idles; the bench's watcher ticks in its place.
             api, base = start_api_replica(home, "127.0.0.1", free_port(), env={"HARVEST_WATCH_INTERVAL_S": "3600"})
-            root = open_storage()
+            root = open_storage(get_settings())
             fs = CountingFS(root.fs)
-            watcher = Watcher(PrefectRuns(), Storage(root.url, fs, root.root), store, interval=1.0, max_waiters=100, lease=None)
+            watcher = Watcher(PrefectRuns(get_settings()), Storage(root.url, fs, root.root), store, interval=1.0, max_waiters=100, lease=None)
             rows0, bytes0 = _store_size(store.engine)
             txns = _count_transactions(store.engine)
             job_ids: list[str] = []

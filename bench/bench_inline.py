@@ -38,6 +38,7 @@ from harvest.engines.hf import HFEngine  # noqa: E402
 from harvest.registry import load_registry  # noqa: E402
 from harvest.residual_codec import ZSTD_LEVEL, _le_int16_bytes  # noqa: E402
 from tests.api_fixtures import serve_in_thread  # noqa: E402
+from harvest.settings import get_settings
 
 
 def zstd_sweep(engine: HFEngine, levels: list[int]) -> list[dict]:
@@ -117,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model = load_registry().get("llama-tiny")
+    model = load_registry(get_settings()).get("llama-tiny")
     engine = HFEngine(model)
 
     rows, raw_bytes = zstd_sweep(engine, [-1, 1, 2, 3, 6, 9, 15, 19])

@@ -65,7 +65,7 @@ def use(name: str) -> None:
     settings = get_settings()
     folder = settings.home / "models" / name
     if not (folder / "config.json").exists():
-        _build(name, folder, load_registry().get("smollm2-135m").require_path())
+        _build(name, folder, load_registry(settings).get("smollm2-135m").require_path())
     models = settings.home / "bench-models.toml"
     models.write_text((REPO / "infra" / "models.toml").read_text() + f"""
 [models.{name}]

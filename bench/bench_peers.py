@@ -67,6 +67,7 @@ from bench_models import BENCH_MODELS, use  # noqa: E402
 from corpora import CORPORA, corpus  # noqa: E402
 from peer_arms import compare, load_values  # noqa: E402
 from stack import harvest_up  # noqa: E402
+from harvest.settings import get_settings
 
 __all__ = ["main"]
 
@@ -80,20 +81,20 @@ def _tokenizer():
     from harvest.registry import load_registry
     from harvest.tokenize import load_tokenizer
 
-    return load_tokenizer(load_registry().get(MODEL).require_path())
+    return load_tokenizer(load_registry(get_settings()).get(MODEL).require_path())
 
 
 def _tokenized(texts: list[str]) -> list[list[int]]:
     from harvest.registry import load_registry
     from harvest.tokenize import tokenize_prompts
 
-    return [t.ids for t in tokenize_prompts(_tokenizer(), texts, add_special_tokens=True, max_len=load_registry().get(MODEL).max_model_len)]
+    return [t.ids for t in tokenize_prompts(_tokenizer(), texts, add_special_tokens=True, max_len=load_registry(get_settings()).get(MODEL).max_model_len)]
 
 
 def _model_dir() -> Path:
     from harvest.registry import load_registry
 
-    return load_registry().get(os.environ.get("BENCH_MODEL", MODEL)).require_path()
+    return load_registry(get_settings()).get(os.environ.get("BENCH_MODEL", MODEL)).require_path()
 
 
 def peer_arm(arm: str, work: Path, layers: list[int], python: Path) -> dict:
@@ -200,7 +201,7 @@ def steady(ids_path: Path, layers: list[int], rounds: int, rows: list[int]) -> d
     from harvest.registry import load_registry
 
     ids = json.loads(ids_path.read_text())["prompts"]
-    model = load_registry().get(os.environ.get("BENCH_MODEL", MODEL))
+    model = load_registry(get_settings()).get(os.environ.get("BENCH_MODEL", MODEL))
     engines = {"hf": HFEngine(model), "vllm": VLLMEngine(model)}
     spec = CaptureSpec(layers=layers)
     times: dict[str, list[float]] = {name: [] for name in engines}

@@ -38,6 +38,7 @@ from harvest.registry import load_registry
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage
 from harvest.tokenize import load_tokenizer, tokenize_prompts
+from harvest.settings import get_settings
 
 __all__ = ["corpus", "main"]
 
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
 
-    registry = load_registry()
+    registry = load_registry(get_settings())
     model = registry.get(MODEL)  # converts the GGUF on first use
     home = model.path.parent.parent
     texts = corpus(args.prompts)

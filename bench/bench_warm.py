@@ -146,8 +146,9 @@ with torch.inference_mode():
 
 def process(rounds: int) -> None:
     from harvest.registry import load_registry
+    from harvest.settings import get_settings
 
-    tiny = load_registry().get("llama-tiny")
+    tiny = load_registry(get_settings()).get("llama-tiny")
     tiny.require_path()
     work = Path(tempfile.mkdtemp(prefix="bench-process-"))
     corpus = work / "corpus.txt"
@@ -209,7 +210,7 @@ def overlap(rounds: int) -> None:
                 raise
             time.sleep(0.3)
     try:
-        registry = load_registry()
+        registry = load_registry(get_settings())
         engine = HFEngine(registry.get("llama-tiny"))
         words = "the river runs past old stone walls toward a quiet harbour where boats wait".split()
         prompts = [" ".join(words[(k + j) % len(words)] for j in range(100)) for k in range(96)]
@@ -257,12 +258,14 @@ def cobatch(rounds: int, engine_name: str) -> None:
 
     from harvest.capture_spec import CaptureSpec
     from harvest.engines.choice import load_engine
+    from harvest.engines.limits import EngineLimits
     from harvest.registry import load_registry
+    from harvest.settings import get_settings
     from harvest.tokenize import load_tokenizer
     from harvest.warm.cobatch import CobatchedEngine
 
-    tiny = load_registry().get("llama-tiny")
-    engine = load_engine(tiny, engine_name)
+    tiny = load_registry(get_settings()).get("llama-tiny")
+    engine = load_engine(tiny, engine_name, EngineLimits.of(get_settings()))
     tokenizer = load_tokenizer(tiny.path)
     words = "the river runs past old stone walls toward a quiet harbour where boats wait".split()
     n_jobs, n_shards, per_shard = 4, 6, 8

@@ -52,7 +52,7 @@ def main() -> None:
     from harvest.warm.protocol import GroupFiles
 
     settings = get_settings()
-    registry = load_registry()
+    registry = load_registry(settings)
     words = "the river runs past old stone walls toward a quiet harbour where boats wait".split()
     prompts = [(f"{k} " + " ".join(words[(k + j) % len(words)] for j in range(args.chars // 3)))[: args.chars] for k in range(args.prompts)]
     job = resolve_job(HarvestRequest(model="llama-tiny", prompts=prompts, layers="all", shard_size=4096), registry)

@@ -18,6 +18,7 @@ import torch
 
 from harvest.capture_spec import CaptureSpec
 from harvest.errors import CaptureFailed
+from harvest.settings import get_settings
 
 __all__ = ["parity"]
 
@@ -32,7 +33,7 @@ def parity(on_gpu: bool) -> list[tuple[str, bool, str]]:
     from harvest.tokenize import load_tokenizer
     from tests.reference import hf_reference_layers
 
-    tiny = load_registry().get("llama-tiny")
+    tiny = load_registry(get_settings()).get("llama-tiny")
     # FLEX_ATTENTION on a GPU: vLLM's default float32 backend there (TRITON_ATTN) rounds like
     # TF32 (5e-4 of a layer's largest value at block 0, 3.7e-3 at block 7, measured on an H200),
     # which would hide a capture error of that size; with FlexAttention: 1.3e-5.

@@ -34,8 +34,9 @@ import json, sys, time
 from harvest.capture_spec import CaptureSpec
 from harvest.engines.hf import HFEngine
 from harvest.registry import load_registry
+from harvest.settings import get_settings
 
-model = load_registry().get(sys.argv[1])
+model = load_registry(get_settings()).get(sys.argv[1])
 engine = HFEngine(model)
 prompts = [[(7 * p + 13 * t) % 40000 + 100 for t in range(int(sys.argv[3]))] for p in range(int(sys.argv[2]))]
 spec = CaptureSpec(layers=list(range(model.n_layers)))
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from harvest.registry import load_registry
+    from harvest.settings import get_settings
 
-    load_registry().get(MODEL).require_path()  # converted once, before any arm is timed
+    load_registry(get_settings()).get(MODEL).require_path()  # converted once, before any arm is timed
     arms = [(policy, neighbour) for neighbour in (False, True) for policy in (None, "PASSIVE")]
     results: dict[tuple, list[dict[str, float]]] = {arm: [] for arm in arms}
     for round_ in range(args.rounds):

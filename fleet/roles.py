@@ -126,9 +126,11 @@ def apply_control_plane(api_url: str) -> list[str]:
 
     from flows.deploy import apply_sync
     from flows.liveness import apply_automations_sync
+    from harvest.lanes import load_lanes
+    from harvest.settings import get_settings
 
     with temporary_settings({PREFECT_API_URL: api_url}):
-        names = apply_sync(run_command=RUN_COMMAND)
+        names = apply_sync(load_lanes(get_settings()), run_command=RUN_COMMAND)
         pools = sorted({name.split("harvest-", 1)[1] for name in names if "/harvest-" in name})
         names += apply_automations_sync(pools)
     return names
@@ -231,8 +233,9 @@ def start_worker_host(
 def _lane_gpus_per_run(lane: str) -> int:
     """GPUs per run of a lane declared in the lanes file (1 for a lane it does not declare)."""
     from harvest.lanes import load_lanes
+    from harvest.settings import get_settings
 
-    declared = load_lanes().get(lane)
+    declared = load_lanes(get_settings()).get(lane)
     return declared.gpus_per_run if declared is not None else 1
 
 

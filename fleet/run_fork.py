@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from harvest.settings import get_settings
 
 __all__ = [
     "REREAD", "Fork", "engine_argv", "fork_hazard", "preload", "preload_tokenizers", "settle_thread_pools", "fork_in_group",
@@ -81,7 +82,7 @@ def preload_tokenizers(done: set[str]) -> set[str]:
     from harvest.tokenize import read_tokenizer
 
     read = set(done)
-    for name, path in load_registry().checkpoints_on_disk().items():
+    for name, path in load_registry(get_settings()).checkpoints_on_disk().items():
         if name in read:
             continue
         read.add(name)

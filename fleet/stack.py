@@ -43,6 +43,7 @@ from flows.prefect_auth import SERVER_ENV, server_auth, use_client_auth
 from harvest.lanes import load_lanes
 from harvest.placement import visible_gpus
 from harvest.private_files import private_dirs, write_private
+from harvest.settings import get_settings
 
 __all__ = ["main", "dev_key"]
 
@@ -73,7 +74,7 @@ def _build_models() -> None:
     """Build the embedded model now, once, instead of in the first concurrent flow runs."""
     from harvest.registry import load_registry
 
-    registry = load_registry()
+    registry = load_registry(get_settings())
     for name in registry.names():
         try:
             registry.get(name)
@@ -118,7 +119,7 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
             pool.submit(start_worker_host, home, lane.name, api_url, name=f"{lane.name}-{os.getpid()}",
                         slots=(lane.pool_limit or 1) + 1 if cpu_only else None,
                         metrics=("127.0.0.1", 0, True))  # each lane's /metrics on a free port (its stderr line says which)
-            for lane in load_lanes().values()
+            for lane in load_lanes(get_settings()).values()
         ]
         key = key_f.result()
         api_f = pool.submit(start_api_replica, home, "127.0.0.1", port)
@@ -137,7 +138,6 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     from fleet.settings import FleetSettings
-    from harvest.settings import get_settings
 
     parser = argparse.ArgumentParser(prog="harvest up", description="Start the whole harvest service on this machine.")
     parser.add_argument("--port", type=int, help="API port (default HARVEST_PORT, 8000)")

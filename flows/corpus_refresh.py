@@ -41,7 +41,7 @@ from harvest.jobfiles import JobFiles
 from harvest.lanes import deployment_name
 from harvest.registry import load_registry
 from harvest.request import MAX_PROMPTS, HarvestRequest
-from harvest.settings import get_settings
+from harvest.settings import Settings, get_settings
 from harvest.storage import open_storage
 
 __all__ = ["corpus_refresh", "refresh_prefix", "check_refresh_name", "REFRESH_NAME"]
@@ -99,7 +99,7 @@ def _hand_out(part: _Part, lane: str, tags: list[str]) -> UUID:
     return child.id
 
 
-def _spread(parts: list[_Part], lane: str, tags: list[str]) -> dict[int, str]:
+def _spread(parts: list[_Part], lane: str, tags: list[str], settings: Settings) -> dict[int, str]:
     """Harvest every part, here and on the lane's free slots; returns where each part ran
     ("here", or the flow run id that did it)."""
     logger = get_run_logger()
@@ -107,7 +107,7 @@ def _spread(parts: list[_Part], lane: str, tags: list[str]) -> dict[int, str]:
     away: dict[UUID, _Part] = {}
     where: dict[int, str] = {}
     with get_client(sync_client=True) as client:
-        watch = HelperWatch(client, get_settings())
+        watch = HelperWatch(client, settings)
         try:
             while todo or away:
                 for child_id, part in list(away.items()):
@@ -168,9 +168,10 @@ def corpus_refresh(
     logger = get_run_logger()
     if not 1 <= part_size <= MAX_PROMPTS:
         raise ValueError(f"part_size must be 1..{MAX_PROMPTS}, not {part_size}")
-    lane = load_registry().for_harvest(model).lane
+    settings = get_settings()  # in this flow run's process: its own environment
+    lane = load_registry(settings).for_harvest(model).lane
     prompts = read_prompts(corpus_url, column=column)
-    folder = open_storage().child(refresh_prefix(name))
+    folder = open_storage(settings).child(refresh_prefix(name))
     parts = []
     for i, start in enumerate(range(0, len(prompts), part_size)):
         request = HarvestRequest(model=model, prompts=prompts[start : start + part_size], layers=layers, shard_size=shard_size)
@@ -178,7 +179,7 @@ def corpus_refresh(
         files.write_request(request)
         parts.append(_Part(i, f"{name}-{folder.url.rsplit('/', 1)[-1]}-part-{i:04d}", files))
     tags = [PART_TAG, f"model:{model}", f"lane:{lane}", f"corpus:{name}"]
-    where = _spread(parts, lane, tags)
+    where = _spread(parts, lane, tags, settings)
     for part in parts:
         logger.info("harvested part %d into %s (%s)", part.index, part.files.url, where[part.index])
     return {

@@ -31,8 +31,7 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.key_queues import aapply_key_queue_limits
-from harvest.lanes import Lane, load_lanes
-from harvest.settings import get_settings
+from harvest.lanes import Lane
 
 __all__ = ["REPO", "PREFECT_YAML", "HARVEST_ENTRYPOINT", "load_spec", "lane_spec", "apply", "apply_sync"]
 
@@ -112,20 +111,17 @@ async def _apply_deployment(client, spec: dict) -> str:
     return f"{flow.name}/{spec['name']}"
 
 
-async def apply(
-    path: Path = PREFECT_YAML, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
-) -> list[str]:
+async def apply(lanes: dict[str, Lane], path: Path = PREFECT_YAML, *, run_command: str | None) -> list[str]:
     """Create or update every lane's pool and deployment, then the file's deployments; returns
-    the deployment names. `lanes`: default those of HARVEST_LANES_FILE; `run_command`: what
-    each harvest flow run runs (`lane_spec`), required so that no caller turns a fleet's
+    the deployment names. `lanes`: the fleet's (`harvest.lanes.load_lanes`); `run_command`:
+    what each harvest flow run runs (`lane_spec`), required so that no caller turns a fleet's
     launcher off by leaving it out."""
-    lanes = lanes if lanes is not None else load_lanes()
     spec = lane_spec(lanes, run_command)
     maintenance = load_spec(path).get("deployments", [])
     for deployment in maintenance:
         if deployment["work_pool"]["name"] not in lanes:
             raise ValueError(f"{path}: {deployment['name']} runs on work pool {deployment['work_pool']['name']!r}, "
-                             f"which is not a lane of {get_settings().lanes_file}")
+                             f"which is not one of the lanes ({', '.join(lanes)})")
     names = []
     async with get_client() as client:
         for pool in spec["pools"]:
@@ -135,7 +131,5 @@ async def apply(
     return names
 
 
-def apply_sync(
-    path: Path = PREFECT_YAML, lanes: dict[str, Lane] | None = None, *, run_command: str | None,
-) -> list[str]:
-    return run_coro_as_sync(apply(path, lanes, run_command=run_command))
+def apply_sync(lanes: dict[str, Lane], path: Path = PREFECT_YAML, *, run_command: str | None) -> list[str]:
+    return run_coro_as_sync(apply(lanes, path, run_command=run_command))

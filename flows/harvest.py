@@ -60,6 +60,7 @@ from harvest.placement import place_run
 from harvest.registry import load_registry
 from harvest.request import resolve_job
 from harvest.settings import get_settings
+from harvest.storage import StorageOptions
 from harvest.jobfiles import shard_ranges
 from harvest.warm.client import open_engine
 from tasks.shards import ShardWork, finalize_job, run_shard_range
@@ -118,13 +119,13 @@ def harvest(job_id: str, request_url: str, workers: int | None = None, shard_ran
     writer = uuid.uuid4().hex  # this attempt's, never another's (see the module docstring)
     logger = get_run_logger()
     settings = get_settings()  # in this flow run's process: its own environment
-    files = JobFiles.from_request_url(request_url)
+    files = JobFiles.from_request_url(request_url, StorageOptions.of(settings))
     helper = shard_range is not None
     run: RunProgress | None = None
     engine = None
     try:
         # 1. The request, tokenized.
-        job = resolve_job(files.read_request(), load_registry())
+        job = resolve_job(files.read_request(), load_registry(settings))
         observe_run_start(job.model.lane, entered)
         tokenized = tokenize_job(job)
         ranges = shard_ranges(len(tokenized), job.request.shard_size)

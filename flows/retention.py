@@ -56,10 +56,9 @@ def expired_jobs(storage: Storage, days: float, now: datetime | None = None) -> 
     return expired
 
 
-def sweep(storage: Storage | None = None, days: float | None = None, *, dry_run: bool = False, now: datetime | None = None) -> list[str]:
-    """Delete the folders of expired jobs; returns their ids."""
-    storage = storage or open_storage()
-    days = get_settings().retention_days if days is None else days
+def sweep(storage: Storage, days: float, *, dry_run: bool = False, now: datetime | None = None) -> list[str]:
+    """Delete the folders of jobs under `storage/jobs/` that ended more than `days` ago;
+    returns their ids."""
     expired = expired_jobs(storage, days, now)
     if not dry_run:
         for job_id in expired:
@@ -70,7 +69,8 @@ def sweep(storage: Storage | None = None, days: float | None = None, *, dry_run:
 @flow(name="retention-sweep", persist_result=False)
 def retention_sweep(days: float | None = None, dry_run: bool = False) -> dict:
     """Delete job files older than the retention period (HARVEST_RETENTION_DAYS by default)."""
-    deleted = sweep(days=days, dry_run=dry_run)
+    settings = get_settings()  # in this flow run's process: its own environment
+    deleted = sweep(open_storage(settings), settings.retention_days if days is None else days, dry_run=dry_run)
     get_run_logger().info("%s %d expired job folder(s)", "would delete" if dry_run else "deleted", len(deleted))
     return {"deleted": deleted, "dry_run": dry_run}
 
@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--days", type=float, help="retention in days (default HARVEST_RETENTION_DAYS, 30)")
     parser.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     args = parser.parse_args(argv[1:])
-    deleted = sweep(days=args.days, dry_run=args.dry_run)
+    settings = get_settings()
+    deleted = sweep(open_storage(settings), settings.retention_days if args.days is None else args.days, dry_run=args.dry_run)
     for job_id in deleted:
         print(job_id)
     print(f"{'would delete' if args.dry_run else 'deleted'} {len(deleted)} expired job folder(s)")

@@ -19,12 +19,17 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.schedules import CronSchedule
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from harvest.settings import get_settings
+from harvest.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from harvest.registry import Registry
 
 __all__ = ["create_schedule", "list_schedules", "delete_schedule", "main", "use_stack_api"]
 
@@ -32,11 +37,12 @@ FLOW = "corpus-refresh"
 ENTRYPOINT = "flows.corpus_refresh.corpus_refresh"
 
 
-def use_stack_api() -> str | None:
-    """The Prefect API to use: PREFECT_API_URL, else the running local stack's, else None."""
+def use_stack_api(home: Path) -> str | None:
+    """The Prefect API to use: PREFECT_API_URL, else that of the local stack running in
+    `home`, else None."""
     if os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"]
-    path = get_settings().home / "stack.json"
+    path = home / "stack.json"
     if path.exists():
         return json.loads(path.read_text())["prefect_api_url"]
     return None
@@ -47,16 +53,16 @@ def _name_from(url: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")[:64].strip("-") or "corpus"
 
 
-async def create_schedule(corpus: str, model: str, cron: str, *, column="text", layers=None, shard_size=32, name=None, timezone="UTC") -> str:
+async def create_schedule(corpus: str, model: str, cron: str, registry: Registry, *, column="text", layers=None, shard_size=32,
+                          name=None, timezone="UTC") -> str:
     from prefect.flows import load_flow_from_entrypoint
 
     from harvest.corpus import read_prompts
-    from harvest.registry import load_registry
 
     from flows.corpus_refresh import check_refresh_name
 
     name = check_refresh_name(name or _name_from(corpus))  # a folder of the storage root: never `..` or `/`
-    info = load_registry().for_harvest(model)
+    info = registry.for_harvest(model)
     read_prompts(corpus, column=column)  # refuse a corpus that cannot be read now, not at 3 a.m.
     flow = load_flow_from_entrypoint(ENTRYPOINT)
     async with get_client() as client:
@@ -127,7 +133,8 @@ def main(argv: list[str]) -> int:
     delete = sub.add_parser("delete", help="delete a scheduled refresh")
     delete.add_argument("name")
     args = parser.parse_args(argv[1:])
-    api_url = use_stack_api()
+    settings = get_settings()
+    api_url = use_stack_api(settings.home)
     if api_url is None:
         print("harvest schedule: no Prefect server: start the stack (`harvest up`) or set PREFECT_API_URL.", file=sys.stderr)
         return 2
@@ -137,21 +144,23 @@ def main(argv: list[str]) -> int:
     from flows.prefect_auth import client_auth
     from harvest.errors import HarvestError
 
-    auth = client_auth(get_settings().home)  # the control plane's password (`flows.prefect_auth`)
+    auth = client_auth(settings.home)  # the control plane's password (`flows.prefect_auth`)
     try:
         with temporary_settings({PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: auth} if auth else {})}):
-            return _run(args)
+            return _run(args, settings)
     except HarvestError as exc:
         print(f"harvest schedule: {exc.message}", file=sys.stderr)
         return 2
 
 
-def _run(args) -> int:
+def _run(args, settings: Settings) -> int:
+    from harvest.registry import load_registry
+
     if args.action == "create":
         corpus = args.corpus if "://" in args.corpus else os.path.abspath(args.corpus)
         name = run_coro_as_sync(
             create_schedule(
-                corpus, args.model, args.cron, column=args.column, layers=_layers(args.layers),
+                corpus, args.model, args.cron, load_registry(settings), column=args.column, layers=_layers(args.layers),
                 shard_size=args.shard_size, name=args.name, timezone=args.timezone,
             )
         )

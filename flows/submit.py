@@ -55,7 +55,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from flows.key_queues import aensure_key_queue
 from flows.run_status import RunStatus, job_status, run_started_at, run_status
 from flows.prefect_clients import share_tls_context
-from harvest.lanes import deployment_name, load_lanes
+from harvest.lanes import Lane, deployment_name
 
 __all__ = [
     "START_BOUND_S",
@@ -100,8 +100,8 @@ class RunStartTimeout(TimeoutError):
 
 
 async def astart_harvest_run(
-    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int | None = None,
-    env: dict[str, str] | None = None,
+    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, lane_config: Lane | None = None,
+    workers: int | None = None, env: dict[str, str] | None = None,
 ) -> str:
     """Create the job's flow run on its lane (returns at once, ~0.1 s); returns the flow run id.
     Bounded: `RunStartTimeout` after `START_BOUND_S` (see the module docstring).
@@ -109,11 +109,12 @@ async def astart_harvest_run(
     workers: split the job over this many flow runs of the lane (scale-out); None lets the run
     decide from the lane's free slots (`flows.placement`), as for every job the API submits.
     env: extra environment of the flow-run process (tests and operators; the API passes none).
+    lane_config: the lane's declaration (`harvest.lanes`), whose per-key run limit the key's
+        queue keeps; None for a pool that no lane declares (tests' own pools): no limit.
     """
     parameters: dict = {"job_id": job_id, "request_url": request_url}
     if workers is not None:
         parameters["workers"] = workers
-    lane_config = load_lanes().get(lane)
     try:
         with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: START_RETRIES}), anyio.fail_after(START_BOUND_S):
             async with get_client() as client:
@@ -221,10 +222,11 @@ async def areschedule_harvest_run(flow_run_id: str | UUID) -> None:
 
 
 def start_harvest_run(
-    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, workers: int | None = None,
-    env: dict[str, str] | None = None,
+    job_id: str, request_url: str, model: str, lane: str, key_id: str, *, lane_config: Lane | None = None,
+    workers: int | None = None, env: dict[str, str] | None = None,
 ) -> str:
-    return run_coro_as_sync(astart_harvest_run(job_id, request_url, model, lane, key_id, workers=workers, env=env))
+    return run_coro_as_sync(astart_harvest_run(job_id, request_url, model, lane, key_id, lane_config=lane_config,
+                                               workers=workers, env=env))
 
 
 def cancel_harvest_run(flow_run_id: str | UUID) -> str:

@@ -71,8 +71,11 @@ def _run(argv: list[str]) -> int:
     from harvest.pipeline import run_job, tokenize_job
     from harvest.registry import load_registry
     from harvest.request import HarvestRequest, resolve_job
-    from harvest.storage import Storage
+    from harvest.settings import get_settings
+    from harvest.storage import Storage, StorageOptions
     from harvest.warm.client import open_engine
+
+    settings = get_settings()
 
     out = args.out if "://" in args.out else f"file://{Path(args.out).expanduser().resolve()}"
     try:
@@ -85,9 +88,9 @@ def _run(argv: list[str]) -> int:
             add_special_tokens=not args.no_special_tokens,
             project_onto=_directions_payload(args.project_onto),
         )
-        job = resolve_job(request, load_registry())
+        job = resolve_job(request, load_registry(settings))
         tokenized = tokenize_job(job)
-        engine, load = open_engine(job.model, placement=None)
+        engine, load = open_engine(job.model, None, settings)
     except ValidationError as exc:  # the same 400 the API answers, as a message
         print(f"harvest run: {invalid_from_pydantic(exc.errors()).message}", file=sys.stderr)
         return 2
@@ -103,7 +106,7 @@ def _run(argv: list[str]) -> int:
 
     job_id = args.job_id or str(uuid.uuid4())
     started = time.perf_counter()
-    summary = run_job(job, Storage(out), engine, job_id, load=load, tokenized=tokenized, on_shard=on_shard)
+    summary = run_job(job, Storage(out, options=StorageOptions.of(settings)), engine, job_id, load=load, tokenized=tokenized, on_shard=on_shard)
     corpus_s = time.perf_counter() - started
     bar.close()
     print(f"wrote {summary.n_shards} shard(s), {summary.tokens} tokens, {summary.bytes_written:,} bytes to {out} "

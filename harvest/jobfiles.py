@@ -29,7 +29,7 @@ import re
 import time
 
 from harvest.request import HarvestRequest
-from harvest.storage import Storage, open_storage
+from harvest.storage import Storage, StorageOptions
 
 __all__ = [
     "JOBS",
@@ -102,25 +102,26 @@ class JobFiles:
 
     # --- where ------------------------------------------------------------------------------
     @staticmethod
-    def jobs_folder(storage: Storage | None = None) -> Storage:
-        """`<storage>/jobs`, the parent of every API job's folder (HARVEST_STORAGE_URL by default)."""
-        return (storage or open_storage()).child(JOBS)
+    def jobs_folder(storage: Storage) -> Storage:
+        """`<storage>/jobs`, the parent of every API job's folder (`storage`: the service's root)."""
+        return storage.child(JOBS)
 
     @classmethod
-    def for_job(cls, job_id: str, storage: Storage | None = None) -> "JobFiles":
+    def for_job(cls, job_id: str, storage: Storage) -> "JobFiles":
         """The API job `job_id`'s folder, `<storage>/jobs/<job_id>` (storage: the service root)."""
         return cls(cls.jobs_folder(storage).child(job_id))
 
     @classmethod
-    def from_request_url(cls, request_url: str) -> "JobFiles":
-        """The job whose request.json is at `request_url` (the flow's parameter)."""
+    def from_request_url(cls, request_url: str, options: StorageOptions) -> "JobFiles":
+        """The job whose request.json is at `request_url` (the flow's parameter), its store
+        reached with `options`."""
         folder, _, name = request_url.rstrip("/").rpartition("/")
         if name != REQUEST or not folder:
             raise ValueError(f"request_url must end in /{REQUEST}, not {request_url!r}")
-        return cls(Storage(folder))
+        return cls(Storage(folder, options=options))
 
     @classmethod
-    def job_ids(cls, storage: Storage | None = None) -> list[str]:
+    def job_ids(cls, storage: Storage) -> list[str]:
         """Ids of the job folders under `<storage>/jobs`, sorted."""
         return cls.jobs_folder(storage).listdir()
 

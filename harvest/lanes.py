@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from harvest.settings import Settings, get_settings
+from harvest.settings import Settings
 
 __all__ = ["Lane", "load_lanes", "deployment_name", "default_key_run_limit"]
 
@@ -96,9 +96,9 @@ def _cached(path: Path, mtime: float) -> dict[str, Lane]:
     return _parse(path)
 
 
-def load_lanes(settings: Settings | None = None) -> dict[str, Lane]:
-    """The declared lanes by name (re-read when the file changes)."""
-    path = (settings or get_settings()).lanes_file
+def load_lanes(settings: Settings) -> dict[str, Lane]:
+    """The lanes `settings.lanes_file` declares, by name (re-read when the file changes)."""
+    path = settings.lanes_file
     try:
         mtime = path.stat().st_mtime
     except OSError as exc:

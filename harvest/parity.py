@@ -98,12 +98,15 @@ def main(argv: list[str]) -> int:
     from harvest.capture_spec import CaptureSpec
     from harvest.engines.choice import choose_engine, load_engine
     from harvest.errors import HarvestError
+    from harvest.engines.limits import EngineLimits
     from harvest.registry import load_registry
+    from harvest.settings import get_settings
 
+    settings = get_settings()
     try:
-        model = load_registry().get(args.model)
+        model = load_registry(settings).get(args.model)
         model.require_path()
-        choice = choose_engine(args.engine, warm=True)
+        choice = choose_engine(args.engine or settings.engine, warm=True)
     except HarvestError as exc:
         print(f"harvest models check: {exc.message}", file=sys.stderr)
         return 2
@@ -120,7 +123,7 @@ def main(argv: list[str]) -> int:
           f"{len(prompts)} prompts of {', '.join(str(len(p)) for p in prompts)} tokens")
     references = _references(model, prompts, layers)
     try:
-        engine = load_engine(model, choice, warm=True)
+        engine = load_engine(model, choice, EngineLimits.of(settings), warm=True)
     except HarvestError as exc:
         print(f"engine {choice.name}: refused: {exc.message}")
         print("verdict: REFUSED")

@@ -17,8 +17,8 @@ from harvest.architectures import Architecture, block_path, read_architecture, s
 from harvest.built_checkpoints import Writer, ensure_built, is_built
 from harvest.errors import HarvestUnsupported, ModelNotFound, ModelUnavailable, echo
 from harvest.gguf_checkpoint import GGUFSource
-from harvest.lanes import load_lanes
-from harvest.settings import Settings, get_settings
+from harvest.lanes import Lane, load_lanes
+from harvest.settings import Settings
 from harvest.tiny_families import FAMILIES, write_family_model
 from harvest.tiny_model import write_tiny_model
 
@@ -55,6 +55,8 @@ class ModelInfo:
     architecture: Architecture | None = None
     """transformers' class and where its blocks are, from its config (or the entry's
     `architecture` and `model_type` while the weights are absent); None when neither says."""
+    searched: tuple[Path, ...] = field(default=(), compare=False)
+    """Where the weights were looked for, when they are not on this machine (for the log)."""
 
     @property
     def display_name(self) -> str:
@@ -73,7 +75,7 @@ class ModelInfo:
             # (its directories are nobody's business outside it; operators have the log line).
             source = f" ({self.weights})" if _is_repo_id(self.weights) else ""
             log.warning("the weights of %s (%s) were not found; looked in %s", self.name, self.weights,
-                        ", ".join(str(p) for p in _candidate_dirs(self.weights, get_settings())))
+                        ", ".join(str(p) for p in self.searched))
             raise ModelUnavailable(
                 f"The weights of {self.name}{source} are not on this machine: ask the operators to install them, "
                 "or use another model from GET /v1/models."
@@ -194,6 +196,10 @@ class Registry:
     def all(self) -> list[ModelInfo]:
         return [self.get(name) for name in self._entries]
 
+    def lanes(self) -> dict[str, Lane]:
+        """The lanes of the same settings as the models (`harvest.lanes`)."""
+        return load_lanes(self._settings)
+
     def checkpoints_on_disk(self) -> dict[str, Path]:
         """The checkpoint folder of each model whose weights are on this host now. Unlike `get`,
         it builds and converts nothing: a caller that must stay single-threaded and keep torch
@@ -259,11 +265,12 @@ class Registry:
             build_target=build_target,
             build_entry=dict(entry) if build_target is not None else None,
             architecture=architecture,
+            searched=tuple(_candidate_dirs(weights, self._settings)) if path is None and build_target is None else (),
         )
 
 
-def load_registry(settings: Settings | None = None) -> Registry:
-    settings = settings or get_settings()
+def load_registry(settings: Settings) -> Registry:
+    """The models of `settings.models_file`, their weights looked for where `settings` say."""
     with open(settings.models_file, "rb") as handle:
         entries = tomllib.load(handle).get("models", {})
     return Registry(entries, settings)

@@ -10,6 +10,7 @@ variables; nothing here shadows them.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import TypeVar
@@ -165,6 +166,14 @@ class Settings(BaseSettings):
     scale_out_min_shards: int = Field(default=8, ge=1)
     """Automatic scale-out gives every run at least this many shards: a job is spread over more
     runs only when each would still do this much (every run loads the model once)."""
+
+    def as_environment(self, leave_out: frozenset[str] = frozenset()) -> dict[str, str]:
+        """The core's part of this configuration as the `HARVEST_*` variables that make it again
+        in a child process (fields unset, and those in `leave_out`, left out): how a process
+        hands its configuration to one it starts."""
+        values = self.model_dump(mode="json", include=set(Settings.model_fields) - leave_out, exclude_none=True)
+        return {f"HARVEST_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
+                for name, value in values.items()}
 
 @lru_cache(maxsize=None)
 def get_settings(section: type[Section] = Settings) -> Section:

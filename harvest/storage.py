@@ -49,18 +49,21 @@ import fcntl
 import hashlib
 import os
 import posixpath
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from harvest.private_files import open_private, private_dirs
-from harvest.settings import get_settings
+from harvest.settings import Settings
 
-__all__ = ["Storage", "open_storage", "stream_digest", "HASH_CHUNK_BYTES"]
+__all__ = ["Storage", "StorageOptions", "open_storage", "stream_digest", "HASH_CHUNK_BYTES"]
 
 _CREATE_LOCK = threading.Lock()
 """Makes an exists-then-write one step on stores with no create-once write of their own
@@ -76,24 +79,41 @@ HASH_CHUNK_BYTES = 8 << 20
 """Read size of a hashing pass (one buffer, reused)."""
 
 
-def _options_for(url: str) -> dict:
-    """Connection options per protocol (an S3 endpoint for S3-compatible servers)."""
-    settings = get_settings()
-    if not url.startswith("s3://"):
-        return {}
-    options: dict = {"use_listings_cache": False}  # see the module docstring
-    if settings.s3_endpoint_url:
-        options["client_kwargs"] = {"endpoint_url": settings.s3_endpoint_url}
-    return options
+@dataclass(frozen=True)
+class StorageOptions:
+    """How a store is reached and filled, beyond its URL: handed in by whoever opens it (an
+    entry point builds them from its settings with `StorageOptions.of`), never looked up."""
+
+    s3_endpoint_url: str | None = None
+    """An S3-compatible server (MinIO, moto) for `s3://` URLs; None is AWS."""
+    s3_part_bytes: int = Settings.model_fields["s3_part_bytes"].default
+    """Part size of multipart uploads (`HARVEST_S3_PART_BYTES`)."""
+    staging_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / "harvest-staging")
+    """Local folder where shards for a remote store are built (`HARVEST_STAGING_DIR`)."""
+
+    @classmethod
+    def of(cls, settings: Settings) -> "StorageOptions":
+        return cls(settings.s3_endpoint_url, settings.s3_part_bytes, settings.resolved_staging_dir)
+
+    def connection(self, url: str) -> dict:
+        """fsspec's options for `url` (an S3 endpoint for S3-compatible servers)."""
+        if not url.startswith("s3://"):
+            return {}
+        options: dict = {"use_listings_cache": False}  # see the module docstring
+        if self.s3_endpoint_url:
+            options["client_kwargs"] = {"endpoint_url": self.s3_endpoint_url}
+        return options
 
 
 class Storage:
     """A folder of files under one URL prefix."""
 
-    def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None, root: str | None = None):
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None, root: str | None = None,
+                 options: StorageOptions | None = None):
         self.url = url.rstrip("/")
+        self.options = options or StorageOptions()
         if fs is None:
-            fs, root = url_to_fs(self.url, **_options_for(self.url))
+            fs, root = url_to_fs(self.url, **self.options.connection(self.url))
         self.fs = fs
         self.root = root.rstrip("/")
 
@@ -108,7 +128,7 @@ class Storage:
 
     def child(self, prefix: str) -> "Storage":
         """The storage of a sub-folder, e.g. one job's prefix."""
-        return Storage(f"{self.url}/{prefix}", self.fs, posixpath.join(self.root, prefix))
+        return Storage(f"{self.url}/{prefix}", self.fs, posixpath.join(self.root, prefix), self.options)
 
     def path(self, name: str) -> str:
         return posixpath.join(self.root, name)
@@ -134,7 +154,7 @@ class Storage:
         elif self._is_s3:
             # s3fs sends a file of two parts or more as one multipart upload (parts in
             # parallel); the object appears only when the upload completes, so still atomic.
-            self.fs.pipe_file(target, data, chunksize=get_settings().s3_part_bytes)
+            self.fs.pipe_file(target, data, chunksize=self.options.s3_part_bytes)
         else:
             self.fs.pipe_file(target, data)
         return len(data)
@@ -153,7 +173,7 @@ class Storage:
             target = self.path(name)
             private_dirs(os.path.dirname(target))
             return f"{target}.{uuid.uuid4().hex}.partial"
-        folder = get_settings().resolved_staging_dir
+        folder = self.options.staging_dir
         private_dirs(folder)
         return str(folder / f"{uuid.uuid4().hex}-{posixpath.basename(name)}.partial")
 
@@ -175,7 +195,7 @@ class Storage:
                 os.link(local_path, target)  # never replaces: FileExistsError if taken
                 _fsync_path(os.path.dirname(target) or ".")
             elif self._is_s3:
-                self.fs.put_file(local_path, target, chunksize=get_settings().s3_part_bytes, mode="create")
+                self.fs.put_file(local_path, target, chunksize=self.options.s3_part_bytes, mode="create")
             else:
                 with _CREATE_LOCK:
                     if self.exists(name):
@@ -365,6 +385,7 @@ def _rename_durably(source: str, target: str) -> None:
     _fsync_path(os.path.dirname(target) or ".")
 
 
-def open_storage(url: str | None = None) -> Storage:
-    """The service's storage root (HARVEST_STORAGE_URL, default a folder under HARVEST_HOME)."""
-    return Storage(url or get_settings().resolved_storage_url)
+def open_storage(settings: Settings) -> Storage:
+    """The service's storage root (HARVEST_STORAGE_URL, default a folder under HARVEST_HOME),
+    with the options its settings give."""
+    return Storage(settings.resolved_storage_url, options=StorageOptions.of(settings))

@@ -227,8 +227,9 @@ class FileRuns:
         if data["status"] != "running" or not data.get("request_url"):
             return None
         from harvest.jobfiles import JobFiles
+        from harvest.storage import StorageOptions
 
-        return JobFiles.from_request_url(data["request_url"]).shards_done()
+        return JobFiles.from_request_url(data["request_url"], StorageOptions()).shards_done()  # a local folder
 
     def report(self, run_id: str, shards_done: int) -> None:
         """The run reports `shards_done` of its job's shards written (its label, in Prefect)."""

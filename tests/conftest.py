@@ -27,6 +27,7 @@ os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+from harvest.settings import get_settings
 
 pytest_plugins = ["tests.prefect_fixtures", "tests.api_fixtures"]
 
@@ -153,7 +154,7 @@ def runner_keeps_its_priority():
 def registry():
     from harvest.registry import load_registry
 
-    return load_registry()
+    return load_registry(get_settings())
 
 
 @pytest.fixture(scope="session")

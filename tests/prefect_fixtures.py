@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from harvest.settings import get_settings
 
 __all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool", "server_env"]
 
@@ -122,7 +123,10 @@ def prefect_deployments(prefect_server) -> list[str]:
     from fleet.processes import RUN_COMMAND
     from flows.deploy import apply_sync
 
-    return apply_sync(run_command=RUN_COMMAND)
+    from harvest.lanes import load_lanes
+    from harvest.settings import get_settings
+
+    return apply_sync(load_lanes(get_settings()), run_command=RUN_COMMAND)
 
 
 def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str | None = None) -> str:
@@ -167,7 +171,7 @@ class LaneWorkers:
 
         name = f"{lane}-{uuid.uuid4().hex[:6]}"
         env = {**WORKER_ENV, **(env or {})}
-        declared = load_lanes().get(lane)
+        declared = load_lanes(get_settings()).get(lane)
         starter = None
         if declared is not None:
             # A worker host of the lane: as many CPU slots as its pool runs at once, so its
@@ -240,7 +244,7 @@ class HarvestStack:
         from harvest.request import HarvestRequest
 
         request = request if isinstance(request, HarvestRequest) else HarvestRequest.model_validate(request)
-        lane = load_registry().get(request.model).lane
+        lane = load_registry(get_settings()).get(request.model).lane
         for attempt in range(3):
             job = job_id or str(uuid.uuid4())
             files = JobFiles.for_job(job)

@@ -40,6 +40,7 @@ from harvest.lanes import Lane
 from tests import http_calls
 from tests.api_fixtures import ApiServer
 from tests.proc_threads import autogroup_nice, slices_supported, thread_slices, thread_stats
+from harvest.settings import get_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -106,7 +107,7 @@ def test_a_job_certainly_over_two_million_tokens_is_refused_from_its_characters(
     from harvest.registry import load_registry
 
     longest = _longest_entry(tokenizer)
-    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=["x" * 12_000] * 4_000), load_registry())
+    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=["x" * 12_000] * 4_000), load_registry(get_settings()))
     least = 4_000 * min(math.ceil(12_000 / longest) + 1, tiny.max_model_len)
     with pytest.raises(InvalidRequest) as refused:
         check_before_tokenizing(job, Lane(name="small"), chars_per_token=longest)
@@ -117,7 +118,7 @@ def test_a_job_certainly_over_two_million_tokens_is_refused_from_its_characters(
     # over a 1 MiB shard, whatever shard_size would be chosen.
     config = json.loads((tiny.path / "config.json").read_text())
     job = resolve_job(HarvestRequest(model="llama-tiny", prompts=["short", "y" * (longest * tiny.max_model_len)], layers="all"),
-                      load_registry())
+                      load_registry(get_settings()))
     with pytest.raises(InvalidRequest) as refused:
         check_before_tokenizing(job, Lane(name="xl", max_shard_bytes=SHARD_LIMIT), chars_per_token=longest)
     floor = tiny.max_model_len * (config["num_hidden_layers"] * config["hidden_size"] * 2 + 4)
@@ -142,9 +143,10 @@ def test_an_assessing_child_counts_tokens_without_torch(tiny):
         "from api.admission_process import assess\n"
         "from api.deps import parse\n"
         "from harvest.registry import load_registry\n"
+        "from harvest.settings import get_settings\n"
         "from harvest.request import HarvestRequest\n"
         "body = json.dumps({'model': 'llama-tiny', 'prompts': ['one prompt', 'and another'], 'layers': 'all'}).encode()\n"
-        "fields = assess(parse(HarvestRequest, body, strict=True), load_registry())\n"
+        "fields = assess(parse(HarvestRequest, body, strict=True), load_registry(get_settings()))\n"
         "print(json.dumps({'tokens': fields['reserved_tokens'], 'loaded': sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules)}))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -24,8 +24,9 @@ from api.admission_process import assess
 from api.deps import parse
 from harvest.registry import load_registry
 from harvest.request import HarvestRequest
+from harvest.settings import get_settings
 body = json.dumps({'model': 'gpt2-tiny', 'prompts': ['one prompt', 'and another']}).encode()
-fields = assess(parse(HarvestRequest, body, strict=True), load_registry())
+fields = assess(parse(HarvestRequest, body, strict=True), load_registry(get_settings()))
 print(json.dumps({
     'tokens': fields['reserved_tokens'],
     'torch': 'torch' in sys.modules,

@@ -32,6 +32,8 @@ from api.store import (
     set_spend_cap,
     tokens_used,
 )
+from harvest.lanes import load_lanes
+from harvest.settings import Settings
 from tests.api_fixtures import drop_pg_schema, pg_schema_url
 
 
@@ -58,6 +60,12 @@ def store(request, tmp_path):
 def engine(store):
     """The store's engine of jobs, keys and charges (what most of the store's functions take)."""
     return store.engine
+
+
+def admit_on(key, job: dict, capacity: int, engine) -> dict:
+    """`admit` on the job's lane as infra/lanes.toml declares it, with this capacity."""
+    declared = load_lanes(Settings())[job["lane"]].model_copy(update={"capacity": capacity})
+    return admit(key, job, declared=declared, engine=engine)
 
 
 def _job(lane: str = "small", tokens: int = 10) -> dict:
@@ -120,7 +128,7 @@ def test_keys_are_hashed_at_rest_and_revocable(engine):
 
 def test_twenty_simultaneous_admissions_against_a_limit_of_three_admit_three(engine):
     _, key = create_key("racer", small=3, engine=engine)
-    admitted, refused = _race(20, lambda: admit(key, _job(), capacity=1000, engine=engine))
+    admitted, refused = _race(20, lambda: admit_on(key, _job(), 1000, engine))
     assert len(admitted) == 3, refused
     assert len(refused) == 17
     assert all(isinstance(e, RateLimited) and e.code == "harvest_concurrency_exceeded" for e in refused)
@@ -130,56 +138,56 @@ def test_twenty_simultaneous_admissions_against_a_limit_of_three_admit_three(eng
 
 def test_lane_capacity_holds_across_keys_under_concurrency(engine):
     keys = [create_key(f"k{i}", small=10, engine=engine)[1] for i in range(10)]
-    admitted, refused = _race(10, lambda: admit(keys.pop(), _job(), capacity=4, engine=engine))
+    admitted, refused = _race(10, lambda: admit_on(keys.pop(), _job(), 4, engine))
     assert len(admitted) == 4
     assert {e.code for e in refused} == {"harvest_capacity_exceeded"}
 
 
 def test_lanes_are_counted_separately(engine):
     _, key = create_key("lanes", small=1, large=1, engine=engine)
-    admit(key, _job("large"), capacity=10, engine=engine)
-    admit(key, _job("small"), capacity=10, engine=engine)  # a running large job never blocks small
+    admit_on(key, _job("large"), 10, engine)
+    admit_on(key, _job("small"), 10, engine)  # a running large job never blocks small
     with pytest.raises(RateLimited, match="1 harvest on large models") as refused:
-        admit(key, _job("large"), capacity=10, engine=engine)
+        admit_on(key, _job("large"), 10, engine)
     assert refused.value.code == "harvest_concurrency_exceeded"
 
 
 def test_monthly_job_quota_counts_ended_jobs_too(engine):
     _, key = create_key("quota", monthly_jobs=2, engine=engine)
-    first = admit(key, _job(), capacity=10, engine=engine)
+    first = admit_on(key, _job(), 10, engine)
     cancel_job(first["id"], key.id, engine=engine)
-    admit(key, _job(), capacity=10, engine=engine)
+    admit_on(key, _job(), 10, engine)
     with pytest.raises(RateLimited) as refused:
-        admit(key, _job(), capacity=10, engine=engine)
+        admit_on(key, _job(), 10, engine)
     assert refused.value.code == "harvest_quota_exceeded"
 
 
 def test_token_budget_counts_held_and_charged_tokens(engine):
     _, key = create_key("budget", token_budget=100, engine=engine)
-    held = admit(key, _job(tokens=60), capacity=10, engine=engine)
+    held = admit_on(key, _job(tokens=60), 10, engine)
     with pytest.raises(RateLimited) as refused:
-        admit(key, _job(tokens=50), capacity=10, engine=engine)
+        admit_on(key, _job(tokens=50), 10, engine)
     assert refused.value.code == "budget_exceeded" and "40 of its 100" in refused.value.message
     # Done with 30 tokens charged: 70 left.
     attach_run(held["id"], "r", engine=engine)
     apply_state(held["id"], RunStatus("done"), result={"tokens": 30, "n_shards": 1}, engine=engine)
     with engine.connect() as conn:
         assert tokens_used(conn, key.id) == 30
-    admit(key, _job(tokens=70), capacity=10, engine=engine)
+    admit_on(key, _job(tokens=70), 10, engine)
 
 
 def test_spend_cap_refuses_with_retry_after(engine):
     _, key = create_key("spend", engine=engine)
     set_spend_cap(120, engine=engine)
     with pytest.raises(RateLimited) as refused:
-        admit(key, _job(), capacity=10, engine=engine)
+        admit_on(key, _job(), 10, engine)
     assert refused.value.code == "spend_cap" and refused.value.headers["Retry-After"] == "120"
     set_spend_cap(None, engine=engine)
-    admit(key, _job(), capacity=10, engine=engine)
+    admit_on(key, _job(), 10, engine)
 
 
 def _admitted(engine, key, tokens=10):
-    row = admit(key, _job(tokens=tokens), capacity=10, engine=engine)
+    row = admit_on(key, _job(tokens=tokens), 10, engine)
     attach_run(row["id"], f"run-{row['id']}", engine=engine)
     return row["id"]
 
@@ -375,8 +383,8 @@ def test_one_holder_of_the_watcher_lease_at_a_time(engine):
 def test_listing_is_newest_first_and_paginated(engine):
     _, key = create_key("lister", small=100, engine=engine)
     _, other = create_key("other", engine=engine)
-    ids = [admit(key, _job(), capacity=100, engine=engine)["id"] for _ in range(5)]
-    admit(other, _job(), capacity=100, engine=engine)
+    ids = [admit_on(key, _job(), 100, engine)["id"] for _ in range(5)]
+    admit_on(other, _job(), 100, engine)
     page, more = list_jobs(key.id, limit=2, engine=engine)
     assert more and [r["id"] for r in page] == ids[::-1][:2]
     rest, more = list_jobs(key.id, limit=10, after=page[-1]["id"], engine=engine)
@@ -401,7 +409,7 @@ def test_activation_quota_holds_under_concurrency(engine):
 def test_times_are_stored_as_utc(engine):
     _, key = create_key("clock", engine=engine)
     before = datetime.now(timezone.utc).replace(tzinfo=None)
-    row = admit(key, _job(), capacity=10, engine=engine)
+    row = admit_on(key, _job(), 10, engine)
     stored = get_job(row["id"], engine=engine)["created_at"]
     assert abs((stored - before).total_seconds()) < 5
 
@@ -518,7 +526,7 @@ def test_job_reads_on_postgresql_send_no_begin_and_leave_the_pool_transactional(
 
     key, record = create_key("lister", engine=engine)
     job = _job()
-    admit(record, job, capacity=10, engine=engine)
+    admit_on(record, job, 10, engine)
     assert get_job(job["id"], record.id, engine=engine)["id"] == job["id"]
     assert list_jobs(record.id, limit=5, engine=engine)[0][0]["id"] == job["id"]
     if engine.dialect.name != "postgresql":

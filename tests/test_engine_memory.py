@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_tensors
 
 from harvest.capture_spec import CaptureSpec
+from harvest.engines.limits import EngineLimits
 from harvest.jobfiles import MANIFEST
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
@@ -82,22 +83,8 @@ def test_a_shard_missing_a_prompt_is_never_sealed(tmp_path):
     assert not (tmp_path / "short.partial").exists()
 
 
-@pytest.fixture
-def settings_env(monkeypatch):
-    """Set HARVEST_* variables for this test (and the engine servers it starts)."""
-
-    def apply(**values):
-        for name, value in values.items():
-            monkeypatch.setenv(f"HARVEST_{name.upper()}", str(value))
-        get_settings.cache_clear()
-
-    yield apply
-    monkeypatch.undo()
-    get_settings.cache_clear()
-
-
-def test_hf_forward_passes_never_exceed_the_token_budget_whatever_batch_size_says(hf_engine, tiny, settings_env):
-    settings_env(engine_batch_tokens=256)
+def test_hf_forward_passes_never_exceed_the_token_budget_whatever_batch_size_says(hf_engine, tiny, monkeypatch):
+    monkeypatch.setattr(hf_engine, "limits", EngineLimits(batch_tokens=256))
     rng = random.Random(3)
     prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randrange(20, 90))] for _ in range(12)]
     shapes: list[tuple[int, int]] = []
@@ -199,13 +186,13 @@ SERVER_OVER_WARM_PEAK = 64 * MiB
 RUN_GROWTH_BOUND = 32 * MiB
 
 
-def test_a_shard_streams_through_the_engine_server_in_bounded_memory(registry, tiny, hf_engine, tmp_path, settings_env):
+def test_a_shard_streams_through_the_engine_server_in_bounded_memory(registry, tiny, hf_engine, tmp_path):
     from harvest.warm.client import open_engine
     from harvest.warm.protocol import GroupFiles
 
-    # Pieces of at most 2 MiB (512 tokens of every layer), far below the shard's size.
-    settings_env(engine="hf", engine_piece_bytes=2 * MiB, engine_batch_tokens=512)
-    settings = get_settings()
+    # Pieces of at most 2 MiB (512 tokens of every layer), far below the shard's size: handed to
+    # the run, which hands them to the engine server it starts.
+    settings = get_settings().model_copy(update={"engine": "hf", "engine_piece_bytes": 2 * MiB, "engine_batch_tokens": 512})
     # 24 prompts x 515 tokens x 8 layers x 256 x 2 bytes: 50 MB in one shard.
     job = resolve_job(HarvestRequest(model="llama-tiny", prompts=_prompts(24, 1300), layers="all", shard_size=4096), registry)
     engine, _ = open_engine(tiny, {"devices": "97"}, settings)  # a group of its own: a fresh server

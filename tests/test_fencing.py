@@ -28,10 +28,10 @@ from safetensors.torch import load as load_tensors
 from harvest.jobfiles import MANIFEST, STATS, part_name, shard_name
 from harvest.pipeline import capture_shard, finalize, run_job, run_shards, tokenize_job, write_shard
 from harvest.request import HarvestRequest, resolve_job
-from harvest.settings import get_settings
 from harvest.shards import read_part, verified_part
-from harvest.storage import Storage
+from harvest.storage import Storage, StorageOptions
 from tests.test_shard_writer import LastBitApart, Replay
+from tests.topology import CREDENTIALS
 
 BUCKET = "fencing"
 SHARD = shard_name(0)
@@ -95,8 +95,8 @@ class GatedStorage(Storage):
     """The real storage as one writer sees it: shard 0's publication and its record each wait
     at the writer's gate; everything else (reads, the other shards) as is."""
 
-    def __init__(self, url: str, gate: Gate):
-        super().__init__(url)
+    def __init__(self, url: str, gate: Gate, options: StorageOptions):
+        super().__init__(url, options=options)
         self.gate = gate
 
     def publish_file(self, name, local_path):
@@ -112,9 +112,9 @@ class GatedStorage(Storage):
             return super().write_bytes(name, data)
 
 
-def _writer(job, url: str, engine, tokenized, gate: Gate, staged: dict) -> threading.Thread:
+def _writer(job, url: str, options: StorageOptions, engine, tokenized, gate: Gate, staged: dict) -> threading.Thread:
     """A thread running the real `run_shards` for shard 0, noting its staged file."""
-    storage = GatedStorage(url, gate)
+    storage = GatedStorage(url, gate, options)
 
     def forward(k):
         staged[k] = capture_shard(job, engine, tokenized, k, storage)
@@ -133,11 +133,11 @@ def _writer(job, url: str, engine, tokenized, gate: Gate, staged: dict) -> threa
     return threading.Thread(target=run, name=f"writer-{id(gate)}", daemon=True)
 
 
-def _race(job, url: str, order, engines) -> dict[str, str]:
+def _race(job, url: str, options: StorageOptions, order, engines) -> dict[str, str]:
     """Shard 1 written once; shard 0 by two writers whose commits and the finalizer land in
     `order`, both staged before either commits. Returns each writer's own sha256 of shard 0
     and which one published first."""
-    storage = Storage(url)
+    storage = Storage(url, options=options)
     storage.delete_all()
     tokenized = tokenize_job(job)
     run_shards(job, storage, engines[0], [1], tokenized=tokenized)
@@ -145,7 +145,7 @@ def _race(job, url: str, order, engines) -> dict[str, str]:
         capture_shard(job, engine, tokenized, 0, storage).staged.discard()
     gates = {"A": Gate(), "B": Gate()}
     staged = {"A": {}, "B": {}}
-    threads = [_writer(job, url, engine, tokenized, gates[w], staged[w]) for w, engine in zip("AB", engines, strict=True)]
+    threads = [_writer(job, url, options, engine, tokenized, gates[w], staged[w]) for w, engine in zip("AB", engines, strict=True)]
     for thread in threads:
         thread.start()
     try:
@@ -196,16 +196,16 @@ def _check(read, writes: dict[str, str], order) -> None:
     )
 
 
-def _every_order(job, engines, url_of, read_of) -> None:
+def _every_order(job, engines, url_of, read_of, options: StorageOptions = StorageOptions()) -> None:
     """Race in every order, then check: first the issue's failure (a manifest naming a hash its
     file no longer has), over all orders at once, then the rest, order by order; each time
     the shard's record vouches for its file too (a resume skips it)."""
-    raced = [(order, _race(job, url_of(n), order, engines), read_of(n), url_of(n)) for n, order in enumerate(ORDERS)]
+    raced = [(order, _race(job, url_of(n), options, order, engines), read_of(n), url_of(n)) for n, order in enumerate(ORDERS)]
     stale = [order for order, _, read, _ in raced if _stale(read)]
     assert not stale, f"the manifest's sha256 of a shard is not its file's after {len(stale)} of {len(ORDERS)} orders, e.g. {stale[0]}"
     for order, writes, read, url in raced:
         _check(read, writes, order)
-        assert verified_part(Storage(url), 0) is not None, order
+        assert verified_part(Storage(url, options=options), 0) is not None, order
 
 
 @pytest.fixture(scope="module")
@@ -232,14 +232,14 @@ def moto_s3():
 
 @pytest.fixture
 def on_s3(moto_s3, monkeypatch):
-    for name, value in {"HARVEST_S3_ENDPOINT_URL": moto_s3.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "HARVEST_S3_PART_BYTES": str(5 << 20)}.items():
+    for name, value in CREDENTIALS.items():  # boto's own variables
         monkeypatch.setenv(name, value)
-    get_settings.cache_clear()
-    try:
-        yield moto_s3
-    finally:
-        get_settings.cache_clear()
+    return moto_s3
+
+
+def s3_options(s3) -> StorageOptions:
+    """The moto server's store, in parts of 5 MiB (files of a few parts stay small)."""
+    return StorageOptions(s3_endpoint_url=s3.endpoint, s3_part_bytes=5 << 20)
 
 
 def _s3_reader(s3, prefix: str):
@@ -252,7 +252,7 @@ def test_two_live_writers_of_one_shard_on_local_disk_leave_the_manifest_hashing_
 
 
 def test_two_live_writers_of_one_shard_on_s3_leave_the_manifest_hashing_the_object_in_every_order(two_prompts, engines, on_s3):
-    _every_order(two_prompts, engines, lambda n: f"s3://{BUCKET}/race-{n}", lambda n: _s3_reader(on_s3, f"race-{n}"))
+    _every_order(two_prompts, engines, lambda n: f"s3://{BUCKET}/race-{n}", lambda n: _s3_reader(on_s3, f"race-{n}"), s3_options(on_s3))
 
 
 # --- the create-once publication itself, and the retries it must let through ----------------------
@@ -270,7 +270,7 @@ def test_a_second_publication_of_a_name_fails_and_changes_nothing(where, tmp_pat
     """On S3 with files of 3 parts: the loser's multipart upload is aborted, not left pending."""
     if where == "s3":
         s3 = request.getfixturevalue("on_s3")
-        storage = Storage(f"s3://{BUCKET}/publish")
+        storage = Storage(f"s3://{BUCKET}/publish", options=s3_options(s3))
     else:
         storage = Storage(str(tmp_path / "publish"))
     first, second = os.urandom(11 << 20), os.urandom(11 << 20)
@@ -307,11 +307,11 @@ def test_a_rescheduled_run_adopts_the_shard_its_cut_off_attempt_published_withou
     rescheduled run cannot replace it, so it lists it, and the job completes."""
     if where == "s3":
         s3 = request.getfixturevalue("on_s3")
-        url, read = f"s3://{BUCKET}/rescheduled", _s3_reader(s3, "rescheduled")
+        url, read, options = f"s3://{BUCKET}/rescheduled", _s3_reader(s3, "rescheduled"), s3_options(s3)
     else:
-        url = str(tmp_path / "rescheduled")
+        url, options = str(tmp_path / "rescheduled"), StorageOptions()
         read = lambda name: (tmp_path / "rescheduled" / name).read_bytes()  # noqa: E731
-    storage = Storage(url)
+    storage = Storage(url, options=options)
     storage.delete_all()
     tokenized = tokenize_job(two_prompts)
     cut_off = capture_shard(two_prompts, engines[1], tokenized, 0, storage)

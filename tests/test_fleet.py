@@ -124,9 +124,10 @@ def _charged(fleet, job_id) -> int | None:
 def _expected_tokens(prompts) -> int:
     """Tokens of the prompts, counted here with the model's own tokenizer (BOS included)."""
     from harvest.registry import load_registry
+    from harvest.settings import get_settings
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(load_registry().get("llama-tiny").require_path())
+    tokenizer = AutoTokenizer.from_pretrained(load_registry(get_settings()).get("llama-tiny").require_path())
     return sum(len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts)
 
 

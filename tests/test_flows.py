@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load as load_tensors
 
 from harvest.jobfiles import MANIFEST, STATS, JobFiles, shard_name
+from harvest.settings import get_settings
 
 REQUEST = {"model": "llama-tiny", "prompts": [f"Prompt number {i} says hello to the world." for i in range(10)], "shard_size": 4, "layers": [1, 3, 7]}
 
@@ -162,6 +163,6 @@ def test_scheduled_corpus_refresh_from_parquet(harvest_stack, tmp_path):
     run = run_deployment("corpus-refresh/nightly", timeout=0)
     status = harvest_stack.wait(str(run.id), timeout=180)
     assert status.status == "done", status
-    part = open_storage().child(refresh_prefix("nightly")).child("part-0000")
+    part = open_storage(get_settings()).child(refresh_prefix("nightly")).child("part-0000")
     manifest = json.loads(part.read_bytes(MANIFEST))
     assert manifest["n_prompts"] == 5 and len(manifest["shards"]) == 3 and manifest["layer_indices"] == [1, 3]

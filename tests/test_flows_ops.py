@@ -14,6 +14,7 @@ import uuid
 from harvest.jobfiles import MANIFEST, PROGRESS
 from tests.proc_threads import thread_stats
 from tests.slow_engine import gate_file, gated_shards, slow_load, slow_shards
+from harvest.settings import get_settings
 
 
 def _progress(job) -> dict:
@@ -85,7 +86,7 @@ def test_cancel_before_start_never_runs(harvest_stack):
     from harvest.registry import load_registry
 
     # The key's queue made paused before the submit, so no worker can claim the run first.
-    lane, key = load_registry().get("llama-tiny").lane, "cancel-before-start"
+    lane, key = load_registry(get_settings()).get("llama-tiny").lane, "cancel-before-start"
     with get_client(sync_client=True) as client:
         queue = client.create_work_queue(name=key_queue_name(key), work_pool_name=lane, is_paused=True)
         job = harvest_stack.submit({"model": "llama-tiny", "prompts": ["hello"], "shard_size": 1}, key_id=key)

@@ -14,8 +14,8 @@ from flows.scale_out import COLLECT, RECOMPUTE, TAKE_OVER, WAIT, helper_action, 
 from flows.retention import expired_jobs, sweep
 from harvest.jobfiles import JobFiles
 from harvest.request import HarvestRequest
-from harvest.settings import Settings
-from harvest.storage import Storage
+from harvest.settings import Settings, get_settings
+from harvest.storage import Storage, StorageOptions
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_request_round_trip_and_progress_counts_shard_records(tmp_path):
     files = JobFiles.for_job("job-1", storage)
     url = files.write_request(request)
     assert url == files.request_url == f"file://{tmp_path}/jobs/job-1/request.json"
-    job = JobFiles.from_request_url(url)
+    job = JobFiles.from_request_url(url, StorageOptions())
     assert job.url == f"file://{tmp_path}/jobs/job-1" and JobFiles.job_ids(storage) == ["job-1"]
     assert job.read_request() == request
     assert job.read_progress() == {"shards_done": 0, "n_shards": 2}
@@ -73,7 +73,7 @@ def test_request_round_trip_and_progress_counts_shard_records(tmp_path):
     assert job.shards_done() == 1
     assert job.read_progress() == {"shards_done": 1, "n_shards": 2, "stage": "forward"}
     with pytest.raises(ValueError):
-        JobFiles.from_request_url(f"file://{tmp_path}/jobs/job-1/other.json")
+        JobFiles.from_request_url(f"file://{tmp_path}/jobs/job-1/other.json", StorageOptions())
 
 
 def test_job_folder_names_are_the_spec_layout(tmp_path):
@@ -202,10 +202,10 @@ def test_the_lanes_file_declares_the_pools_and_deployments():
     from flows.deploy import lane_spec, load_spec
     from harvest.lanes import load_lanes
 
-    spec = lane_spec(load_lanes(), "python -m launcher")
+    spec = lane_spec(load_lanes(get_settings()), "python -m launcher")
     assert {p["name"]: (p["type"], p["concurrency_limit"]) for p in spec["pools"]} == {"small": ("process", 3), "large": ("process", 1)}
     assert {d["name"]: d["work_pool"]["name"] for d in spec["deployments"]} == {"harvest-small": "small", "harvest-large": "large"}
     # The run command is the caller's (the fleet's launcher); without one, Prefect's own.
     assert [d["job_variables"] for d in spec["deployments"]] == [{"command": "python -m launcher"}] * 2
-    assert [d["job_variables"] for d in lane_spec(load_lanes(), None)["deployments"]] == [{}] * 2
+    assert [d["job_variables"] for d in lane_spec(load_lanes(get_settings()), None)["deployments"]] == [{}] * 2
     assert {d["name"] for d in load_spec()["deployments"]} == {"corpus-refresh", "retention-sweep"}

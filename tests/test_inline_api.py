@@ -21,6 +21,7 @@ from tests import http_calls
 from tests.api_fixtures import serve_in_thread
 from tests.test_inline_engine import assert_within_one_bf16_rounding, hf_reference
 from tests.test_residual_codec import decode_residual_stream
+from harvest.settings import get_settings
 
 
 def _session_engines(engine, **options):
@@ -202,7 +203,7 @@ def test_encoding_a_response_holds_one_piece_at_a_time():
     from harvest.registry import load_registry
     from harvest.residual_codec import encode_residual
 
-    model = load_registry().get("llama-tiny")
+    model = load_registry(get_settings()).get("llama-tiny")
     n_tokens = 2000
     residual = torch.randn(8, n_tokens, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     raw_bytes = residual.numel() * 2  # 8 MiB
@@ -336,7 +337,7 @@ def test_sixteen_concurrent_requests_run_in_batches(base_url, key, inline_app, h
 async def _batcher(app):
     from harvest.registry import load_registry
 
-    return await app.state.inline_engines.get(load_registry().get("llama-tiny"))
+    return await app.state.inline_engines.get(load_registry(get_settings()).get("llama-tiny"))
 
 
 def test_a_body_over_the_inline_cap_is_413_before_it_is_read_whole(client):

@@ -78,17 +78,14 @@ def test_pool_loads_each_model_once(tiny):
     assert len(loads) == 1 and loads[0].startswith("engine-llama-tiny")
 
 
-def test_inline_engines_follow_the_worker_hosts_rules_one_model_evicts_another(tiny, monkeypatch):
+def test_inline_engines_follow_the_worker_hosts_rules_one_model_evicts_another(tiny):
     """`HARVEST_ENGINE_MODELS_PER_GROUP=1`, as on a worker host: a second model loaded inline
     unloads the first (the cache's own counters, and the first engine really closed), and a
     model a request holds is never the one evicted."""
     import dataclasses
 
     from harvest.engines.hf import HFEngine
-    from harvest.settings import get_settings
 
-    monkeypatch.setenv("HARVEST_ENGINE_MODELS_PER_GROUP", "1")
-    get_settings.cache_clear()
     second = dataclasses.replace(tiny, name="llama-tiny-b")  # the same weights under another served name
     made: list[HFEngine] = []
 
@@ -97,7 +94,7 @@ def test_inline_engines_follow_the_worker_hosts_rules_one_model_evicts_another(t
         return made[-1]
 
     async def main():
-        engines = InlineEngines(factory=factory)
+        engines = InlineEngines(factory=factory, capacity=1)  # as the app makes them from the setting
         assert engines.cache.capacity == 1
         first = await engines.generate(tiny, [0, 5, 9], GREEDY, [1])
         assert [d["key"] for d in engines.cache.describe()] == ["llama-tiny"]
@@ -115,8 +112,4 @@ def test_inline_engines_follow_the_worker_hosts_rules_one_model_evicts_another(t
         await engines.close()
         assert len(made) == 3 and not any(hasattr(engine, "hf_model") for engine in made)
 
-    try:
-        asyncio.run(main())
-    finally:
-        monkeypatch.undo()
-        get_settings.cache_clear()
+    asyncio.run(main())

@@ -18,6 +18,7 @@ import pytest
 
 from tests.prefect_fixtures import WORKER_ENV, deploy_pool
 from tests.slow_engine import slow_shards
+from harvest.settings import get_settings
 
 POOL = "lane-share"
 
@@ -47,7 +48,7 @@ def test_key_run_limit_defaults_to_one_slot_fewer_than_the_pool(tmp_path):
 def test_the_shipped_lanes_leave_another_key_a_slot():
     from harvest.lanes import load_lanes
 
-    lanes = load_lanes()
+    lanes = load_lanes(get_settings())
     assert (lanes["small"].pool_limit, lanes["small"].key_run_limit) == (3, 2)
     assert (lanes["large"].pool_limit, lanes["large"].key_run_limit) == (1, 1)  # one slot: nothing to share
 
@@ -69,18 +70,21 @@ def test_a_start_puts_the_run_in_its_keys_queue_with_the_lanes_limit(prefect_dep
     from fleet.processes import RUN_COMMAND
     from flows.deploy import apply_sync
     from flows.submit import cancel_harvest_run, start_harvest_run
+    from harvest.lanes import load_lanes
+    from harvest.settings import get_settings
 
     key = f"key_share{uuid.uuid4().hex[:8]}"
     with get_client(sync_client=True) as client:
         client.create_work_queue(name=key, work_pool_name="small", is_paused=True)
-        run_id = start_harvest_run(str(uuid.uuid4()), "file:///nowhere/request.json", "llama-tiny", "small", key)
+        run_id = start_harvest_run(str(uuid.uuid4()), "file:///nowhere/request.json", "llama-tiny", "small", key,
+                                   lane_config=load_lanes(get_settings())["small"])
         try:
             run = client.read_flow_run(run_id)
             queue = client.read_work_queue_by_name(key, work_pool_name="small")
             assert (run.work_queue_name, queue.concurrency_limit) == (key, 2)
             assert run.state.type.value == "SCHEDULED"
             client.update_work_queue(queue.id, concurrency_limit=7)
-            apply_sync(run_command=RUN_COMMAND)
+            apply_sync(load_lanes(get_settings()), run_command=RUN_COMMAND)
             assert client.read_work_queue_by_name(key, work_pool_name="small").concurrency_limit == 2
         finally:
             cancel_harvest_run(run_id)

@@ -51,9 +51,9 @@ def test_the_control_plane_creates_an_added_lanes_pool_and_deployment(prefect_se
 
     lanes_file = tmp_path / "lanes.toml"
     lanes_file.write_text((REPO / "infra" / "lanes.toml").read_text() + TEST_LANES)
-    names = apply_sync(lanes=load_lanes(Settings(lanes_file=lanes_file)), run_command=RUN_COMMAND)
+    names = apply_sync(load_lanes(Settings(lanes_file=lanes_file)), run_command=RUN_COMMAND)
     assert "harvest/harvest-xl" in names
-    apply_sync(lanes=load_lanes(Settings(lanes_file=lanes_file)), run_command=RUN_COMMAND)  # idempotent
+    apply_sync(load_lanes(Settings(lanes_file=lanes_file)), run_command=RUN_COMMAND)  # idempotent
     with get_client(sync_client=True) as client:
         pool = client.read_work_pool("xl")
         deployment = client.read_deployment_by_name("harvest/harvest-xl")

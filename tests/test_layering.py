@@ -276,6 +276,50 @@ def test_each_layer_owns_its_settings_section():
     assert {"prefect_port", "restart_limit"} <= fleet - api
 
 
+# The core and the orchestration layer read the process's settings only at their entry
+# points, which build the configuration and hand it to what they make (`Storage`'s options,
+# the engines' limits, the registry and the lanes): (module, top-level function).
+ENTRY_POINTS = {
+    ("harvest.cli", "_run"),  # `harvest run`
+    ("harvest.parity", "main"),  # `harvest models check`
+    ("harvest.warm.server", "main"),  # an engine server's process
+    ("flows.harvest", "harvest"),  # the harvest flow, in its run's process
+    ("flows.corpus_refresh", "corpus_refresh"),  # the scheduled corpus refresh flow
+    ("flows.retention", "retention_sweep"), ("flows.retention", "main"),  # the sweep: flow and `harvest sweep`
+    ("flows.schedule", "main"),  # `harvest schedule`
+}
+
+
+def _settings_readers(root: Path, packages: tuple[str, ...]) -> set[tuple[str, str]]:
+    """(module, top-level function or "<module>") of every `get_settings(...)` call."""
+    readers = set()
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            for top in ast.parse(path.read_text()).body:
+                where = top.name if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else "<module>"
+                if any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_settings"
+                       for node in ast.walk(top)):
+                    readers.add((module, where))
+    return readers
+
+
+def test_only_entry_points_of_the_core_and_the_flows_read_the_settings():
+    """Before: `get_settings()` at 21 places of harvest/ and flows/, among them fallbacks
+    (`settings or get_settings()`) in the storage, the engines, the lanes and the registry,
+    so a configuration handed to `create_app` or a run did not reach them."""
+    readers = _settings_readers(REPO, ("harvest", "flows", "tasks"))
+    assert ("flows.harvest", "harvest") in readers  # the scan sees a flow's entry
+    assert readers <= ENTRY_POINTS, sorted(readers - ENTRY_POINTS)
+
+
+def test_the_settings_scan_sees_a_fallback_in_a_method(tmp_path):
+    (tmp_path / "harvest").mkdir()
+    (tmp_path / "harvest" / "store.py").write_text(
+        "class Store:\n    def __init__(self, settings=None):\n        self.settings = settings or get_settings()\n")
+    assert _settings_readers(tmp_path, ("harvest",)) == {("harvest.store", "Store")}
+
+
 # The API's settings reach its routes from the app (`create_app(settings=…)`, read as
 # `api.deps.AppSettings` or `app.state.settings`). Only the factory's default, the job store's
 # default URL, the `harvest keys` command and the replica process's entry (`python -m

@@ -77,12 +77,14 @@ def _job(owner, storage, status: str, engine) -> str:
     from api.db import jobs, transaction, utcnow
     from api.store import admit
     from harvest.jobfiles import JobFiles
+    from harvest.lanes import load_lanes
+    from harvest.settings import Settings
 
     job_id = str(uuid.uuid4())
     files = JobFiles.for_job(job_id, storage)
     admit(owner, {"id": job_id, "model": "llama-tiny", "lane": "small", "n_prompts": N_SHARDS, "layers": [1],
                   "shard_size": 1, "n_shards": N_SHARDS, "add_special_tokens": True, "contents": "activations",
-                  "reserved_tokens": N_SHARDS, "request_url": files.request_url}, capacity=1000, engine=engine)
+                  "reserved_tokens": N_SHARDS, "request_url": files.request_url}, declared=load_lanes(Settings())["small"], engine=engine)
     result = {"n_shards": N_SHARDS, "layer_indices": [1], "contents": "activations", "tokens": N_SHARDS,
               "bytes_written": 1, "timings": {}}
     with transaction(engine) as conn:

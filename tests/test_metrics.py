@@ -169,15 +169,17 @@ def test_counts_move_by_the_jobs_own_figures(client_api, lane_workers, token, ti
 _COUNTING = """
 import sys
 from harvest.metrics import RUN_START_SECONDS, count_forward, count_shard_written
+from harvest.settings import get_settings
 count_forward("small", int(sys.argv[1]), 0.25)
 count_shard_written("small", int(sys.argv[2]))
 RUN_START_SECONDS.labels("small").observe(float(sys.argv[3]))
 if len(sys.argv) > 4:
     import time
     from harvest.engines.choice import load_engine
+    from harvest.engines.limits import EngineLimits
     from harvest.registry import load_registry
     started = time.perf_counter()
-    load_engine(load_registry().get("llama-tiny"), "hf")
+    load_engine(load_registry(get_settings()).get("llama-tiny"), "hf", EngineLimits())
     print(time.perf_counter() - started)
 """
 

@@ -154,18 +154,16 @@ class TokensRun:
 
 
 @contextmanager
-def engine_bounds(monkeypatch, *, batch_tokens: int, row_tokens: int):
-    """The engine's token bounds, set as an operator sets them (the environment), for one block."""
-    from harvest.settings import get_settings
+def engine_bounds(engine, *, batch_tokens: int, row_tokens: int):
+    """The (session's) engine with these token bounds, as its maker hands them, for one block."""
+    from harvest.engines.limits import EngineLimits
 
-    monkeypatch.setenv("HARVEST_ENGINE_BATCH_TOKENS", str(batch_tokens))
-    monkeypatch.setenv("HARVEST_ENGINE_ROW_TOKENS", str(row_tokens))
-    get_settings.cache_clear()
+    before = engine.limits
+    engine.limits = EngineLimits(batch_tokens=batch_tokens, row_tokens=row_tokens)
     try:
         yield
     finally:
-        monkeypatch.undo()
-        get_settings.cache_clear()
+        engine.limits = before
 
 
 def test_each_prompt_equals_its_own_forward_pass_from_1_to_max_model_len(hf_engine, tiny):
@@ -218,7 +216,7 @@ def test_a_job_reports_real_and_padded_tokens_and_its_files_hold_each_prompt_alo
 def test_a_forward_pass_stays_within_batch_tokens_with_rows_of_many_prompts(hf_engine, tiny, monkeypatch):
     lengths = [1, 7, 30, 99, 100, 150, 299, 301, 12, 45, 60, 2]
     prompts = [[4 + (i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
-    with engine_bounds(monkeypatch, batch_tokens=300, row_tokens=100), TokensRun(hf_engine.hf_model) as log:
+    with engine_bounds(hf_engine, batch_tokens=300, row_tokens=100), TokensRun(hf_engine.hf_model) as log:
         capture = hf_engine.capture(prompts, CaptureSpec(layers=[2]))
     # Only a prompt longer than the bound runs a longer pass, alone; the short ones share rows.
     assert all(rows * width <= 300 or (rows == 1 and width == 301) for rows, width in log.shapes), log.shapes
@@ -258,7 +256,7 @@ def test_co_batched_shards_share_the_filler_that_ran(hf_engine, monkeypatch):
     rng = random.Random(4)
     shards = [[[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
               for lengths in ([99, 97, 3, 60, 41], [98, 95, 2, 57, 30, 12])]
-    with engine_bounds(monkeypatch, batch_tokens=400, row_tokens=100), TokensRun(hf_engine.hf_model) as log:
+    with engine_bounds(hf_engine, batch_tokens=400, row_tokens=100), TokensRun(hf_engine.hf_model) as log:
         answers = hf_engine.capture_cobatch(shards, CaptureSpec(layers=[1]))
     real = sum(len(p) for shard in shards for p in shard)
     assert sum(a.padded_tokens for a in answers) == log.total - real

@@ -31,6 +31,7 @@ from harvest.placement import auto_workers, check_fits, free_slots, host_slots, 
 from harvest.request import HarvestRequest
 from tests.prefect_fixtures import WORKER_ENV, deploy_pool
 from tests.slow_engine import slow_shards
+from harvest.settings import get_settings
 
 MODEL = "llama-tiny-placed"
 REPO = Path(__file__).resolve().parent.parent
@@ -324,7 +325,7 @@ def test_a_corpus_refresh_spreads_its_parts_over_the_lanes_hosts(lanes, two_host
     assert [r.name for r in handed] == [f"{name}-{refresh_prefix(name).rsplit('/', 1)[-1]}-part-0001"]
     assert handed[0].state.is_completed() and handed[0].run_count == 1
     assert handed[0].labels["prefect.worker.name"] != refresh.labels["prefect.worker.name"]
-    folder = open_storage().child(refresh_prefix(name))
+    folder = open_storage(get_settings()).child(refresh_prefix(name))
     for i in range(2):
         manifest = json.loads(folder.child(f"part-{i:04d}").read_bytes(MANIFEST))
         assert manifest["n_prompts"] == 4 and len(manifest["shards"]) == 2 and manifest["layer_indices"] == [1, 3]

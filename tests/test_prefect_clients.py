@@ -37,6 +37,7 @@ def scheduled_run(prefect_server) -> str:
 
 def test_the_api_reads_runs_with_clients_that_share_one_tls_context(scheduled_run, monkeypatch):
     from api.runs import PrefectRuns
+    from harvest.settings import get_settings
 
     loads = []
     original = ssl.SSLContext.load_verify_locations
@@ -46,7 +47,7 @@ def test_the_api_reads_runs_with_clients_that_share_one_tls_context(scheduled_ru
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
-    runs = PrefectRuns()
+    runs = PrefectRuns(get_settings())
     states = [runs.read([scheduled_run]) for _ in range(20)]
     assert all(state[scheduled_run].status == "pending" for state in states), states[-1]
     assert len(loads) <= 1, f"the CA bundle was loaded {len(loads)} times for 20 reads"

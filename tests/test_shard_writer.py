@@ -24,9 +24,9 @@ from harvest.jobfiles import MANIFEST, PARTS, STATS
 from harvest.capture import ShardCapture
 from harvest.pipeline import capture_shard, finalize, run_job, run_shards, tokenize_job, write_shard
 from harvest.request import HarvestRequest, resolve_job
-from harvest.settings import get_settings
 from harvest.stats import RunningStats
-from harvest.storage import Storage
+from harvest.storage import Storage, StorageOptions
+from tests.topology import CREDENTIALS
 
 
 class Timeline:
@@ -130,19 +130,14 @@ def moto_s3():
 
 def test_a_large_shard_goes_up_as_one_multipart_upload(registry, hf_engine, moto_s3, monkeypatch):
     endpoint, client = moto_s3
-    for name, value in {"HARVEST_S3_ENDPOINT_URL": endpoint, "HARVEST_S3_PART_BYTES": str(5 << 20),
-                        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
-    get_settings.cache_clear()
-    try:
-        # Every layer of 16 long prompts: 8 x 256 x 2 bytes a token, over 20 MiB in one shard,
-        # so several parts of 5 MiB; the small shard beside it is one PUT.
-        prompts = ["word " * 180] * 16 + ["short"]
-        job = resolve_job(HarvestRequest(model="llama-tiny", prompts=prompts, shard_size=16, layers="all"), registry)
-        storage = Storage("s3://shards/job-multipart")
-        run_job(job, storage, hf_engine, "multipart")
-    finally:
-        get_settings.cache_clear()
+    # Every layer of 16 long prompts: 8 x 256 x 2 bytes a token, over 20 MiB in one shard,
+    # so several parts of 5 MiB; the small shard beside it is one PUT.
+    prompts = ["word " * 180] * 16 + ["short"]
+    job = resolve_job(HarvestRequest(model="llama-tiny", prompts=prompts, shard_size=16, layers="all"), registry)
+    storage = Storage("s3://shards/job-multipart", options=StorageOptions(s3_endpoint_url=endpoint, s3_part_bytes=5 << 20))
+    run_job(job, storage, hf_engine, "multipart")
     big = client.head_object(Bucket="shards", Key="job-multipart/shard_00000.safetensors")
     small = client.head_object(Bucket="shards", Key="job-multipart/shard_00001.safetensors")
     parts = -(-big["ContentLength"] // (5 << 20))
@@ -184,8 +179,8 @@ class RacingStorage(Storage):
     """The real storage as one writer sees it: its shard publication and its record wait for
     their turn (nothing else changes)."""
 
-    def __init__(self, url: str, who: str, turns: Turns):
-        super().__init__(url)
+    def __init__(self, url: str, who: str, turns: Turns, options: StorageOptions):
+        super().__init__(url, options=options)
         self.who, self.turns = who, turns
 
     def publish_file(self, name, local_path):
@@ -237,15 +232,15 @@ def replayed(hf_engine):
     return Replay(hf_engine), LastBitApart(hf_engine)
 
 
-def _race(job, url: str, order, engines) -> tuple[str, str]:
+def _race(job, url: str, order, engines, options: StorageOptions = StorageOptions()) -> tuple[str, str]:
     """Shard 1 written once; shard 0 written by two threads, their steps landing in `order`;
     then finalize. Returns the two writes' sha256 of shard 0."""
-    storage = Storage(url)
+    storage = Storage(url, options=options)
     storage.delete_all()
     tokenized = tokenize_job(job)
     run_shards(job, storage, engines[0], [1], tokenized=tokenized)
     turns = Turns(order)
-    writers = {"A": RacingStorage(url, "A", turns), "B": RacingStorage(url, "B", turns)}
+    writers = {who: RacingStorage(url, who, turns, options) for who in "AB"}
     captured = {who: capture_shard(job, engine, tokenized, 0, writers[who]) for who, engine in zip("AB", engines, strict=True)}
     errors = []
 
@@ -296,15 +291,10 @@ def test_two_writers_of_one_shard_in_any_order_leave_a_manifest_that_lists_the_s
 
 def test_two_writers_of_one_shard_in_any_order_leave_a_manifest_that_lists_the_stored_bytes_on_s3(registry, replayed, moto_s3, monkeypatch):
     endpoint, client = moto_s3
-    for name, value in {"HARVEST_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
-    get_settings.cache_clear()
     job = _two_prompts(registry)
-    try:
-        for n, order in enumerate(RACES):
-            writes = _race(job, f"s3://shards/race-{n}", order, replayed)
-            read = lambda name, n=n: client.get_object(Bucket="shards", Key=f"race-{n}/{name}")["Body"].read()  # noqa: E731
-            _check_manifest_against_stored_bytes(read, writes, order)
-    finally:
-        get_settings.cache_clear()
+    for n, order in enumerate(RACES):
+        writes = _race(job, f"s3://shards/race-{n}", order, replayed, StorageOptions(s3_endpoint_url=endpoint))
+        read = lambda name, n=n: client.get_object(Bucket="shards", Key=f"race-{n}/{name}")["Body"].read()  # noqa: E731
+        _check_manifest_against_stored_bytes(read, writes, order)

@@ -29,8 +29,8 @@ from flows.harvest import ending
 from harvest.jobfiles import MANIFEST, JobFiles
 from harvest.pipeline import finalize, run_shards, tokenize_job
 from harvest.request import HarvestRequest, resolve_job
-from harvest.settings import get_settings
-from harvest.storage import Storage
+from harvest.storage import Storage, StorageOptions
+from tests.topology import CREDENTIALS
 
 BUCKET = "stale-run"
 
@@ -48,14 +48,9 @@ def moto_s3():
 
 @pytest.fixture
 def on_s3(moto_s3, monkeypatch):
-    for name, value in {"HARVEST_S3_ENDPOINT_URL": moto_s3.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in CREDENTIALS.items():  # boto's own variables
         monkeypatch.setenv(name, value)
-    get_settings.cache_clear()
-    try:
-        yield moto_s3
-    finally:
-        get_settings.cache_clear()
+    return moto_s3
 
 
 @pytest.fixture(params=["disk", "s3"])
@@ -72,7 +67,7 @@ def job(request, tmp_path):
             except s3.client.exceptions.NoSuchKey:
                 return None
 
-        return JobFiles(Storage(f"s3://{BUCKET}/{prefix}")), stored
+        return JobFiles(Storage(f"s3://{BUCKET}/{prefix}", options=StorageOptions(s3_endpoint_url=s3.endpoint))), stored
     folder = tmp_path / "job"
     return JobFiles(Storage(str(folder))), lambda: (folder / MANIFEST).read_bytes() if (folder / MANIFEST).exists() else None
 

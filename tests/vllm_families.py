@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from harvest.settings import get_settings
 
 
 def main(out: Path, names: list[str]) -> None:
@@ -21,7 +22,7 @@ def main(out: Path, names: list[str]) -> None:
     from harvest.errors import HarvestUnsupported
     from harvest.registry import load_registry
 
-    registry = load_registry()
+    registry = load_registry(get_settings())
     for name in names:
         job = json.loads((out / f"{name}.in.json").read_text())
         try:

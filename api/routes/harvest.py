@@ -60,7 +60,7 @@ def _submit(
     """Admit the prepared job under the caps (in the job store of `engine`), write its request,
     start its run."""
     quota = settings.storage_quota_bytes if key.storage_quota is None else key.storage_quota
-    admit(key, job, capacity=load_lanes(settings)[job["lane"]].capacity, storage_quota=quota,
+    admit(key, job, declared=load_lanes(settings)[job["lane"]], storage_quota=quota,
           retention_days=settings.retention_days, engine=engine)
     try:
         # The request goes to storage (never into Prefect parameters), then the run starts. It

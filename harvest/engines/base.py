@@ -15,10 +15,10 @@ import torch
 from harvest.capture import ShardCapture
 from harvest.capture_spec import CaptureSpec
 from harvest.registry import ModelInfo
-from harvest.settings import get_settings
+from harvest.engines.limits import EngineLimits
 
 __all__ = [
-    "Engine", "EngineLoad", "SamplingSpec", "Generation", "ValueSink", "tokens_per_piece", "hand_over",
+    "Engine", "EngineLoad", "SamplingSpec", "Generation", "ValueSink", "hand_over",
 ]
 
 ValueSink = Callable[[int, torch.Tensor], None]
@@ -26,12 +26,6 @@ ValueSink = Callable[[int, torch.Tensor], None]
 its shard (0-based) and its host tensor `[n_layers_kept, n_tokens, n_features]` in the stored
 dtype. A capture given a sink hands every prompt to it, batch by batch, and returns no values,
 so a shard never has to be held whole (`harvest.shard_file`)."""
-
-
-def tokens_per_piece(spec: CaptureSpec, hidden_size: int) -> int:
-    """How many tokens' captured values fit in `HARVEST_ENGINE_PIECE_BYTES` (at least 1)."""
-    per_token = len(spec.layers) * spec.n_features(hidden_size) * torch.empty(0, dtype=spec.stored_dtype).element_size()
-    return max(1, get_settings().engine_piece_bytes // per_token)
 
 
 def hand_over(capture: ShardCapture, sink: ValueSink | None) -> ShardCapture:
@@ -83,6 +77,8 @@ class Engine(ABC):
 
     name: str
     model: ModelInfo
+    limits: EngineLimits = EngineLimits()
+    """What one call may hold (`harvest.engines.limits`); given by whoever makes the engine."""
 
     @abstractmethod
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,

@@ -29,7 +29,7 @@ from harvest.engines.base import Engine
 from harvest.errors import ModelUnavailable
 from harvest.metrics import observe_engine_load
 from harvest.registry import ModelInfo
-from harvest.settings import get_settings
+from harvest.engines.limits import EngineLimits
 
 __all__ = ["EngineChoice", "choose_engine", "load_engine", "vllm_available"]
 
@@ -53,10 +53,10 @@ class EngineChoice:
     reason: str
 
 
-def choose_engine(setting: str | None = None, *, warm: bool = False) -> EngineChoice:
-    """Resolve `HARVEST_ENGINE` (or `setting`) on this machine, for a process that keeps its
-    engine for many jobs (`warm`) or loads it for one."""
-    setting = (setting or get_settings().engine).strip()
+def choose_engine(setting: str, *, warm: bool = False) -> EngineChoice:
+    """Resolve `setting` (`HARVEST_ENGINE`'s value) on this machine, for a process that keeps
+    its engine for many jobs (`warm`) or loads it for one."""
+    setting = setting.strip()
     if setting == "auto":
         if not torch.cuda.is_available():
             return EngineChoice("hf", CPU_WARM if warm else CPU_ONE_OFF)
@@ -68,25 +68,28 @@ def choose_engine(setting: str | None = None, *, warm: bool = False) -> EngineCh
     return EngineChoice(setting, f"HARVEST_ENGINE={setting}")
 
 
-def load_engine(model: ModelInfo, choice: EngineChoice | str | None = None, *, warm: bool = False) -> Engine:
-    """Load `model` on the chosen engine (default: `choose_engine(warm=warm)`); every load is
-    counted with its seconds (`harvest.metrics`: engine servers, inline engines, one-off runs)."""
+def load_engine(model: ModelInfo, choice: EngineChoice | str, limits: EngineLimits, *, warm: bool = False) -> Engine:
+    """Load `model` on the chosen engine (a setting is resolved by `choose_engine`), within
+    `limits`; every load is counted with its seconds (`harvest.metrics`: engine servers, inline
+    engines, one-off runs)."""
     if not isinstance(choice, EngineChoice):
         choice = choose_engine(choice, warm=warm)
     started = time.perf_counter()
-    engine = _construct(model, choice)
+    engine = _construct(model, choice, limits)
     observe_engine_load(model.lane, model.name, choice.name, time.perf_counter() - started)
     return engine
 
 
-def _construct(model: ModelInfo, choice: EngineChoice) -> Engine:
+def _construct(model: ModelInfo, choice: EngineChoice, limits: EngineLimits) -> Engine:
     if choice.name == "vllm":
         from harvest.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model)
+        return VLLMEngine(model, limits)
     if choice.name == "hf":
         from harvest.engines.hf import HFEngine
 
-        return HFEngine(model)
+        return HFEngine(model, limits=limits)
     module, _, cls = choice.name.partition(":")
-    return getattr(importlib.import_module(module), cls)(model)
+    engine = getattr(importlib.import_module(module), cls)(model)  # an engine of its own takes the model only
+    engine.limits = limits
+    return engine

@@ -24,12 +24,12 @@ import torch
 
 from harvest.capture import Landing, PromptReducer, ShardCapture, StopForward, block_hooks, check_capture
 from harvest.capture_spec import CaptureSpec
-from harvest.engines.base import Engine, ValueSink, tokens_per_piece
+from harvest.engines.base import Engine, ValueSink
+from harvest.engines.limits import EngineLimits
 from harvest.engines.hf_model import decoder, decoder_blocks, packed_attention_mask
 from harvest.engines.packing import Pass, PassCost, packed_inputs, plan_for
 from harvest.errors import ModelUnavailable
 from harvest.registry import ModelInfo
-from harvest.settings import get_settings
 
 __all__ = ["HFEngine", "load_hf_model", "check_packable"]
 
@@ -56,8 +56,9 @@ def check_packable(hf_model, name: str) -> None:
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, model: ModelInfo, device: torch.device | None = None):
+    def __init__(self, model: ModelInfo, device: torch.device | None = None, limits: EngineLimits = EngineLimits()):
         self.model = model
+        self.limits = limits
         self.hf_model = load_hf_model(model, device)
         check_packable(self.hf_model, model.name)
         self.device = next(self.hf_model.parameters()).device
@@ -71,11 +72,10 @@ class HFEngine(Engine):
         """The packed forward passes for prompts of these lengths (`harvest.engines.packing`):
         rows planned for them, for this model on this device and the `blocks_run` a pass runs
         (default all), at most `batch_size` prompts and `max_tokens` (default
-        `HARVEST_ENGINE_BATCH_TOKENS`) tokens a pass."""
-        settings = get_settings()
+        `self.limits.batch_tokens`) tokens a pass."""
         cost = PassCost.of_model(self.params_per_block, self.model.hidden_size, blocks_run or len(self.blocks), self.device.type)
-        return plan_for(lengths, cost, batch_tokens=max_tokens or settings.engine_batch_tokens, max_prompts=batch_size,
-                        row_tokens=settings.engine_row_tokens)
+        return plan_for(lengths, cost, batch_tokens=max_tokens or self.limits.batch_tokens, max_prompts=batch_size,
+                        row_tokens=self.limits.row_tokens)
 
     def capture(self, prompts: list[list[int]], spec: CaptureSpec, *, batch_size: int | None = None,
                 sink: ValueSink | None = None) -> ShardCapture:
@@ -93,7 +93,7 @@ class HFEngine(Engine):
         position = [p for shard in shards for p in range(len(shard))]
         values: list[torch.Tensor | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
-        max_tokens = min(get_settings().engine_batch_tokens, tokens_per_piece(spec, self.model.hidden_size))
+        max_tokens = min(self.limits.batch_tokens, self.limits.tokens_per_piece(spec, self.model.hidden_size))
 
         def hand_out(batch_values: list[tuple[int, torch.Tensor]], landing: Landing) -> None:
             landing.wait()

@@ -36,7 +36,8 @@ import torch
 from harvest.architectures import attention_shapes
 from harvest.capture import ShardCapture
 from harvest.capture_spec import CaptureSpec
-from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink, tokens_per_piece
+from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
+from harvest.engines.limits import EngineLimits
 from harvest.engines.vllm_worker import INDEX_KEY, CapturePlan, in_process
 from harvest.errors import CaptureFailed, ContextLengthExceeded, HarvestUnsupported, ModelUnavailable
 from harvest.registry import ModelInfo
@@ -187,8 +188,9 @@ class VLLMEngine(Engine):
 
     name = "vllm"
 
-    def __init__(self, model: ModelInfo, **engine_args: Any):
+    def __init__(self, model: ModelInfo, limits: EngineLimits = EngineLimits(), **engine_args: Any):
         """`engine_args` go to `vllm.LLM` over the defaults (e.g. `max_num_batched_tokens`)."""
+        self.limits = limits
         on_cpu = not cuda_present()
         # In-process on every device: the reduced shard then reaches the driver without being
         # serialised (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to run the engine core apart).
@@ -313,7 +315,7 @@ class VLLMEngine(Engine):
         handing: Future | None = None
         hands = ThreadPoolExecutor(1, thread_name_prefix="harvest-sinks") if self.on_gpu and any(sinks) else None
         try:
-            for group in _groups([len(p) for p in prompts], tokens_per_piece(spec, self.model.hidden_size)):
+            for group in _groups([len(p) for p in prompts], self.limits.tokens_per_piece(spec, self.model.hidden_size)):
                 in_group = sorted({owner[i] for i in group})
                 part_of = {k: n for n, k in enumerate(in_group)}
                 parts = [part_of[owner[i]] for i in group] if len(in_group) > 1 else None

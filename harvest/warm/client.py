@@ -16,10 +16,11 @@ from harvest.cpu_share import with_passive_waits
 from harvest.credentials import handed
 from harvest.engines.base import Engine, EngineLoad, ValueSink
 from harvest.engines.choice import choose_engine, load_engine
+from harvest.engines.limits import EngineLimits
 from harvest.heap import TrimEvery
 from harvest.private_files import open_private_log
 from harvest.registry import ModelInfo
-from harvest.settings import Settings, get_settings
+from harvest.settings import Settings
 from harvest.shard_file import FileDigest, StagedShard
 from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send, send_fd
 
@@ -34,8 +35,9 @@ class EngineLost(ConnectionError):
     """The engine server went away (killed, out of memory) while it had our request."""
 
 
-def engine_server_env(environ: Mapping[str, str], home) -> dict[str, str]:
-    """The environment an engine server is handed: the run's, less everything it does not use.
+def engine_server_env(environ: Mapping[str, str], settings: Settings) -> dict[str, str]:
+    """The environment an engine server is handed: the run's configuration (`settings`, as
+    variables), and of the run's environment what it uses.
 
     - No secret at all (`harvest.credentials.handed` with no needs): it reads weights from the
       host's disk and answers runs on a Unix socket, so it needs neither storage credentials,
@@ -45,9 +47,11 @@ def engine_server_env(environ: Mapping[str, str], home) -> dict[str, str]:
       password; nor the run's own identity (`PREFECT__FLOW_RUN_ID` and the rest of Prefect's
       per-run context): the server serves every later run of the host, and a process carrying
       one run's id after it ended would pass for that run to whoever looks.
+    - Of `HARVEST_*`, the run's configuration as it was handed to the run (a test's or a
+      notebook's `Settings` as well as a worker's environment), less the metrics token.
     """
-    env = {k: v for k, v in handed(environ).items() if not k.startswith("PREFECT_")}
-    return with_passive_waits({**env, "HARVEST_HOME": str(home)})
+    env = {k: v for k, v in handed(environ).items() if not k.startswith(("PREFECT_", "HARVEST_"))}
+    return with_passive_waits({**env, **settings.as_environment(leave_out=frozenset({"metrics_token"}))})
 
 
 def _start_server(files: GroupFiles, settings: Settings) -> None:
@@ -57,7 +61,7 @@ def _start_server(files: GroupFiles, settings: Settings) -> None:
     log = open_private_log(files.log, "a")  # owner-only, as every log (`harvest.private_files`)
     subprocess.Popen(
         [sys.executable, "-m", "harvest.warm.server", "--group", files.group],
-        env=engine_server_env(os.environ, settings.home),
+        env=engine_server_env(os.environ, settings),
         cwd=str(settings.home),
         stdin=subprocess.DEVNULL,
         stdout=log,
@@ -205,14 +209,13 @@ class RemoteEngine(Engine):
             self.conn = None
 
 
-def open_engine(model: ModelInfo, placement: dict | None, settings: Settings | None = None) -> tuple[Engine, EngineLoad]:
+def open_engine(model: ModelInfo, placement: dict | None, settings: Settings) -> tuple[Engine, EngineLoad]:
     """The run's engine: its host group's warm one on a worker host (`placement` is its
-    slot), else one loaded here."""
-    settings = settings or get_settings()
+    slot), else one loaded here; either within the limits `settings` give."""
     started = time.perf_counter()
     if placement is None:
-        choice = choose_engine()
-        engine = load_engine(model, choice)
+        choice = choose_engine(settings.engine)
+        engine = load_engine(model, choice, EngineLimits.of(settings))
         return engine, EngineLoad(engine.name, choice.reason, False, time.perf_counter() - started)
     files = GroupFiles(settings.home, group_name(placement.get("devices")))
     engine = RemoteEngine(model, files, settings.engine, settings)

@@ -30,7 +30,8 @@ from harvest.capture_spec import CaptureSpec
 from harvest.engines.choice import EngineChoice, choose_engine, load_engine
 from harvest.heap import TrimEvery, give_back_free_memory
 from harvest.registry import load_registry
-from harvest.settings import get_settings
+from harvest.engines.limits import EngineLimits
+from harvest.settings import Settings, get_settings
 from harvest.shard_file import ShardFill, token_bytes
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
 from harvest.warm.cache import EngineCache, Loaded
@@ -77,14 +78,14 @@ class _FileSink:
 
 
 class EngineServer:
-    def __init__(self, files: GroupFiles, capacity: int, idle_s: float, cobatch: tuple[int, float] = (1, 0.1), *,
-                 trim_every: int):
+    def __init__(self, files: GroupFiles, settings: Settings):
         self.files = files
-        self.idle_s = idle_s
-        self.trim_every = trim_every  # bytes of values sent between two trims of the heap (`_Stream`)
-        self.cobatch = cobatch  # CobatchedEngine's max_shards and wait_s
-        self.registry = load_registry()
-        self.cache = EngineCache(capacity, self._load)
+        self.settings = settings
+        self.idle_s = settings.engine_idle_s
+        self.trim_every = settings.engine_piece_bytes  # bytes of values sent between two trims of the heap (`_Stream`)
+        self.limits = EngineLimits.of(settings)
+        self.registry = load_registry(settings)
+        self.cache = EngineCache(settings.engine_models_per_group, self._load)
         self.clients = 0
         self.last_seen = time.monotonic()
         self.lock = threading.Lock()
@@ -92,8 +93,9 @@ class EngineServer:
 
     def _load(self, key: tuple[str, str]) -> CobatchedEngine:
         model, engine = key
-        settings = get_settings()
-        return CobatchedEngine(load_engine(self.registry.get(model), EngineChoice(engine, "")), *self.cobatch,
+        settings = self.settings
+        return CobatchedEngine(load_engine(self.registry.get(model), EngineChoice(engine, ""), self.limits),
+                               settings.engine_cobatch_shards, settings.engine_cobatch_wait_s,
                                turn_tokens=settings.engine_turn_tokens, turn_s=settings.engine_turn_s)
 
     # -- one client -----------------------------------------------------------------------
@@ -218,9 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", required=True, help="the GPU group's name (harvest.warm.protocol.group_name)")
     args = parser.parse_args(argv)
     settings = get_settings()
-    server = EngineServer(GroupFiles(settings.home, args.group), settings.engine_models_per_group, settings.engine_idle_s,
-                          (settings.engine_cobatch_shards, settings.engine_cobatch_wait_s),
-                          trim_every=settings.engine_piece_bytes)
+    server = EngineServer(GroupFiles(settings.home, args.group), settings)
 
     def stop(signum, frame):
         raise SystemExit(0)
