@@ -326,15 +326,11 @@ class Supervisor:
     # Stop order: API first (no new jobs), then workers (and their flow runs), the server last.
     ORDER = {"api": 0, "prefect-server": 2, "prefect-services": 3}
 
-    def __init__(self, prog: str):
-        from fleet.settings import FleetSettings
-        from harvest.settings import get_settings
-
-        settings = get_settings(FleetSettings)
+    def __init__(self, prog: str, restart_limit: int, restart_window_s: float):
         self.prog = prog
         self.stopping = threading.Event()
-        self.restart_limit = settings.restart_limit
-        self.restart_window_s = settings.restart_window_s
+        self.restart_limit = restart_limit
+        self.restart_window_s = restart_window_s
         self.restarts: dict[int, list[float]] = {}  # id(child) -> monotonic times of its restarts
 
     def watch(self) -> int:
@@ -374,7 +370,11 @@ def serve(prog: str, start: Callable[[], dict[str, str] | list[str]], on_stop: C
 
     `start` returns the lines to print (a dict prints as NAME=value) once everything answers.
     """
-    supervisor = Supervisor(prog)
+    from fleet.settings import FleetSettings
+    from harvest.settings import get_settings
+
+    settings = get_settings(FleetSettings)  # the role's process: its operator's settings
+    supervisor = Supervisor(prog, settings.restart_limit, settings.restart_window_s)
 
     def on_signal(signum, frame):
         # Never take a lock here (no Event.set): the handler runs in the main thread, possibly

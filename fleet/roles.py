@@ -140,27 +140,26 @@ API_APP = "api.app:create_app"
 """The app factory an API replica runs (`api_command`)."""
 
 
-def api_command(app: str, host: str, port: int, *, log_level: str | None = None) -> list[str]:
+def api_command(app: str, host: str, port: int, *, trusted_proxies: str = "", log_level: str | None = None) -> list[str]:
     """The command line of one API replica process: the app factory `app` under uvicorn with
     the replica's HTTP parsing bounds (`api.http_server`, read from its own environment), proxy
-    headers believed only from HARVEST_TRUSTED_PROXIES (`fleet.proxies`, read here, as the
-    operator set it for the role). `start_api_replica` and the tests' `ApiServer` run it."""
-    from fleet.settings import FleetSettings
-    from harvest.settings import get_settings
-
+    headers believed only from `trusted_proxies` (`fleet.proxies`: HARVEST_TRUSTED_PROXIES as
+    the operator set it for the role; none by default). `start_api_replica` and the tests'
+    `ApiServer` run it."""
     return [sys.executable, "-m", "api.http_server", app, "--host", host, "--port", str(port),
-            *uvicorn_proxy_args(get_settings(FleetSettings).trusted_proxies),
+            *uvicorn_proxy_args(trusted_proxies),
             *(["--log-level", log_level] if log_level else [])]
 
 
 def start_api_replica(
     home: Path, host: str, port: int, env: dict[str, str] | None = None, timeout: float = 90, *, app: str = API_APP,
+    trusted_proxies: str = "",
 ) -> tuple[Managed, str]:
-    """One uvicorn API process on host:port running the factory `app` (`api_command`); returns
-    it and its `ACS_API_BASE` once it answers."""
+    """One uvicorn API process on host:port running the factory `app` (`api_command`, with
+    `trusted_proxies`); returns it and its `ACS_API_BASE` once it answers."""
     api = Managed(
         "api",
-        api_command(app, host, port),
+        api_command(app, host, port, trusted_proxies=trusted_proxies),
         {**handed({**os.environ, **(env or {})}, API_NEEDS), "HARVEST_HOME": str(home), "HARVEST_PORT": str(port),
          # its counts directory, its children's too (`api.metrics`, `harvest.metrics`)
          MULTIPROC_ENV: str(fresh_directory(home / "metrics" / f"api-{port}"))},
@@ -338,7 +337,7 @@ def api_main(argv: list[str]) -> int:
     _prefect_api_url("harvest api", f"{socket.gethostname()}-api-{port}")
 
     def start() -> dict[str, str]:
-        _, base = start_api_replica(_home(), args.host or settings.host, port)
+        _, base = start_api_replica(_home(), args.host or settings.host, port, trusted_proxies=settings.trusted_proxies)
         return {"ACS_API_BASE": base}
 
     return serve("harvest api", start)

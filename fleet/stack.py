@@ -39,6 +39,7 @@ from pathlib import Path
 
 from fleet.processes import serve, start_server
 from fleet.roles import apply_control_plane, start_api_replica, start_worker_host
+from fleet.settings import FleetSettings
 from flows.prefect_auth import SERVER_ENV, server_auth, use_client_auth
 from harvest.lanes import load_lanes
 from harvest.placement import visible_gpus
@@ -122,7 +123,7 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
             for lane in load_lanes(get_settings()).values()
         ]
         key = key_f.result()
-        api_f = pool.submit(start_api_replica, home, "127.0.0.1", port)
+        api_f = pool.submit(start_api_replica, home, "127.0.0.1", port, trusted_proxies=get_settings(FleetSettings).trusted_proxies)
         imports_f.result()
         names = apply_control_plane(api_url)
         _say(f"deployed {', '.join(names)} ({time.monotonic() - started:.1f} s)")
@@ -137,7 +138,6 @@ def up(home: Path, port: int, prefect_port: int) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    from fleet.settings import FleetSettings
 
     parser = argparse.ArgumentParser(prog="harvest up", description="Start the whole harvest service on this machine.")
     parser.add_argument("--port", type=int, help="API port (default HARVEST_PORT, 8000)")

@@ -337,7 +337,8 @@ class ApiServer:
         logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                api_command(self.app, "127.0.0.1", self.port, log_level="warning"),  # the replica's, as shipped
+                api_command(self.app, "127.0.0.1", self.port, trusted_proxies=env.get("HARVEST_TRUSTED_PROXIES", ""),
+                            log_level="warning"),  # the replica's, as shipped
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout

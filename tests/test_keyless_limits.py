@@ -42,7 +42,6 @@ class Replica:
 
     def __enter__(self) -> "Replica":
         from fleet.roles import start_api_replica
-        from harvest.settings import get_settings
 
         env = {
             "HARVEST_DATABASE_URL": self.database_url,
@@ -57,14 +56,9 @@ class Replica:
             "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://prefect:pw@127.0.0.1:9/prefect",
             "PYTHONPATH": str(REPO),
         }
-        # The launcher reads the operator's setting in its own process, as `harvest api` does.
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("HARVEST_TRUSTED_PROXIES", self.trusted)
-            get_settings.cache_clear()
-            try:
-                self.managed, base = start_api_replica(self.home, "127.0.0.1", free_port(), env, timeout=180, app=FILE_RUNS_APP)
-            finally:
-                get_settings.cache_clear()
+        # The launcher hands the replica the operator's setting, as `harvest api` does.
+        self.managed, base = start_api_replica(self.home, "127.0.0.1", free_port(), env, timeout=180, app=FILE_RUNS_APP,
+                                               trusted_proxies=self.trusted)
         self.base_url = base
         self.root = self.base_url.removesuffix("/v1")
         return self

@@ -18,15 +18,8 @@ def crasher(tmp_path):
     Managed.started.remove(child)
 
 
-def test_a_child_that_keeps_dying_is_restarted_a_bounded_number_of_times(crasher, monkeypatch, capsys):
-    monkeypatch.setenv("HARVEST_RESTART_LIMIT", "3")
-    from harvest.settings import get_settings
-
-    get_settings.cache_clear()
-    try:
-        supervisor = Supervisor("test")
-    finally:
-        get_settings.cache_clear()
+def test_a_child_that_keeps_dying_is_restarted_a_bounded_number_of_times(crasher, capsys):
+    supervisor = Supervisor("test", restart_limit=3, restart_window_s=300)
     pids = {crasher.pid}
     for n in range(1, 4):
         crasher.proc.wait(timeout=10)
