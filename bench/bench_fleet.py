@@ -34,7 +34,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.topology import Fleet  # noqa: E402
+from testbed.topology import Fleet  # noqa: E402
 
 
 def _one_job(fleet: Fleet, submit_to, wait_on, n: int) -> dict:

@@ -107,7 +107,7 @@ def fuzz_env(home: Path) -> dict[str, str]:
 def fuzz_server(home: Path, store: str = "sqlite", name: str = "fuzz"):
     """A fuzz run's API (`fuzz_env`) under `home`, on SQLite or on PostgreSQL (a schema of its
     own, dropped after), and a key with room on every lane."""
-    from tests.api_fixtures import ApiServer, drop_pg_schema, pg_schema_url
+    from testbed.api_server import ApiServer, drop_pg_schema, pg_schema_url
 
     env = fuzz_env(home)
     schema = f"harvest_{name}_{os.getpid()}_{int(time.time())}"

@@ -31,7 +31,7 @@ def parity(on_gpu: bool) -> list[tuple[str, bool, str]]:
     from harvest.engines.vllm import VLLMEngine
     from harvest.registry import load_registry
     from harvest.tokenize import load_tokenizer
-    from tests.reference import hf_reference_layers
+    from testbed.reference import hf_reference_layers
 
     tiny = load_registry(get_settings()).get("llama-tiny")
     # FLEX_ATTENTION on a GPU: vLLM's default float32 backend there (TRITON_ATTN) rounds like

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import FLOW_ENV_APP, ApiServer, drop_pg_schema, harvest_api_env, pg_schema_url
 from tests.fault_proxy import FaultProxy
-from tests.flow_env_runs import write_flow_env
+from testbed.flow_env_runs import write_flow_env
 
 __all__ = ["FaultsApi", "faults_api"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harvest.gguf_checkpoint import GGUFSource
-from tests.reference import hf_reference_layers
+from testbed.reference import hf_reference_layers
 from tests.smollm2_reference import GGUF, MODEL, N_LAYERS, PROMPTS
 
 

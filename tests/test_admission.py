@@ -37,7 +37,7 @@ import pytest
 from api.errors import ReplicaBusy
 from harvest.errors import InvalidRequest
 from harvest.lanes import Lane
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import ApiServer
 from tests.proc_threads import autogroup_nice, slices_supported, thread_slices, thread_stats
 from harvest.settings import get_settings

@@ -16,7 +16,7 @@ import pytest
 import api.errors
 import harvest.errors as errors
 
-from tests import http_calls
+from testbed import http_calls
 
 REPO = Path(__file__).resolve().parent.parent
 VOCABULARY = (errors, api.errors)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import insert, select
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import ApiServer, harvest_api_env
 
 OK = {"model": "llama-tiny", "prompts": ["The sky is"], "layers": [1]}

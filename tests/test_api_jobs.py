@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_tensors
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import finish_run, set_run
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Interpretability research reads the residual stream.", "Hi"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.test_api_jobs import _auth, _get, _submit
 from tests.api_fixtures import set_run
 

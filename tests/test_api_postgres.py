@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import pg_api_server, set_run
 
 

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from safetensors.torch import load as load_tensors
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import ApiServer, finish_run, free_port, harvest_api_env
 
 BUCKET = "harvest-test"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import PRODUCTION_APP, ApiServer, harvest_up
 
 REPO = Path(__file__).resolve().parent.parent

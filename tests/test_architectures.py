@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import load_file
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import finish_run
-from tests.reference import decoder_blocks_of, hf_reference_layers
+from testbed.reference import decoder_blocks_of, hf_reference_layers
 from tests.test_residual_codec import decode_residual_stream
 
 FAMILIES = {

@@ -9,7 +9,7 @@ import torch
 from harvest.capture_spec import CaptureSpec
 from harvest.errors import CaptureFailed
 from harvest.tokenize import load_tokenizer
-from tests.reference import bf16_tolerance, hf_reference_layers
+from testbed.reference import bf16_tolerance, hf_reference_layers
 
 PROMPTS = [
     "The sky is",

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from harvest_client import ActivationDataset, Client, HarvestClientError, UnsafeManifest
 from harvest_client.download import Downloader
-from tests import http_calls
+from testbed import http_calls
 from tests.fault_proxy import FaultProxy
 
 pytest_plugins = ["tests.client_fixtures"]

@@ -18,7 +18,7 @@ import torch
 from harvest.capture_spec import CaptureSpec
 from harvest.tokenize import load_tokenizer
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
-from tests.reference import bf16_tolerance, hf_reference_layers
+from testbed.reference import bf16_tolerance, hf_reference_layers
 
 LAYERS = [1, 4]
 

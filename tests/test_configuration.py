@@ -14,14 +14,14 @@ from harvest.engines.limits import EngineLimits
 from harvest.registry import load_registry
 from harvest.settings import get_settings
 from harvest.storage import open_storage
-from tests.topology import CREDENTIALS
+from testbed.topology import CREDENTIALS
 
 BUCKET = "configurations"
 
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    from tests.topology import MotoS3
+    from testbed.topology import MotoS3
 
     s3 = MotoS3("127.0.0.1", BUCKET)
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from flows.prefect_auth import basic_header, client_auth, server_auth
 
-from tests import http_calls
+from testbed import http_calls
 
 
 def test_the_session_prefect_api_answers_401_without_its_password(prefect_server):

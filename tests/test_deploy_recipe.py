@@ -252,7 +252,7 @@ def _arg_default(name: str) -> set[str]:
 
 
 def test_compose_mirrors_the_fleet_topology():
-    from tests.topology import Fleet
+    from testbed.topology import Fleet
 
     services = _services()
     postgres = [n for n, s in services.items() if str(s.get("image", "")).split("/")[-1].startswith("postgres")]

@@ -37,7 +37,7 @@ from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
 from harvest.shard_file import HOLD_BYTES, StagedShard
 from harvest.storage import Storage
-from tests.reference import bf16_tolerance, hf_reference_layers
+from testbed.reference import bf16_tolerance, hf_reference_layers
 
 MiB = 1 << 20
 

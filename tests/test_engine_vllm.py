@@ -36,7 +36,7 @@ from harvest.engines.base import SamplingSpec
 from harvest.engines.choice import vllm_available
 from harvest.errors import CaptureFailed
 from harvest.tokenize import load_tokenizer
-from tests.reference import hf_reference_layers
+from testbed.reference import hf_reference_layers
 
 CHUNK = 64
 LAYERS = [0, 3, 7]  # layer 0 and the last block (llama-tiny has 8)

@@ -16,7 +16,7 @@ import httpx
 import psycopg
 from sqlalchemy import create_engine, text
 
-from tests import http_calls
+from testbed import http_calls
 from tests.slow_engine import slow_shards
 
 pytest_plugins = ["tests.faults_fixtures"]

@@ -31,7 +31,7 @@ from harvest.request import HarvestRequest, resolve_job
 from harvest.shards import read_part, verified_part
 from harvest.storage import Storage, StorageOptions
 from tests.test_shard_writer import LastBitApart, Replay
-from tests.topology import CREDENTIALS
+from testbed.topology import CREDENTIALS
 
 BUCKET = "fencing"
 SHARD = shard_name(0)
@@ -221,7 +221,7 @@ def two_prompts(registry):
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    from tests.topology import MotoS3
+    from testbed.topology import MotoS3
 
     s3 = MotoS3("127.0.0.1", BUCKET)
     try:

@@ -23,8 +23,8 @@ from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage
 from harvest.tokenize import load_tokenizer
-from tests import http_calls
-from tests.reference import hf_reference_layers
+from testbed import http_calls
+from testbed.reference import hf_reference_layers
 from tests.test_pipeline import RecordingStorage
 
 pytest_plugins = ["tests.faults_fixtures"]

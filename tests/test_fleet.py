@@ -1,4 +1,4 @@
-"""The production topology, end to end (`tests.topology`): a control plane on PostgreSQL, two API
+"""The production topology, end to end (`testbed.topology`): a control plane on PostgreSQL, two API
 replicas on one PostgreSQL job store, two worker hosts of the `small` lane in network
 namespaces of their own, files on moto's S3 server, nothing else shared.
 
@@ -33,11 +33,11 @@ import psutil
 import psycopg
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import wait_for_longpoll_waiters
 from tests.background import Background, start_if_awaited
 from tests.slow_engine import slow_shards
-from tests.topology import Fleet
+from testbed.topology import Fleet
 
 ORDER = {"pending": 0, "running": 1, "done": 2, "failed": 2, "cancelled": 2}
 

@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import serve_in_thread
 
 HEAD_TIMEOUT_S = 0.5

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import FILE_RUNS_APP, REPO, free_port
 
 BURST = 5

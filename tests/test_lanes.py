@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import TEST_LANES, finish_run, set_run
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,10 +25,14 @@ LAYERS = ("harvest", "tasks", "flows", "api", "fleet")
 
 # What each package must not name, as package prefixes; `ALLOWED` makes exceptions.
 FORBIDDEN = {
-    "harvest": ("api", "flows", "fleet", "tasks"),
-    "tasks": ("api", "flows", "fleet"),
-    "flows": ("api", "fleet"),
-    "api": ("fleet", "flows", "tasks"),
+    "harvest": ("api", "flows", "fleet", "tasks", "testbed", "tests"),
+    "tasks": ("api", "flows", "fleet", "testbed", "tests"),
+    "flows": ("api", "fleet", "testbed", "tests"),
+    "api": ("fleet", "flows", "tasks", "testbed", "tests"),
+    "fleet": ("testbed", "tests"),
+    # The benches share the test bed with the tests (`testbed`), never the tests themselves.
+    "bench": ("tests",),
+    "testbed": ("tests",),
 }
 # The facade's doors into the orchestration layer: starting, cancelling and reading runs, and
 # the one mapping of a run to a job's status (a light module: naming a status imports no Prefect).
@@ -116,10 +120,10 @@ def stale(root: Path) -> list[str]:
     `module:attr` anywhere in its Python (tests and benchmarks included) that does not exist:
     a reference a move left behind. (A plain `a.b` string may be a file or logger name.)"""
     bad = []
-    for path in sorted(p for top in (*LAYERS, "tests", "bench") for p in (root / top).rglob("*.py")):
+    for path in sorted(p for top in (*LAYERS, "tests", "bench", "testbed") for p in (root / top).rglob("*.py")):
         for line, module in names(path.read_text(), dotted=False):
             top = module.split(".")[0]
-            if top in LAYERS and "." in module and not _exists(root, module):
+            if top in (*LAYERS, "tests", "testbed") and "." in module and not _exists(root, module):
                 bad.append(f"{path.relative_to(root)}:{line}: {module}")
     return bad
 
@@ -163,9 +167,9 @@ ROLE = "api"
 
 def test_every_layer_is_scanned():
     """A package added to the service gets a rule here, or this fails."""
-    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "client", "bench", "notebooks"}
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "client", "bench", "notebooks", "testbed"}
     assert packages == set(LAYERS), packages
-    assert set(FORBIDDEN) | {"fleet"} == set(LAYERS)
+    assert set(FORBIDDEN) == set(LAYERS) | {"bench", "testbed"}
 
 
 def test_each_class_has_one_home():

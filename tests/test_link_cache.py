@@ -22,7 +22,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from sqlalchemy import update
 
-from tests import http_calls
+from testbed import http_calls
 
 N_SHARDS = 4096
 

@@ -42,7 +42,7 @@ from flows.liveness import (
     PENDING_AUTOMATION,
     apply_automations_sync,
 )
-from tests import http_calls
+from testbed import http_calls
 from tests.background import Background, start_if_awaited
 from tests.prefect_fixtures import deploy_pool
 from tests.slow_engine import slow_shards

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import http_calls
+from testbed import http_calls
 
 pytest_plugins = ["tests.client_fixtures"]
 

@@ -1,4 +1,4 @@
-"""tests.netns: hosts reach the root namespace only through the bridge, not its 127.0.0.1;
+"""testbed.netns: hosts reach the root namespace only through the bridge, not its 127.0.0.1;
 kill_all leaves nothing running; nothing is left behind, also when a test fails."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.netns import Host, Network
+from testbed.netns import Host, Network
 
 PYTHON = sys.executable if os.path.exists(sys.executable) else "/usr/bin/python3"
 

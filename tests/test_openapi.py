@@ -8,7 +8,7 @@ import pytest
 
 from harvest.registry import load_registry
 from harvest.settings import Settings
-from tests import http_calls
+from testbed import http_calls
 
 KEYED = {"POST /v1/harvest", "GET /v1/harvest", "GET /v1/harvest/{job_id}", "DELETE /v1/harvest/{job_id}",
          "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}

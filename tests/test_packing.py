@@ -27,7 +27,7 @@ from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage
 from harvest.tokenize import load_tokenizer
-from tests.reference import bf16_tolerance, hf_reference_layers
+from testbed.reference import bf16_tolerance, hf_reference_layers
 
 MAX_LEN = 2048  # llama-tiny's max_model_len
 

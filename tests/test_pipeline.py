@@ -15,7 +15,7 @@ from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage
 from harvest.tokenize import load_tokenizer
-from tests.reference import hf_reference_layers
+from testbed.reference import hf_reference_layers
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -12,7 +12,7 @@ from harvest.capture_spec import CaptureSpec
 from harvest.errors import InvalidRequest
 from harvest.projection import decode_directions
 from harvest.tokenize import load_tokenizer
-from tests.reference import hf_reference_layers
+from testbed.reference import hf_reference_layers
 
 HIDDEN = 256
 

@@ -34,7 +34,7 @@ import pytest
 import redis
 
 from fleet.prefect_endpoints import ApiForwarder, preference
-from tests.topology import HARVEST, Role, _create_database, _drop_database, clean_env
+from testbed.topology import HARVEST, Role, _create_database, _drop_database, clean_env
 
 REDIS = "redis://127.0.0.1:6379"
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import event
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import serve_in_thread, set_run
 from tests.test_api_jobs import _auth, _get, _submit, _until, done_job  # noqa: F401 - done_job is a fixture
 

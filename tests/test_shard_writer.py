@@ -26,7 +26,7 @@ from harvest.pipeline import capture_shard, finalize, run_job, run_shards, token
 from harvest.request import HarvestRequest, resolve_job
 from harvest.stats import RunningStats
 from harvest.storage import Storage, StorageOptions
-from tests.topology import CREDENTIALS
+from testbed.topology import CREDENTIALS
 
 
 class Timeline:
@@ -119,7 +119,7 @@ def test_a_write_that_fails_fails_the_job_after_the_shard_in_flight_and_leaves_n
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    from tests.topology import MotoS3
+    from testbed.topology import MotoS3
 
     s3 = MotoS3("127.0.0.1", "shards")
     try:

@@ -27,7 +27,7 @@ from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
 from harvest.storage import Storage
-from tests.reference import hf_reference_layers
+from testbed.reference import hf_reference_layers
 from tests.smollm2_reference import GGUF, HIDDEN, MODEL, N_LAYERS, PROMPTS, agreement, assert_layers_match
 from tests.test_residual_codec import decode_residual_stream
 

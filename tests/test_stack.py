@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 
 REPO = Path(__file__).resolve().parent.parent
 READY = ("ACS_API_BASE", "ACS_API_KEY", "PREFECT_UI")

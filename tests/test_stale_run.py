@@ -30,14 +30,14 @@ from harvest.jobfiles import MANIFEST, JobFiles
 from harvest.pipeline import finalize, run_shards, tokenize_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage, StorageOptions
-from tests.topology import CREDENTIALS
+from testbed.topology import CREDENTIALS
 
 BUCKET = "stale-run"
 
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    from tests.topology import MotoS3
+    from testbed.topology import MotoS3
 
     s3 = MotoS3("127.0.0.1", BUCKET)
     try:

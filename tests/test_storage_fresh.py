@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import ApiServer, harvest_api_env
 from tests.fault_proxy import FaultProxy
 from tests.slow_engine import slow_shards

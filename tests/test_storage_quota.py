@@ -27,7 +27,7 @@ from sqlalchemy import func, select, update
 
 from api.db import charge_ledger, jobs, utcnow
 from api.store import key_usage
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import finish_run, pg_api_server, set_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

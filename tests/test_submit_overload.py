@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import PRODUCTION_APP, ApiServer
 from tests.fault_proxy import FaultProxy
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import harvest_up
 from tests.slow_engine import slow_shards
 from tests.test_api_s3 import BUCKET, CREDENTIALS, _boto_credentials, moto_endpoint  # noqa: F401

@@ -41,7 +41,7 @@ from harvest.warm.client import engine_status
 from harvest.warm.protocol import GroupFiles, unix_socket_path
 from tests.api_fixtures import SECOND_SMALL_MODEL
 from tests.prefect_fixtures import REPO, WORKER_ENV, deploy_pool
-from tests.reference import bf16_tolerance, hf_reference_layers
+from testbed.reference import bf16_tolerance, hf_reference_layers
 from tests.slow_engine import recorded_calls, slow_shards
 
 POOL = "warm-host"

@@ -17,9 +17,9 @@ import pytest
 
 import time
 
-from tests import http_calls
+from testbed import http_calls
 from tests.api_fixtures import FLOW_ENV_APP, ApiServer
-from tests.flow_env_runs import write_flow_env
+from testbed.flow_env_runs import write_flow_env
 from tests.slow_engine import slow_shards
 
 INTERVAL_S = 30
@@ -29,7 +29,7 @@ SHARD_S = 1.5
 @pytest.fixture(scope="module")
 def slow_ticking_api(harvest_home, harvest_stack, tiny):
     """Production's run store (`PrefectRuns`), handing its runs the environment in
-    `server.flow_env` (none at first: `tests.flow_env_runs`)."""
+    `server.flow_env` (none at first: `testbed.flow_env_runs`)."""
     flow_env = harvest_home / "api" / "slow-ticks-flow-env.json"
     flow_env.parent.mkdir(parents=True, exist_ok=True)
     write_flow_env(flow_env, {})

@@ -10,7 +10,7 @@
 
 Each role has its own HARVEST_HOME and working directory and shares only what the fleet
 shares: PostgreSQL, S3 and Prefect. A worker host lives in a network namespace
-(`tests.netns`), so its 127.0.0.1 is its own: it can reach Prefect and S3 only at the
+(`testbed.netns`), so its 127.0.0.1 is its own: it can reach Prefect and S3 only at the
 bridge's address, as a real host would over the network, and nothing of another host's. The
 replicas stay in the root namespace because PostgreSQL listens on 127.0.0.1 only (workers
 never need the job store).
@@ -38,8 +38,8 @@ import psutil
 import psycopg
 
 from fleet.processes import Managed, free_port
-from tests import http_calls
-from tests.netns import Host, Network
+from testbed import http_calls
+from testbed.netns import Host, Network
 
 __all__ = ["Fleet", "Role", "MotoS3", "PG_ADMIN", "CREDENTIALS"]
 

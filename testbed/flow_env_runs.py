@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from api.runs import PrefectRuns
+from harvest.lanes import load_lanes
 
 __all__ = ["FlowEnvRuns", "write_flow_env"]
 
@@ -29,4 +30,5 @@ class FlowEnvRuns(PrefectRuns):
         from flows.submit import start_harvest_run
 
         env = json.loads(Path(os.environ["HARVEST_TEST_FLOW_ENV_FILE"]).read_text())
-        return str(start_harvest_run(job_id, request_url, model, lane, key_id, env=env or None))
+        return str(start_harvest_run(job_id, request_url, model, lane, key_id, lane_config=load_lanes(self.settings).get(lane),
+                                     env=env or None))

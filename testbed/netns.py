@@ -56,7 +56,7 @@ __all__ = ["Network", "Host", "NetnsError", "sweep_stale"]
 PREFIX = "rhn"
 # Written into the bridge's alias: who owns it, so a later sweep can tell a live session's
 # network from one whose test process died without tearing down.
-_ALIAS_TAG = "residual-harvest tests.netns owner="
+_ALIAS_TAG = "residual-harvest testbed.netns owner="
 _ETC_NETNS = "/etc/netns"
 _TOKEN_RE = re.compile(rf"^{PREFIX}-([0-9a-f]{{6}})(?:-|$)")
 
@@ -68,7 +68,7 @@ class NetnsError(RuntimeError):
 def _ip_binary() -> str:
     path = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip") if os.path.exists(p)), None)
     if path is None:
-        raise NetnsError("tests.netns needs iproute2's `ip` (apt-get install iproute2); none found on PATH")
+        raise NetnsError("testbed.netns needs iproute2's `ip` (apt-get install iproute2); none found on PATH")
     return path
 
 
@@ -196,7 +196,7 @@ def _write_etc(netns: str) -> None:
         try:
             os.makedirs(f"{_ETC_NETNS}/{netns}", exist_ok=True)
             with open(f"{_ETC_NETNS}/{netns}/resolv.conf", "w") as f:
-                f.write("# tests.netns: a test host has no DNS (names fail at once instead of after 10 s)\n")
+                f.write("# testbed.netns: a test host has no DNS (names fail at once instead of after 10 s)\n")
                 f.write("options timeout:1 attempts:1\n")
             return
         except FileNotFoundError:
@@ -330,7 +330,7 @@ class Network:
     # --- set-up -------------------------------------------------------------------------------
     def __enter__(self) -> "Network":
         if os.geteuid() != 0:
-            raise NetnsError("tests.netns needs root (network namespaces, bridges and veths); run the tests as root")
+            raise NetnsError("testbed.netns needs root (network namespaces, bridges and veths); run the tests as root")
         _ip_binary()
         if self._entered:
             raise NetnsError("a Network can be entered only once")
@@ -353,10 +353,10 @@ class Network:
         try:
             removed = sweep_stale()
         except NetnsError as e:
-            warnings.warn(f"tests.netns: could not sweep stale namespaces: {e}", stacklevel=3)
+            warnings.warn(f"testbed.netns: could not sweep stale namespaces: {e}", stacklevel=3)
             return
         if removed:
-            warnings.warn(f"tests.netns: removed leftovers of a dead test session: {removed}", stacklevel=3)
+            warnings.warn(f"testbed.netns: removed leftovers of a dead test session: {removed}", stacklevel=3)
 
     def _create_bridge(self) -> None:
         # STP off and no forward delay: a new port forwards at once, so a host can talk as soon
@@ -459,7 +459,7 @@ class Network:
             errors.append(f"left behind: {left}")
         if errors:
             self._closed = False  # a later close() may retry
-            message = "tests.netns teardown: " + "; ".join(errors)
+            message = "testbed.netns teardown: " + "; ".join(errors)
             if raising:
                 raise NetnsError(message)
             warnings.warn(message, stacklevel=2)
