@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -71,6 +72,7 @@ __all__ = [
     "JOB_CHANNEL",
     "job_changed",
     "local_listeners",
+    "LocalListeners",
     "utcnow",
     "aware",
 ]
@@ -247,7 +249,8 @@ def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Eng
             # Owner-only before SQLite opens it (its journal takes the file's mode): the store
             # holds key hashes, prompts' requests and who submitted what.
             os.close(open_private(path, os.O_RDWR | os.O_CREAT))
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               execution_options={_LISTENERS: LocalListeners()})
 
         @event.listens_for(engine, "connect")
         def _connect(dbapi_connection, _record):
@@ -352,8 +355,39 @@ def upgrade(engine: Engine) -> None:
 JOB_CHANNEL = "harvest_job_changed"
 """PostgreSQL channel on which every change of a job's status is announced (payload: job id)."""
 
-local_listeners: list = []
-"""Callbacks `fn(job_id)` of this process, called after a commit that changed a job (SQLite)."""
+class LocalListeners:
+    """Callbacks `fn(job_id)` called after a commit that changed a job in one SQLite store: the
+    store's engine holds them (`local_listeners`), so two stores in one process never hear
+    each other's changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[str], None]] = []
+
+    def add(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def remove(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def tell(self, job_id: str) -> None:
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback(job_id)
+
+
+_LISTENERS = "harvest_local_listeners"
+"""The execution option of a SQLite engine that holds its `LocalListeners` (`make_engine`):
+SQLAlchemy's place for what belongs to one engine."""
+
+
+def local_listeners(engine: Engine) -> LocalListeners | None:
+    """The listeners of a SQLite store's engine (None on PostgreSQL, which notifies itself)."""
+    return engine.get_execution_options().get(_LISTENERS)
 
 _CHANGED = "harvest_changed_jobs"
 
@@ -363,7 +397,7 @@ def job_changed(conn: Connection, job_id: str) -> None:
 
     On PostgreSQL this is `pg_notify`: the server delivers it at commit, to every API replica
     that LISTENs (`api.notify`), this one included, and drops it on rollback. SQLite is the
-    single-process store: the announcement goes to this process's `local_listeners`.
+    single-process store: the announcement goes to the `local_listeners` of its engine.
     """
     if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT pg_notify(:channel, :job_id)"), {"channel": JOB_CHANNEL, "job_id": job_id})
@@ -378,9 +412,9 @@ def transaction(engine: Engine):
         conn.info.pop(_CHANGED, None)  # left by a transaction that rolled back
         yield conn
         changed = conn.info.pop(_CHANGED, ())
-    for job_id in changed:  # committed: tell this process's listeners
-        for listener in list(local_listeners):
-            listener(job_id)
+    listeners = local_listeners(engine) if changed else None
+    for job_id in changed if listeners is not None else ():  # committed: tell the store's listeners
+        listeners.tell(job_id)
 
 
 @contextmanager

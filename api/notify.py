@@ -17,6 +17,8 @@ import logging
 import threading
 from typing import Callable
 
+from sqlalchemy.engine import Engine
+
 from api.db import JOB_CHANNEL, local_listeners
 
 __all__ = ["JobChanges"]
@@ -25,12 +27,13 @@ log = logging.getLogger("harvest.api.notify")
 
 
 class JobChanges:
-    """Calls `callback(job_id)` for every committed job change in the job store at `url` (from
-    a thread on PostgreSQL)."""
+    """Calls `callback(job_id)` for every committed job change in the job store of `engine`
+    (from a thread on PostgreSQL)."""
 
-    def __init__(self, callback: Callable[[str], None], url: str):
+    def __init__(self, callback: Callable[[str], None], engine: Engine):
         self.callback = callback
-        self.url = url
+        self.engine = engine
+        self.url = engine.url.render_as_string(hide_password=False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.listening = threading.Event()
@@ -42,7 +45,7 @@ class JobChanges:
 
     def start(self) -> None:
         if not self.postgres:
-            local_listeners.append(self.callback)
+            local_listeners(self.engine).add(self.callback)
             self.listening.set()
             return
         self._thread = threading.Thread(target=self._listen, name="harvest-job-changes", daemon=True)
@@ -50,8 +53,7 @@ class JobChanges:
 
     def stop(self) -> None:
         if not self.postgres:
-            if self.callback in local_listeners:
-                local_listeners.remove(self.callback)
+            local_listeners(self.engine).remove(self.callback)
             return
         self._stop.set()
         if self._thread is not None:

@@ -61,16 +61,17 @@ class PrefectRuns:
     """Job runs as Prefect flow runs on the lane's deployment (the orchestration layer's API)."""
 
     def __init__(self, settings: Settings) -> None:
-        from flows.submit import share_tls_context
+        from flows.submit import KeyQueues, share_tls_context
 
         self.settings = settings  # its lanes file: each key's run limit (re-read when it changes)
+        self.key_queues = KeyQueues()  # the key queues this replica made sure of lately
         share_tls_context()  # the replica's Prefect clients (a few a second) build no TLS context each
 
     def start(self, job_id: str, request_url: str, model: str, lane: str, key_id: str) -> str:
         from flows.submit import start_harvest_run
 
         return str(start_harvest_run(job_id, request_url, model, lane, key_id,
-                                     lane_config=load_lanes(self.settings).get(lane)))
+                                     lane_config=load_lanes(self.settings).get(lane), key_queues=self.key_queues))
 
     def cancel(self, run_id: str) -> None:
         from flows.submit import cancel_harvest_run

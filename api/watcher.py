@@ -160,7 +160,7 @@ class Watcher:
         self._follow: asyncio.Task | None = None
         self._kick: asyncio.Event | None = None
         self._keeper: LeaseKeeper | None = None
-        self._changes = JobChanges(self.notify_threadsafe, store.url)
+        self._changes = JobChanges(self.notify_threadsafe, store.engine)
 
     @classmethod
     def from_settings(cls, runs: RunStore, storage: Storage, store: JobStore, settings: ApiSettings, lease: Lease) -> "Watcher":

@@ -8,7 +8,7 @@ free slot (Pending, Running count against each). So a key's runs beyond its shar
 Scheduled and then Late, in its own queue while another key's run takes the free slot; the
 job stays `pending` meanwhile.
 
-A queue is made on the key's first run in the lane (`aensure_key_queue`), before the run: a
+A queue is made on the key's first run in the lane (`KeyQueues.ensure`), before the run: a
 run naming a queue that does not exist makes Prefect create it without a limit. Two API
 replicas may make it at once; the loser finds it there and only checks its limit. `harvest
 server` re-applies the lanes' limits to the queues that exist (`aapply_key_queue_limits`),
@@ -25,15 +25,13 @@ import time
 
 from prefect.exceptions import ObjectAlreadyExists
 
-__all__ = ["KEY_QUEUE_PREFIX", "key_queue_name", "aensure_key_queue", "aapply_key_queue_limits"]
+__all__ = ["KEY_QUEUE_PREFIX", "key_queue_name", "KeyQueues", "aapply_key_queue_limits"]
 
 KEY_QUEUE_PREFIX = "key_"
 """Start of every key queue's name (and of every API key id)."""
 RECHECK_S = 60.0
 """How long a replica trusts a queue it ensured; then its next start checks it again (a queue
 deleted or re-created by hand gets its limit back), without a request per start meanwhile."""
-
-_ensured: dict[tuple, float] = {}
 
 
 def key_queue_name(key_id: str) -> str:
@@ -49,26 +47,33 @@ async def _set_limit(client, pool: str, queue: str, limit: int | None) -> None:
         await client.update_work_queue(existing.id, concurrency_limit=limit)
 
 
-async def aensure_key_queue(client, pool: str, key_id: str, limit: int | None, *, enforce: bool = True) -> str:
-    """Make the key's queue in `pool` with concurrency `limit` (None: no limit) unless this
-    replica did within `RECHECK_S`; returns its name. Safe when several replicas race.
+class KeyQueues:
+    """The key queues one starter of runs (an API replica's run store) has made sure of, and
+    when: a start within `RECHECK_S` of the last check of its queue asks Prefect nothing."""
 
-    enforce: a queue that exists gets `limit` too. False for a pool that is no declared lane
-    (an operator's or a test's own): its key queues keep the limits they were given."""
-    queue = key_queue_name(key_id)
-    seen = (str(client.api_url), pool, queue, limit if enforce else "as found")
-    if time.monotonic() - _ensured.get(seen, float("-inf")) < RECHECK_S:
+    def __init__(self) -> None:
+        self._ensured: dict[tuple, float] = {}
+
+    async def ensure(self, client, pool: str, key_id: str, limit: int | None, *, enforce: bool = True) -> str:
+        """Make the key's queue in `pool` with concurrency `limit` (None: no limit) unless this
+        starter did within `RECHECK_S`; returns its name. Safe when several replicas race.
+
+        enforce: a queue that exists gets `limit` too. False for a pool that is no declared
+        lane (an operator's or a test's own): its key queues keep the limits they were given."""
+        queue = key_queue_name(key_id)
+        seen = (str(client.api_url), pool, queue, limit if enforce else "as found")
+        if time.monotonic() - self._ensured.get(seen, float("-inf")) < RECHECK_S:
+            return queue
+        try:
+            await client.create_work_queue(
+                name=queue, work_pool_name=pool, concurrency_limit=limit,
+                description=f"runs of API key {key_id} in lane {pool}, at most {limit if limit is not None else 'any number'} at once",
+            )
+        except ObjectAlreadyExists:
+            if enforce:
+                await _set_limit(client, pool, queue, limit)
+        self._ensured[seen] = time.monotonic()
         return queue
-    try:
-        await client.create_work_queue(
-            name=queue, work_pool_name=pool, concurrency_limit=limit,
-            description=f"runs of API key {key_id} in lane {pool}, at most {limit if limit is not None else 'any number'} at once",
-        )
-    except ObjectAlreadyExists:
-        if enforce:
-            await _set_limit(client, pool, queue, limit)
-    _ensured[seen] = time.monotonic()
-    return queue
 
 
 async def aapply_key_queue_limits(client, pool: str, limit: int | None) -> int:

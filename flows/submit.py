@@ -52,7 +52,7 @@ from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.states import AwaitingRetry, Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from flows.key_queues import aensure_key_queue
+from flows.key_queues import KeyQueues
 from flows.run_status import RunStatus, job_status, run_started_at, run_status
 from flows.prefect_clients import share_tls_context
 from harvest.lanes import Lane, deployment_name
@@ -101,7 +101,7 @@ class RunStartTimeout(TimeoutError):
 
 async def astart_harvest_run(
     job_id: str, request_url: str, model: str, lane: str, key_id: str, *, lane_config: Lane | None = None,
-    workers: int | None = None, env: dict[str, str] | None = None,
+    key_queues: KeyQueues | None = None, workers: int | None = None, env: dict[str, str] | None = None,
 ) -> str:
     """Create the job's flow run on its lane (returns at once, ~0.1 s); returns the flow run id.
     Bounded: `RunStartTimeout` after `START_BOUND_S` (see the module docstring).
@@ -111,7 +111,10 @@ async def astart_harvest_run(
     env: extra environment of the flow-run process (tests and operators; the API passes none).
     lane_config: the lane's declaration (`harvest.lanes`), whose per-key run limit the key's
         queue keeps; None for a pool that no lane declares (tests' own pools): no limit.
+    key_queues: the key queues this starter checked lately (an API replica keeps one); None
+        checks the key's queue now.
     """
+    key_queues = key_queues or KeyQueues()
     parameters: dict = {"job_id": job_id, "request_url": request_url}
     if workers is not None:
         parameters["workers"] = workers
@@ -119,7 +122,7 @@ async def astart_harvest_run(
         with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: START_RETRIES}), anyio.fail_after(START_BOUND_S):
             async with get_client() as client:
                 deployment = await client.read_deployment_by_name(deployment_name(lane))
-                queue = await aensure_key_queue(
+                queue = await key_queues.ensure(
                     client, deployment.work_pool_name or lane, key_id,
                     lane_config.key_run_limit if lane_config else None, enforce=lane_config is not None,
                 )
@@ -223,10 +226,10 @@ async def areschedule_harvest_run(flow_run_id: str | UUID) -> None:
 
 def start_harvest_run(
     job_id: str, request_url: str, model: str, lane: str, key_id: str, *, lane_config: Lane | None = None,
-    workers: int | None = None, env: dict[str, str] | None = None,
+    key_queues: KeyQueues | None = None, workers: int | None = None, env: dict[str, str] | None = None,
 ) -> str:
     return run_coro_as_sync(astart_harvest_run(job_id, request_url, model, lane, key_id, lane_config=lane_config,
-                                               workers=workers, env=env))
+                                               key_queues=key_queues, workers=workers, env=env))
 
 
 def cancel_harvest_run(flow_run_id: str | UUID) -> str:

@@ -31,4 +31,4 @@ class FlowEnvRuns(PrefectRuns):
 
         env = json.loads(Path(os.environ["HARVEST_TEST_FLOW_ENV_FILE"]).read_text())
         return str(start_harvest_run(job_id, request_url, model, lane, key_id, lane_config=load_lanes(self.settings).get(lane),
-                                     env=env or None))
+                                     key_queues=self.key_queues, env=env or None))

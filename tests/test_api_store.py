@@ -423,9 +423,8 @@ def test_job_changes_reach_every_replicas_listener_after_commit_only(engine):
     from api.db import job_changed, transaction
     from api.notify import JobChanges
 
-    url = engine.url.render_as_string(hide_password=False)
     inboxes = [queue.Queue(), queue.Queue()]
-    listeners = [JobChanges(inbox.put, url) for inbox in inboxes]
+    listeners = [JobChanges(inbox.put, engine) for inbox in inboxes]
     for listener in listeners:
         listener.start()
     try:
@@ -446,6 +445,30 @@ def test_job_changes_reach_every_replicas_listener_after_commit_only(engine):
     finally:
         for listener in listeners:
             listener.stop()
+
+
+def test_two_sqlite_stores_in_one_process_never_hear_each_others_changes(tmp_path):
+    """The listeners of a SQLite store are its engine's (`api.db.local_listeners`), not the
+    process's: before, a change in one store woke the other's long-polls too."""
+    from api.db import job_changed, transaction
+    from api.notify import JobChanges
+
+    stores = [JobStore.from_url(f"sqlite:///{tmp_path / name}.db").migrate() for name in "ab"]
+    heard: dict[str, list[str]] = {"a": [], "b": []}
+    listeners = [JobChanges(heard[name].append, store.engine) for name, store in zip("ab", stores)]
+    for listener in listeners:
+        listener.start()
+    try:
+        with transaction(stores[0].engine) as conn:
+            job_changed(conn, "job-in-a")
+        with transaction(stores[1].engine) as conn:
+            job_changed(conn, "job-in-b")
+        assert heard == {"a": ["job-in-a"], "b": ["job-in-b"]}
+    finally:
+        for listener in listeners:
+            listener.stop()
+        for store in stores:
+            store.dispose()
 
 
 def test_a_keys_request_rate_holds_under_concurrency_across_replicas(engine):

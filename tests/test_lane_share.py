@@ -129,12 +129,12 @@ def test_a_second_key_runs_while_the_first_keys_next_run_waits(share_host):
     from prefect.client.orchestration import get_client
     from prefect.utilities.asyncutils import run_coro_as_sync
 
-    from flows.key_queues import aensure_key_queue
+    from flows.key_queues import KeyQueues
 
     async def queues():
         async with get_client() as client:
             for key in ("key_a", "key_b"):
-                await aensure_key_queue(client, POOL, key, 1)
+                await KeyQueues().ensure(client, POOL, key, 1)
 
     run_coro_as_sync(queues())
     # One engine for all (its host loads it once), each shard 1 s more. A's first job has 6
@@ -168,12 +168,12 @@ def test_scale_out_counts_only_the_slots_its_key_may_take(share_host):
     from prefect.client.orchestration import get_client
     from prefect.utilities.asyncutils import run_coro_as_sync
 
-    from flows.key_queues import aensure_key_queue
+    from flows.key_queues import KeyQueues
     from flows.placement import lane_free_slots
 
     async def queue():
         async with get_client() as client:
-            await aensure_key_queue(client, POOL, "key_full", 0)
+            await KeyQueues().ensure(client, POOL, "key_full", 0)
 
     run_coro_as_sync(queue())
     with get_client(sync_client=True) as client:

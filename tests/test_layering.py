@@ -324,6 +324,111 @@ def test_the_settings_scan_sees_a_fallback_in_a_method(tmp_path):
     assert _settings_readers(tmp_path, ("harvest",)) == {("harvest.store", "Store")}
 
 
+# Module state that the code changes after import: none, but what mirrors something that is the
+# process's own in a library, so one owner per process is the truth, and one declaration table.
+# (The metrics registry is prometheus_client's own, not a module global of ours.)
+PROCESS_STATE = {
+    ("harvest.placement", "_HELD"): "the slot this process claimed: CUDA reads its devices once per process",
+    ("harvest.engines.vllm", "_IN_PROCESS"): "vLLM's parallel state is one per process (`VLLMEngine.close`)",
+    ("harvest.engines.vllm", "_RETIRED"): "the same: engines kept until the process's last one closes",
+    ("harvest.engines.hf_generate", "_DECODES"): "torch's intra-op thread count is the process's",
+    ("api.openapi", "_components"): "the routes' schemas, declared with the routes at import and read after",
+}
+MUTATORS = {"append", "extend", "insert", "add", "update", "pop", "popitem", "clear", "discard", "remove", "setdefault"}
+
+
+def mutable_module_state(source: str) -> dict[str, str]:
+    """Module-level names the module's functions change: rebound (`global`), mutated in place
+    (a mutating method, an item or attribute set), or an instance of a class of the module."""
+    tree = ast.parse(source)
+    top = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        top.update({t.id: node.value for t in targets if isinstance(t, ast.Name)})
+    own_classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    found = {name: "an instance of a class of its module" for name, value in top.items()
+             if isinstance(value, ast.Call) and getattr(value.func, "id", None) in own_classes}
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        params = {a.arg for a in function.args.args + function.args.kwonlyargs}
+        for node in ast.walk(function):
+            if isinstance(node, ast.Global):
+                found.update({name: "rebound with `global`" for name in node.names})
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                  and node.func.attr in MUTATORS):
+                name = node.func.value.id
+                if name in top and name not in params:
+                    found[name] = f"`.{node.func.attr}()`"
+            elif (isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del))
+                  and isinstance(node.value, ast.Name)):
+                if node.value.id in top and node.value.id not in params:
+                    found[node.value.id] = "an item or attribute set"
+    return found
+
+
+def test_no_module_keeps_state_of_its_own_but_the_processs():
+    """Before: the SQLite store's listeners were the process's (`api.db.local_listeners`, so
+    two stores heard each other) and so were the key queues an API replica had checked
+    (`flows.key_queues._ensured`); both have owners now (the store's engine, the run store)."""
+    found = {}
+    for package in LAYERS:
+        for path in sorted((REPO / package).rglob("*.py")):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found.update({(module, name): why for name, why in mutable_module_state(path.read_text()).items()})
+    assert {where: why for where, why in found.items() if where not in PROCESS_STATE} == {}
+    assert set(PROCESS_STATE) <= set(found)  # each one listed is still there (else: drop it here)
+
+
+def test_the_state_scan_sees_each_kind_of_change():
+    source = (
+        "class Pool:\n    pass\n"
+        "POOL = Pool()\nSEEN = []\nBY_ID = {}\nHELD = None\nCONSTANT = {'a': 1}\n"
+        "def f(SEEN_AS_PARAM):\n    global HELD\n    HELD = 1\n    SEEN.append(1)\n    BY_ID['k'] = 2\n"
+        "    SEEN_AS_PARAM.append(3)\n    return CONSTANT['a']\n"
+    )
+    assert set(mutable_module_state(source)) == {"POOL", "SEEN", "BY_ID", "HELD"}
+
+
+# Where the service writes its own process's environment: only variables a library reads from
+# the environment alone, and a forked run taking the environment it was handed. Children are
+# handed theirs (`env=`), never left to inherit a changed `os.environ`.
+ENVIRONMENT_WRITERS = {
+    "harvest.engines.vllm": "VLLM_*: vLLM reads its switches from the environment only",
+    "harvest.placement": "CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER: CUDA reads them from the environment only",
+    "api.app": "TOKENIZERS_PARALLELISM: the Rust tokenizers read it from the environment only",
+    "flows.prefect_auth": "PREFECT_API_AUTH_STRING: Prefect's client reads it from its settings, made from the environment",
+    "fleet.roles": "PREFECT_API_URL of a role's own process (its forwarder), for Prefect's client",
+    "fleet.stack": "PREFECT_API_URL of `harvest up`'s own process, for Prefect's client",
+    "fleet.run_fork": "a forked run takes the environment its worker handed it",
+}
+
+
+def environment_writes(source: str) -> list[int]:
+    """Lines that change `os.environ` (an item set or deleted, a mutating method) or call `os.putenv`."""
+    def is_environ(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ" and getattr(node.value, "id", None) == "os"
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) and is_environ(node.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if (is_environ(node.func.value) and node.func.attr in MUTATORS) or (
+                    node.func.attr == "putenv" and getattr(node.func.value, "id", None) == "os"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_service_writes_its_environment_only_where_a_library_reads_nothing_else():
+    writers = {}
+    for package in LAYERS:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if lines := environment_writes(path.read_text()):
+                writers[".".join(path.relative_to(REPO).with_suffix("").parts)] = lines
+    assert environment_writes("import os\nos.environ['A'] = '1'\nos.environ.setdefault('B', '2')\n") == [2, 3]
+    assert {module: lines for module, lines in writers.items() if module not in ENVIRONMENT_WRITERS} == {}
+    assert set(ENVIRONMENT_WRITERS) <= set(writers)  # each one listed still writes (else: drop it here)
+
+
 # The API's settings reach its routes from the app (`create_app(settings=…)`, read as
 # `api.deps.AppSettings` or `app.state.settings`). Only the factory's default, the job store's
 # default URL, the `harvest keys` command and the replica process's entry (`python -m
