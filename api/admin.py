@@ -102,7 +102,7 @@ def _keys(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     settings = get_settings(ApiSettings)
-    engine = _store(settings).engine
+    engine = _store(settings).db
     if args.action == "create":
         for name in ("monthly_jobs", "token_budget", "activation_quota"):
             value = getattr(args, name)

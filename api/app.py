@@ -91,7 +91,7 @@ async def lifespan(app: FastAPI):
     store: JobStore = app.state.store
     await run_in_threadpool(store.migrate)  # before the first request
     watcher = Watcher.from_settings(app.state.runs, app.state.storage, store, settings,
-                                    Lease("watcher", REPLICA, settings.watcher_lease_s, store.engine))
+                                    Lease("watcher", REPLICA, settings.watcher_lease_s, store.db))
     app.state.watcher = watcher
     app.state.admission.start()  # its children import while the replica starts (`api.admission_process`)
     await watcher.start()
@@ -233,7 +233,7 @@ def create_app(
     app.state.link_cache = link_cache if link_cache is not None else LinkCache.from_settings(settings)
     app.state.link_signer = link_signer if link_signer is not None else LinkSigner.from_settings(settings)
     app.state.empty_buckets = EmptyBuckets()  # keys' buckets known empty (`api.ratelimit`)
-    app.state.metrics = ReplicaMetrics.from_settings(settings, app.state.store.engine, app.state)  # `/metrics` (`api.metrics`)
+    app.state.metrics = ReplicaMetrics.from_settings(settings, app.state.store.db, app.state)  # `/metrics` (`api.metrics`)
     app.add_exception_handler(HarvestError, harvest_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(OperationalError, store_unreachable)

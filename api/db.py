@@ -275,8 +275,8 @@ MIGRATION_LOCK = 0x68617276  # an arbitrary constant: "harv"
 
 
 class JobStore:
-    """One job store as an app or a command uses it: `engine` for jobs, charges, keys and
-    quotas, whose commits are durable, and `rates` for the per-key request rates
+    """One job store as an app or a command uses it: `db` (SQLAlchemy's engine: a model's engine
+    is another thing, `harvest.engines`) for jobs, charges, keys and quotas, whose commits are durable, and `rates` for the per-key request rates
     (`api.ratelimit`).
 
     On PostgreSQL `rates` is a second pool on the same store whose commits do not wait for the
@@ -284,16 +284,16 @@ class JobStore:
     request of every key commits a bucket, so that wait would sit in front of every read; what
     a crash can lose is a bucket's last fraction of a second, which only gives keys back a few
     tokens. Its pool holds at most 15 connections (its transactions are short; more callers
-    wait), so a replica opens at most 45 to the store. On SQLite `rates` is `engine` itself.
+    wait), so a replica opens at most 45 to the store. On SQLite `rates` is `db` itself.
 
     Made by whoever owns the process's parts (`api.app.create_app`, the `harvest keys` command,
     a test) and handed to what uses it; nothing looks a store up. The schema is brought to the
     newest revision by `migrate` (the app's lifespan does it before the first request).
     """
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.rates = engine if engine.dialect.name != "postgresql" else _without_disk_wait(engine)
+    def __init__(self, db: Engine):
+        self.db = db
+        self.rates = db if db.dialect.name != "postgresql" else _without_disk_wait(db)
         self._migrated = False
         self._migrating = threading.Lock()
 
@@ -310,21 +310,21 @@ class JobStore:
     @property
     def url(self) -> str:
         """The store's URL, password included (what a LISTEN connection opens: `api.notify`)."""
-        return self.engine.url.render_as_string(hide_password=False)
+        return self.db.url.render_as_string(hide_password=False)
 
     def migrate(self) -> "JobStore":
         """Bring the schema to the newest revision, once however many threads ask (`upgrade`)."""
         with self._migrating:
             if not self._migrated:
-                upgrade(self.engine)
+                upgrade(self.db)
                 self._migrated = True
         return self
 
     def dispose(self) -> None:
         """Close the pools' connections (a test's store, a command that is done)."""
-        if self.rates is not self.engine:
+        if self.rates is not self.db:
             self.rates.dispose()
-        self.engine.dispose()
+        self.db.dispose()
 
 
 def _without_disk_wait(engine: Engine) -> Engine:

@@ -324,7 +324,7 @@ async def _caller(request: Request, store: JobStore) -> str:
     try:
         limiter.take(address)
     except RateLimited:
-        if looks_like_key(authorization) and await limiter.known.holds(caller, store.engine):
+        if looks_like_key(authorization) and await limiter.known.holds(caller, store.db):
             return caller
         raise
     request.state.address_token = address

@@ -160,7 +160,7 @@ class Watcher:
         self._follow: asyncio.Task | None = None
         self._kick: asyncio.Event | None = None
         self._keeper: LeaseKeeper | None = None
-        self._changes = JobChanges(self.notify_threadsafe, store.engine)
+        self._changes = JobChanges(self.notify_threadsafe, store.db)
 
     @classmethod
     def from_settings(cls, runs: RunStore, storage: Storage, store: JobStore, settings: ApiSettings, lease: Lease) -> "Watcher":
@@ -283,7 +283,7 @@ class Watcher:
             raise
 
     def _tick(self, named: list[str]) -> list[str]:
-        engine = self.store.engine
+        engine = self.store.db
         changed: list[str] = []
         page: list[dict] = []
         unsettled: list[dict] = []
@@ -325,7 +325,7 @@ class Watcher:
 
     def _interval_duties(self) -> list[str]:
         """Expired Idempotency-Keys (every PRUNE_EVERY_S), orphans to start, runs to stop."""
-        engine = self.store.engine
+        engine = self.store.db
         changed: list[str] = []
         if time.monotonic() >= self._next_prune:
             self._guard()
@@ -348,13 +348,13 @@ class Watcher:
         # Written only when it rose: the run's word, never past the job's shard count.
         if state.status == "running" and reported is not None and reported > row["shards_done"]:
             self._guard()
-            moved = set_progress(row["id"], min(reported, row["n_shards"]), self.store.engine) or moved
+            moved = set_progress(row["id"], min(reported, row["n_shards"]), self.store.db) or moved
         return moved
 
     def _next_page(self) -> list[dict]:
         """The re-read's next `page` active jobs, going on from the last tick's; after the last
         page it starts again from the first."""
-        rows = active_page(self._page_after, self.page, self.store.engine)
+        rows = active_page(self._page_after, self.page, self.store.db)
         self._page_after = rows[-1]["id"] if len(rows) == self.page else None
         if self._page_after is None:
             self.cycles += 1
@@ -362,7 +362,7 @@ class Watcher:
 
     def _next_unsettled(self) -> list[dict]:
         """The next `SETTLE_BATCH` ended, unmeasured jobs, paging on from the last tick's."""
-        rows = unsettled_jobs(SETTLE_BATCH, self._unsettled_after, engine=self.store.engine)
+        rows = unsettled_jobs(SETTLE_BATCH, self._unsettled_after, engine=self.store.db)
         last = rows[-1] if len(rows) == SETTLE_BATCH else None
         self._unsettled_after = None if last is None else (last["completed_at"], last["id"])
         return rows
@@ -386,19 +386,19 @@ class Watcher:
             if guard is not None:
                 guard()
             try:
-                settle_bytes(row["id"], JobFiles.for_job(row["id"], self.storage).bytes_kept(), self.store.engine)
+                settle_bytes(row["id"], JobFiles.for_job(row["id"], self.storage).bytes_kept(), self.store.db)
             except Exception:  # storage briefly away: a later tick measures it
                 log.exception("could not measure the files of job %s", row["id"])
 
     def _restart_crashed(self, row: dict, state: RunStatus) -> bool:
         """Its host died (heartbeats stopped): reschedule the run onto the lane's other hosts,
         within the job's restart budget; past it the job fails, charged nothing."""
-        if not record_restart(row["id"], self.max_restarts, self.store.engine):
+        if not record_restart(row["id"], self.max_restarts, self.store.db):
             return True  # failed, and its run stays Crashed: nothing is left to stop
         log.warning("job %s: its run %s crashed (%s); rescheduling it", row["id"], row["flow_run_id"], state.message)
         self.runs.reschedule(row["flow_run_id"])
         # A job that never reached `running` did run (it crashed): it is running again now.
-        return apply_state(row["id"], RunStatus(status="running", started_at=state.started_at), engine=self.store.engine)
+        return apply_state(row["id"], RunStatus(status="running", started_at=state.started_at), engine=self.store.db)
 
     def _start_orphan(self, row: dict) -> list[str]:
         """A job admitted by an API replica that died before starting its run."""
@@ -407,10 +407,10 @@ class Watcher:
         except Exception:
             log.exception("could not start the run of job %s", row["id"])
             fail_job(row["id"], "The harvest could not be started; it was charged nothing. Submit it again.", stop_run=True,
-                     engine=self.store.engine)
+                     engine=self.store.db)
             self._stop_runs(row["id"])
             return [row["id"]]
-        attach_run(row["id"], run_id, self.store.engine)
+        attach_run(row["id"], run_id, self.store.db)
         self._name(run_id)  # read at the next tick, not when the re-read comes round
         return []
 
@@ -421,7 +421,7 @@ class Watcher:
         except Exception:  # the backend is away: next tick
             log.warning("could not cancel the runs of job %s yet", job_id, exc_info=True)
             return
-        run_stopped(job_id, self.store.engine)
+        run_stopped(job_id, self.store.db)
 
     def refresh(self, row: dict) -> bool:
         """Read one job's run now (before a cancel decides what to charge); any replica may."""
@@ -441,7 +441,7 @@ class Watcher:
         files = JobFiles.for_job(row["id"], self.storage)
         result = files.read_result() if state.status == "done" else None
         kept = files.bytes_kept() if state.status != "running" and run_over(state) else None
-        return apply_state(row["id"], state, result=result, kept_bytes=kept, engine=self.store.engine)
+        return apply_state(row["id"], state, result=result, kept_bytes=kept, engine=self.store.db)
 
     # --- long-poll waiters ----------------------------------------------------------------
     def notify(self, job_id: str) -> None:

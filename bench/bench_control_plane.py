@@ -294,22 +294,22 @@ def main() -> None:
             # The store the replica opens too (the bench's HARVEST_HOME), migrated before it starts.
             store = JobStore.from_settings(get_settings(ApiSettings)).migrate()
             key, record = create_key("bench", small=100_000, rate_read_per_s=1000.0, rate_read_burst=1000,
-                                     engine=store.engine)
+                                     engine=store.db)
             # The replica's own watcher idles; the bench's watcher ticks in its place.
             api, base = start_api_replica(home, "127.0.0.1", free_port(), env={"HARVEST_WATCH_INTERVAL_S": "3600"})
             root = open_storage(get_settings())
             fs = CountingFS(root.fs)
             watcher = Watcher(PrefectRuns(get_settings()), Storage(root.url, fs, root.root), store, interval=1.0, max_waiters=100, lease=None)
-            rows0, bytes0 = _store_size(store.engine)
-            txns = _count_transactions(store.engine)
+            rows0, bytes0 = _store_size(store.db)
+            txns = _count_transactions(store.db)
             job_ids: list[str] = []
             for target in (int(n) for n in args.jobs.split(",")):
                 started = time.monotonic()
-                new = _insert_jobs(store.engine, record.id, home, target - len(job_ids))
-                _start_runs(store.engine, new, record.id, home)
+                new = _insert_jobs(store.db, record.id, home, target - len(job_ids))
+                _start_runs(store.db, new, record.id, home)
                 job_ids += new
                 print(f"{target} active jobs made in {time.monotonic() - started:.1f} s", flush=True)
-                rows, size = _store_size(store.engine)
+                rows, size = _store_size(store.db)
                 for hosts in (int(h) for h in args.hosts.split(",")):
                     point = _point(watcher, fs, reads, txns, base, key, job_ids, hosts, args.ticks, args.seconds)
                     row = {"jobs": target, "hosts": hosts, **point,

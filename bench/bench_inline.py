@@ -134,7 +134,7 @@ def main() -> None:
 
     # Served without a lifespan (`serve_in_thread`): the store is migrated here.
     store = JobStore.from_settings(get_settings(ApiSettings)).migrate()
-    key = create_key("bench-inline", engine=store.engine)[0]
+    key = create_key("bench-inline", engine=store.db)[0]
     generator = torch.Generator().manual_seed(1)
     vocab = engine.hf_model.config.vocab_size
     bodies = [

@@ -40,7 +40,7 @@ the server's root URL.
 ``job_store`` → ``api.db.JobStore``: the session's own job store (SQLite at
 ``<HARVEST_HOME>/harvest.db``, the default of the session's settings), migrated. The apps a test
 serves in its own process are made with it (``create_app(store=job_store)``), and the test makes
-their keys in it (``create_key(name, engine=job_store.engine)``) and counts its statements there.
+their keys in it (``create_key(name, engine=job_store.db)``) and counts its statements there.
 
 ``FileRuns`` is the run store of the Prefect-free servers: the one seam the API tests fake.
 Each ``read`` appends a line to ``<runs_dir>/reads.log``; a file ``<runs_dir>/unreachable``

@@ -59,7 +59,7 @@ def store(request, tmp_path):
 @pytest.fixture
 def engine(store):
     """The store's engine of jobs, keys and charges (what most of the store's functions take)."""
-    return store.engine
+    return store.db
 
 
 def admit_on(key, job: dict, capacity: int, engine) -> dict:
@@ -455,13 +455,13 @@ def test_two_sqlite_stores_in_one_process_never_hear_each_others_changes(tmp_pat
 
     stores = [JobStore.from_url(f"sqlite:///{tmp_path / name}.db").migrate() for name in "ab"]
     heard: dict[str, list[str]] = {"a": [], "b": []}
-    listeners = [JobChanges(heard[name].append, store.engine) for name, store in zip("ab", stores)]
+    listeners = [JobChanges(heard[name].append, store.db) for name, store in zip("ab", stores)]
     for listener in listeners:
         listener.start()
     try:
-        with transaction(stores[0].engine) as conn:
+        with transaction(stores[0].db) as conn:
             job_changed(conn, "job-in-a")
-        with transaction(stores[1].engine) as conn:
+        with transaction(stores[1].db) as conn:
             job_changed(conn, "job-in-b")
         assert heard == {"a": ["job-in-a"], "b": ["job-in-b"]}
     finally:
@@ -511,7 +511,7 @@ def test_a_requests_key_and_bucket_are_one_transaction_whose_commit_skips_the_di
     from api.db import rate_buckets
     from api.ratelimit import authenticate_within_rate
 
-    engine, rates = store.engine, store.rates
+    engine, rates = store.db, store.rates
     begun = {"rates": 0, "jobs": 0}
     event.listen(rates, "begin", lambda _conn: begun.__setitem__("rates", begun["rates"] + 1))
     if rates is not engine:

@@ -166,13 +166,13 @@ def test_a_key_over_its_rate_is_refused_from_memory_until_a_token_is_back(fair_a
     from api.auth import create_key
 
     base, _ = fair_app
-    key = create_key("fair-slow-reader", rate_read_per_s=1.0, rate_read_burst=1, engine=job_store.engine)[0]
+    key = create_key("fair-slow-reader", rate_read_per_s=1.0, rate_read_burst=1, engine=job_store.db)[0]
     with httpx.Client(base_url=base, headers=_auth(key), timeout=30) as client:
         assert client.get("/harvest").status_code == 200
         refused = client.get("/harvest")  # the store answers: empty for about a second
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
         started = time.monotonic()
-        with _Statements(job_store.engine) as statements:
+        with _Statements(job_store.db) as statements:
             again = [client.get("/harvest") for _ in range(10)] + [client.get("/models")]
         assert [r.status_code for r in again] == [429] * 11
         assert statements.all == 0, f"{statements.all} job-store statements for requests refused from memory"
@@ -190,7 +190,7 @@ def test_a_key_with_many_requests_in_flight_cannot_keep_another_keys_read_waitin
     from api.auth import bearer_hash, create_key
 
     base, _ = fair_app
-    greedy, other = create_key("fair-greedy", engine=job_store.engine)[0], create_key("fair-other", engine=job_store.engine)[0]
+    greedy, other = create_key("fair-greedy", engine=job_store.db)[0], create_key("fair-other", engine=job_store.db)[0]
     delay = 0.3
 
     client = httpx.Client(base_url=base, timeout=60, limits=httpx.Limits(max_connections=20))
@@ -200,7 +200,7 @@ def test_a_key_with_many_requests_in_flight_cannot_keep_another_keys_read_waitin
         response = client.get("/harvest", headers=_auth(key))
         return response.status_code, dict(response.headers), time.monotonic() - started
 
-    with client, _Statements(job_store.engine, marker=bearer_hash(f"Bearer {greedy}"), delay_s=delay) as statements, \
+    with client, _Statements(job_store.db, marker=bearer_hash(f"Bearer {greedy}"), delay_s=delay) as statements, \
             ThreadPoolExecutor(13) as pool:
         flood = [pool.submit(read, greedy) for _ in range(12)]
         # A's share is taken once the replica has refused the 4 past it (at once, without a

@@ -72,7 +72,7 @@ def _serve(tiny, admission, store):
     app = create_app(store=store, registry=registry, admission=admission, fair_share=FairShare(per_key=8, at_once=4))
     # A watcher never started (served without the lifespan): no submit here gets as far as a run.
     app.state.watcher = Watcher(app.state.runs, app.state.storage, store, interval=1, max_waiters=1,
-                                lease=Lease("watcher", "inline-admission-test", 10, store.engine))
+                                lease=Lease("watcher", "inline-admission-test", 10, store.db))
     return serve_in_thread(app), app, registry
 
 
@@ -91,8 +91,8 @@ def test_a_burst_of_one_keys_inline_bodies_waits_in_its_share_and_never_delays_a
 
     budget = AdmissionBudget(concurrency=2, max_bytes=128 << 20, key_share=1, queue=64, wait_s=60)
     server, app, registry = _serve(tiny, budget, job_store)
-    burst = create_key("inline-burst", rate_submit_per_s=100.0, rate_submit_burst=100, engine=job_store.engine)[0]
-    reader = create_key("inline-reader", engine=job_store.engine)[0]
+    burst = create_key("inline-burst", rate_submit_per_s=100.0, rate_submit_burst=100, engine=job_store.db)[0]
+    reader = create_key("inline-reader", engine=job_store.db)[0]
     body = _ids_body(50_000)
     assert len(body) > 300_000
     with server as root, httpx.Client(base_url=f"{root}/v1", timeout=120, limits=httpx.Limits(max_connections=64)) as client, \
@@ -127,7 +127,7 @@ def test_inline_bodies_hold_their_bytes_and_their_keys_share_so_others_get_503_r
 
     budget = AdmissionBudget(concurrency=2, max_bytes=12 << 20, key_share=1, queue=64, wait_s=0.5)
     server, app, registry = _serve(tiny, budget, job_store)
-    big, other, submitter = (create_key(f"inline-budget-{name}", small=5, engine=job_store.engine)[0]
+    big, other, submitter = (create_key(f"inline-budget-{name}", small=5, engine=job_store.db)[0]
                              for name in ("big", "other", "submitter"))
     large = _ids_body(1_150_000)
     assert 7 << 20 < len(large) <= 8 << 20

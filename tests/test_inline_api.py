@@ -48,7 +48,7 @@ def base_url(inline_app):
 def key(job_store):
     from api.auth import create_key
 
-    return create_key("inline-tests", engine=job_store.engine)[0]
+    return create_key("inline-tests", engine=job_store.db)[0]
 
 
 @pytest.fixture()
@@ -157,22 +157,22 @@ def test_activation_quota_counts_the_positions_returned(base_url, client, job_st
     # than max_tokens asked for.
     free = _complete(client, prompt=[5, 17, 200, 31], max_tokens=12, temperature=0).json()["choices"][0]["text"]
     stop = next(free[i:i + 3] for i in range(2, len(free) - 3) if free[i:i + 3].strip() and free[i:i + 3] not in free[:i])
-    key, record = create_key("inline-quota", activation_quota=40, engine=job_store.engine)
+    key, record = create_key("inline-quota", activation_quota=40, engine=job_store.db)
     with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as limited:
         early = _complete(limited, prompt=[5, 17, 200, 31], max_tokens=12, temperature=0, stop=stop, output_residual_stream=[0])
         assert early.status_code == 200, early.text
         assert early.json()["choices"][0]["finish_reason"] == "stop"
         returned = decode_residual_stream(early.json()).shape[1]
         assert returned < 4 + 12 - 1
-        assert activations_used(record.id, engine=job_store.engine) == returned
+        assert activations_used(record.id, engine=job_store.db) == returned
         # What is left (40 - returned) is under what the next request may return: refused,
         # and nothing more counted.
         over = _complete(limited, prompt=[5, 17, 200, 31], max_tokens=40 - returned - 2, output_residual_stream=[0])
         _error(over, 429, "activation_quota_exceeded")
-        assert activations_used(record.id, engine=job_store.engine) == returned
+        assert activations_used(record.id, engine=job_store.db) == returned
         # plain completions are not activation requests
         assert _complete(limited, max_tokens=1).status_code == 200
-        assert activations_used(record.id, engine=job_store.engine) == returned
+        assert activations_used(record.id, engine=job_store.db) == returned
 
 
 def test_a_large_response_streams_its_payload_in_pieces(client):
@@ -248,7 +248,7 @@ def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(key, hf
     one = 8 * (1 + 150 - 1) * 256 * 2  # all layers, a 1-token prompt, 150 tokens: its most bytes
     budget = ResponseBudget(limit=one + one // 2)
     app = create_app(store=job_store, inline_engines=_session_engines(hf_engine, window_s=0.02), inline_budget=budget)
-    quota_key, record = create_key("inline-budget", activation_quota=10_000, engine=job_store.engine)
+    quota_key, record = create_key("inline-budget", activation_quota=10_000, engine=job_store.db)
     body = {"model": "llama-tiny", "prompt": [7], "max_tokens": 150, "temperature": 0, "output_residual_stream": True}
 
     async def both():
@@ -261,7 +261,7 @@ def test_responses_over_the_replica_byte_budget_get_503_with_retry_after(key, hf
         assert sorted(a.status_code for a in answers) == [200, 503], [a.text[:200] for a in answers]
         busy = next(a for a in answers if a.status_code == 503)
         assert busy.json()["error"]["code"] == "replica_busy" and busy.headers["Retry-After"] == "2"
-        assert activations_used(record.id, engine=job_store.engine) == 150  # the refused one held no quota
+        assert activations_used(record.id, engine=job_store.db) == 150  # the refused one held no quota
         _given_back(budget)
         assert budget.peak <= budget.limit
         budget.limit = one // 2  # smaller than one response: it runs when alone

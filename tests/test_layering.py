@@ -573,10 +573,10 @@ def test_two_apps_in_one_process_keep_their_own_job_stores(tmp_path):
         apps = [create_app(settings=ApiSettings(home=tmp_path / name), store=store)
                 for name, store in zip(("one", "two"), stores)]
         assert [app.state.store for app in apps] == stores
-        key, record = create_key("only-in-one", engine=stores[0].engine)
-        assert authenticate(f"Bearer {key}", apps[0].state.store.engine).id == record.id
+        key, record = create_key("only-in-one", engine=stores[0].db)
+        assert authenticate(f"Bearer {key}", apps[0].state.store.db).id == record.id
         with pytest.raises(Unauthorized):
-            authenticate(f"Bearer {key}", apps[1].state.store.engine)
+            authenticate(f"Bearer {key}", apps[1].state.store.db)
 
         async def list_harvests(app) -> httpx.Response:  # in process, without the lifespan (the stores are migrated)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
@@ -591,6 +591,6 @@ def test_two_apps_in_one_process_keep_their_own_job_stores(tmp_path):
 
     default = create_app(settings=ApiSettings(home=tmp_path / "three"))
     try:
-        assert default.state.store.engine.url.database == str(tmp_path / "three" / "harvest.db")
+        assert default.state.store.db.url.database == str(tmp_path / "three" / "harvest.db")
     finally:
         default.state.store.dispose()

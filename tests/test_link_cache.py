@@ -64,7 +64,7 @@ def served(tmp_path_factory):
     app = create_app(store=store, storage=storage, runs=FileRuns(tmp_path_factory.mktemp("runs")), link_cache=cache)
     # A watcher that is never started: these reads never wait for a job to change.
     app.state.watcher = Watcher(app.state.runs, storage, store, interval=1, max_waiters=1,
-                                lease=Lease("watcher", "links-test", 10, store.engine))
+                                lease=Lease("watcher", "links-test", 10, store.db))
     try:
         with serve_in_thread(app) as root:
             yield f"{root}/v1", storage, cache, store
@@ -102,9 +102,9 @@ def test_reads_of_a_done_job_sign_its_links_once_until_they_near_expiry_and_only
     from harvest.settings import get_settings
 
     base, storage, cache, store = served
-    key, owner = create_key("links-owner", small=10, engine=store.engine)
-    stranger = create_key("links-stranger", engine=store.engine)[0]
-    done, cancelled = _job(owner, storage, "done", store.engine), _job(owner, storage, "cancelled", store.engine)
+    key, owner = create_key("links-owner", small=10, engine=store.db)
+    stranger = create_key("links-stranger", engine=store.db)[0]
+    done, cancelled = _job(owner, storage, "done", store.db), _job(owner, storage, "cancelled", store.db)
 
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
         first_at = time.time()

@@ -97,13 +97,13 @@ def test_requests_without_a_valid_key_are_limited_per_address_before_the_job_sto
     from api.ratelimit import KEY_LIST_EVERY_S
 
     base_url, limiter = keyed_app
-    valid = create_key("bounds-valid", engine=job_store.engine)[0]
+    valid = create_key("bounds-valid", engine=job_store.db)[0]
     statements: list[str] = []
 
     def count(conn, cursor, statement, *args):
         statements.append(statement)
 
-    engine = job_store.engine
+    engine = job_store.db
     event.listen(engine, "before_cursor_execute", count)
     try:
         with httpx.Client(base_url=base_url, timeout=30) as client:

@@ -120,7 +120,7 @@ def _app(hf_engine, job_store, budget, send_timeout_s: float):
 def keys(job_store):
     from api.auth import create_key
 
-    return {name: create_key(f"slow-readers-{name}", engine=job_store.engine) for name in "ABCD"}
+    return {name: create_key(f"slow-readers-{name}", engine=job_store.db) for name in "ABCD"}
 
 
 def test_a_keys_unread_responses_hold_its_share_and_are_cut_after_the_send_timeout(tiny, hf_engine, job_store, keys):

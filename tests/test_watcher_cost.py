@@ -80,7 +80,7 @@ def rig(tmp_path):
     from harvest.storage import Storage
 
     store = JobStore.from_url(f"sqlite:///{tmp_path / 'harvest.db'}").migrate()
-    _, key = create_key("watch-cost", small=10_000, engine=store.engine)
+    _, key = create_key("watch-cost", small=10_000, engine=store.db)
     fs = CountingFS(MemoryFileSystem())
     root = f"/watch-cost-{uuid.uuid4().hex[:8]}"
     storage = Storage(f"memory://{root}", fs=fs, root=root)
@@ -102,7 +102,7 @@ def _jobs(store, key, runs: RecordingRuns, n: int, status: str = "running", n_sh
         "contents": "activations", "reserved_tokens": 10, "created_at": now, "started_at": now if status == "running" else None,
         "request_url": f"memory://nowhere/jobs/{job_id}/request.json", "flow_run_id": f"run-{job_id}", "output_bytes": 1000,
     } for job_id in ids]
-    with transaction(store.engine) as conn:
+    with transaction(store.db) as conn:
         conn.execute(insert(jobs), rows)
     for row in rows:
         runs._write(row["flow_run_id"], {"job_id": row["id"], "request_url": row["request_url"], "status": "pending",
@@ -122,7 +122,7 @@ def _watcher(runs, storage, store, **kwargs):
 def _job(store, job_id: str) -> dict:
     from api.store import get_job
 
-    return get_job(job_id, engine=store.engine)
+    return get_job(job_id, engine=store.db)
 
 
 class Statements:
@@ -155,7 +155,7 @@ def test_a_tick_after_an_event_reads_that_run_only_and_lists_no_folder(rig):
     runs.set(f"run-{job}", "running")
     runs.report(f"run-{job}", 2)
     watcher.run_changed(f"run-{job}")  # Prefect's event stream names the run
-    with Statements(store.engine) as sql:
+    with Statements(store.db) as sql:
         started = time.perf_counter()
         changed = watcher.tick()
         took = time.perf_counter() - started
@@ -226,7 +226,7 @@ def test_a_tick_starts_a_bounded_number_of_orphans_the_oldest_first(rig):
     n = ORPHANS_PER_TICK + 7
     admitted = utcnow() - timedelta(hours=1)
     ids = [str(uuid.uuid4()) for _ in range(n)]
-    with transaction(store.engine) as conn:
+    with transaction(store.db) as conn:
         conn.execute(insert(jobs), [{
             "id": job_id, "key_id": key.id, "model": "llama-tiny", "lane": "small", "status": "pending", "n_prompts": 1,
             "layers": [1], "shard_size": 1, "n_shards": 1, "shards_done": 0, "add_special_tokens": True,
@@ -249,8 +249,8 @@ def test_the_lease_is_renewed_while_a_tick_is_stuck_and_nobody_takes_it_over(rig
     runs.set(f"run-{job}", "running")
     ttl = 1.0
     runs.block_s = 2.5 * ttl  # the first read of the first tick: Prefect slow to answer
-    lease = Lease("watcher", "replica-a", ttl, store.engine)
-    other = Lease("watcher", "replica-b", ttl, store.engine)
+    lease = Lease("watcher", "replica-a", ttl, store.db)
+    other = Lease("watcher", "replica-b", ttl, store.db)
 
     held_before, tick_s_before = _sample("harvest_watcher_lease_renewals_total", outcome="held"), _sample("harvest_watcher_tick_seconds_sum")
 
@@ -316,8 +316,8 @@ def test_a_tick_stuck_past_a_lapsed_lease_writes_nothing(rig):
     runs.set(f"run-{job}", "failed", message="the run failed")
     ttl = 1.0
     runs.block_s = 2.5 * ttl
-    lease = RenewalsFail(Lease("watcher", "replica-a", ttl, store.engine))
-    other = Lease("watcher", "replica-b", ttl, store.engine)
+    lease = RenewalsFail(Lease("watcher", "replica-a", ttl, store.db))
+    other = Lease("watcher", "replica-b", ttl, store.db)
 
     async def scenario():
         watcher = _watcher(runs, storage, store, interval=0.05, lease=lease)

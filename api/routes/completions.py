@@ -327,7 +327,7 @@ async def serve_inline(request: Request, key: SubmitKey, store: JobStore, prepar
     try:
         month = None
         if prepared.layers is not None:
-            month = await run_in_threadpool(reserve_activations, key, prepared.max_positions, store.engine)
+            month = await run_in_threadpool(reserve_activations, key, prepared.max_positions, store.db)
         try:
             generation = await inline_engines(request.app).generate(prepared.model, prepared.prompt_ids, prepared.sampling,
                                                                     prepared.layers)
@@ -337,12 +337,12 @@ async def serve_inline(request: Request, key: SubmitKey, store: JobStore, prepar
         except BaseException:
             if month is not None:  # shielded: a client that left cancels the request, not this
                 with anyio.CancelScope(shield=True):
-                    await run_in_threadpool(settle_activations, key, month, prepared.max_positions, 0, store.engine)
+                    await run_in_threadpool(settle_activations, key, month, prepared.max_positions, 0, store.db)
             raise
         if month is not None:
             with anyio.CancelScope(shield=True):
                 await run_in_threadpool(settle_activations, key, month, prepared.max_positions, answer.positions,
-                                        store.engine)
+                                        store.db)
         hold.shrink(raw_bytes)
     except BaseException:
         hold.release()

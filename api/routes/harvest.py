@@ -136,9 +136,9 @@ async def submit_harvest(
         # With an Idempotency-Key, a repeat of the same request answers the job it made first.
         idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
         row = await run_in_threadpool(
-            partial(submit_once, engine=store.engine, window_s=settings.idempotency_window_s),
+            partial(submit_once, engine=store.db, window_s=settings.idempotency_window_s),
             key.id, idempotency_key, harvest_request,
-            lambda: _submit(key, harvest_request, job, storage, runs, settings, store.engine),
+            lambda: _submit(key, harvest_request, job, storage, runs, settings, store.db),
         )
     watcher.kick(row.get("flow_run_id"))  # read its run at once, not when the watcher's re-read comes round
     return JSONResponse(render(row, storage, links), status_code=202)
@@ -159,7 +159,7 @@ async def read_harvest(
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to hold the request until the status changes.")] = 0,
 ):
     """Read a harvest; with `wait`, answer when its status changes or after `wait` seconds."""
-    row = await share.run(get_job, job_id, key.id, engine=store.engine)
+    row = await share.run(get_job, job_id, key.id, engine=store.db)
     headers: dict[str, str] = {}
     status = row["status"]
     if wait > 0 and status not in TERMINAL:
@@ -171,14 +171,14 @@ async def read_harvest(
                 deadline = loop.time() + wait
                 # Waiting is not work: the key's waiters have their share of the watcher instead.
                 with share.aside(), watcher.subscription(job_id) as changed:
-                    row = await share.run(get_job, job_id, key.id, engine=store.engine)  # after subscribing: nothing slips by
+                    row = await share.run(get_job, job_id, key.id, engine=store.db)  # after subscribing: nothing slips by
                     while row["status"] == status and (remaining := deadline - loop.time()) > 0:
                         try:
                             await asyncio.wait_for(changed.wait(), min(remaining, REREAD_S))
                         except asyncio.TimeoutError:
                             pass
                         changed.clear()
-                        row = await share.run(get_job, job_id, key.id, engine=store.engine)
+                        row = await share.run(get_job, job_id, key.id, engine=store.db)
             finally:
                 watcher.leave(key.id)
     # The row was read under this key: only then may the replica's signed links be reused.
@@ -218,7 +218,7 @@ async def cancel_harvest(
     key: ReadKey,
 ):
     """Cancel a pending or running harvest (200 with it); done or failed → 409."""
-    row = await share.run(_cancel, job_id, key, watcher, runs, store.engine)
+    row = await share.run(_cancel, job_id, key, watcher, runs, store.db)
     return JSONResponse(render(row, storage, links))
 
 
@@ -236,7 +236,7 @@ async def list_harvests(
 ):
     """The caller's harvests, newest first, `limit` per page (page on with `after`); without
     download links (read a job for its links)."""
-    page = await share.run(_list_page, key.id, limit, after, storage, store.engine)
+    page = await share.run(_list_page, key.id, limit, after, storage, store.db)
     return JSONResponse(page)
 
 
