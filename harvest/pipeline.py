@@ -2,7 +2,7 @@
 
 The work is split so orchestration can spread it out: `run_shards` writes any range of shards
 (skipping those already written and verified), each shard's write running behind the next
-shard's forward pass (`ShardWriter`), and `finalize` merges the shards' statistics partials
+shard's forward pass (`ShardPass`), and `finalize` merges the shards' statistics partials
 and writes `stats.safetensors` then `manifest.json`, listing each shard as stored. A shard is
 created once (`harvest.storage`): of two writes of it (a writer taken over while still alive
 and its successor) the first stands, the other lists that file instead of its own. `run_job`
@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Protocol
 
 from safetensors.torch import save as save_tensors
 
@@ -40,7 +41,7 @@ from harvest.timings import Timings
 from harvest.tokenize import TokenizedPrompt, added_bos_token_id, load_tokenizer, tokenize_prompts
 
 __all__ = [
-    "JobSummary", "CapturedShard", "tokenize_job", "capture_shard", "write_shard", "ShardWriter", "run_shards",
+    "JobSummary", "CapturedShard", "tokenize_job", "capture_shard", "write_shard", "ShardPass", "PendingWrite", "run_shards",
     "stored_records", "finalize", "run_job", "Cancelled", "HASH_THREADS",
 ]
 
@@ -142,48 +143,92 @@ def write_shard(job: ResolvedJob, storage: Storage, tokenized: list[TokenizedPro
     return record, timings
 
 
-class ShardWriter:
-    """Writes shards behind the forward passes: shard k is published in the background while
-    shard k+1 runs. `submit` first waits for the previous write, so at most two shards are
-    staged on local disk (one being published, one being filled) and a write's error surfaces
-    at the next shard, never later than `close`.
+class PendingWrite(Protocol):
+    """A shard's write running elsewhere: a thread's `Future`, or a Prefect task's future."""
 
-    `submit_write(fn)` runs `fn` off the caller's thread and returns a future; by default a
-    thread of this writer's own (the flow passes Prefect's task submission, which adds its
-    retries). With `overlap=False` every write runs in the caller's thread (benchmarks).
-    `then(result)` runs in the caller's thread once the write is done (progress reporting).
+    def result(self) -> tuple[ShardRecord, Timings]: ...
+
+
+class ShardPass:
+    """One run's pass over some of a job's shards, driven step by step by its caller: `run_shards`
+    below, or the flow's tasks (`tasks.shards`), which run each step as a task. The caller
+    asks `done(k)` whether shard k is written already, else captures it (`capture_shard`), hands
+    it to `captured`, starts its write (`write_shard`) where it likes and gives the pending
+    write to `writing`, which first waits for the write before it: shard k is published while
+    shard k+1 runs, at most two shards are staged on local disk (one being published, one
+    being filled), and a write's error surfaces at the next shard, never later than `close`.
+    Nothing here calls the caller back: each step returns what the caller reports.
+
+    forward_s, save_s and upload_s are each the time spent in that step, so with overlap their
+    sum exceeds the wall time.
     """
 
-    def __init__(self, *, overlap: bool = True, submit_write: Callable[..., Future] | None = None):
-        self.overlap = overlap
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") if overlap and submit_write is None else None
-        self._submit = submit_write or (self._executor.submit if self._executor else None)
-        self._pending: tuple[Future, Callable] | None = None
+    def __init__(self, job: ResolvedJob, storage: Storage):
+        self.job = job
+        self.storage = storage
+        self.timings = Timings()
+        self.skipped = 0
+        self._staged: list[StagedShard] = []
+        self._pending: PendingWrite | None = None
 
-    def submit(self, then: Callable, fn: Callable, *args) -> None:
-        self.wait()
-        if not self.overlap:
-            then(fn(*args))
-            return
-        self._pending = (self._submit(fn, *args), then)
+    def done(self, k: int) -> ShardRecord | None:
+        """Shard k's record if it is written and verified already (counted as skipped), else
+        None: then it is to be written, and a file of it that its record disowns (damaged in
+        place) is removed first, so that its write can create it again."""
+        part = verified_part(self.storage, k)
+        if part is not None:
+            self.skipped += 1
+            return part.record
+        _remove_disowned(self.storage, k)
+        return None
 
-    def wait(self) -> None:
-        if self._pending is not None:
-            future, then = self._pending
-            self._pending = None
-            then(future.result())
+    def captured(self, capture: CapturedShard) -> None:
+        """Shard k's forward passes are done: count them, and keep its staged file to remove
+        should it never be published."""
+        self._staged.append(capture.staged)
+        self.timings.count_forward(capture.forward_s, capture.staged.n_tokens, capture.padded_tokens)
+        count_forward(self.job.model.lane, capture.staged.n_tokens, capture.forward_s)
 
-    def close(self, *, failed: bool = False) -> None:
-        """Wait for the write in flight. After a failure elsewhere (`failed`) it still
-        finishes, so a resume finds the shard, but its own error no longer matters."""
+    def writing(self, write: PendingWrite) -> ShardRecord | None:
+        """The write of the shard captured last has started: wait for the one before it (its
+        error raised here) and return its record (None for the first)."""
+        record = self._finish()
+        self._pending = write
+        return record
+
+    def close(self, *, failed: bool = False) -> ShardRecord | None:
+        """Wait for the write in flight and return its record; remove the staged files never
+        published. After a failure elsewhere (`failed`) the write still finishes, so a resume
+        finds the shard, but its own error no longer matters (None then)."""
         try:
-            self.wait()
+            record = self._finish()
         except Exception:
             if not failed:
                 raise
+            record = None
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)
+            for shard in self._staged:  # a shard that was never published leaves no file behind
+                shard.discard()
+        return record
+
+    def _finish(self) -> ShardRecord | None:
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        record, spent = pending.result()
+        self.timings.save_s += spent.save_s
+        self.timings.upload_s += spent.upload_s
+        return record
+
+
+class _Here:
+    """A write done in the caller's thread, as a finished pending write (`overlap=False`)."""
+
+    def __init__(self, result: tuple[ShardRecord, Timings]):
+        self._result = result
+
+    def result(self) -> tuple[ShardRecord, Timings]:
+        return self._result
 
 
 def run_shards(
@@ -196,53 +241,40 @@ def run_shards(
     should_stop: Callable[[], bool] = lambda: False,
     on_shard: Callable[[ShardRecord, bool], None] = lambda record, skipped: None,
     overlap: bool = True,
-    forward: Callable[[int], CapturedShard] | None = None,
-    submit_write: Callable[..., Future] | None = None,
 ) -> tuple[Timings, int]:
-    """Write the given shards (all by default); returns timings and how many were skipped.
+    """Write the given shards (all by default) in this process, each write in a thread of its
+    own behind the next shard's forward pass (`ShardPass`; in the caller's thread with
+    `overlap=False`, for benchmarks); returns timings and how many were skipped.
 
-    A shard already written and verified is skipped. `should_stop` is asked before each shard
-    so a cancel lands between shards, never in the middle of a file. Each shard's forward pass
-    runs in this thread (`forward(k)`, default `capture_shard`, which streams its values to a
-    staged file) and its hash and publication behind the next one (`ShardWriter`). forward_s, save_s and upload_s are each the time spent in that step,
-    so with overlap their sum exceeds the wall time.
-    """
+    `should_stop` is asked before each shard so a cancel lands between shards, never in the
+    middle of a file; `on_shard(record, skipped)` is told of each shard done (the caller's
+    progress: `harvest run`'s bar)."""
     tokenized = tokenized or tokenize_job(job)
     n_shards = len(shard_ranges(len(tokenized), job.request.shard_size))
-    forward = forward or (lambda k: capture_shard(job, engine, tokenized, k, storage))
-    timings = Timings()
-    skipped = 0
-
-    def written(result: tuple[ShardRecord, Timings]) -> None:
-        record, spent = result
-        timings.save_s += spent.save_s
-        timings.upload_s += spent.upload_s
-        on_shard(record, False)
-
-    writer = ShardWriter(overlap=overlap, submit_write=submit_write)
-    staged: list[StagedShard] = []
+    run = ShardPass(job, storage)
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") if overlap else None
     ok = False
     try:
         for k in range(n_shards) if shard_ids is None else shard_ids:
             if should_stop():
                 raise Cancelled(f"cancelled before shard {k}")
-            done = verified_part(storage, k)
-            if done is not None:
-                skipped += 1
-                on_shard(done[0], True)
+            if (record := run.done(k)) is not None:
+                on_shard(record, True)
                 continue
-            _remove_disowned(storage, k)
-            capture = forward(k)
-            staged.append(capture.staged)
-            timings.count_forward(capture.forward_s, capture.staged.n_tokens, capture.padded_tokens)
-            count_forward(job.model.lane, capture.staged.n_tokens, capture.forward_s)
-            writer.submit(written, write_shard, job, storage, tokenized, k, capture)
+            capture = capture_shard(job, engine, tokenized, k, storage)
+            run.captured(capture)
+            args = (job, storage, tokenized, k, capture)
+            if (record := run.writing(writer.submit(write_shard, *args) if writer else _Here(write_shard(*args)))) is not None:
+                on_shard(record, False)
         ok = True
     finally:
-        writer.close(failed=not ok)
-        for shard in staged:  # a shard that was never published leaves no file behind
-            shard.discard()
-    return timings, skipped
+        try:
+            if (record := run.close(failed=not ok)) is not None:
+                on_shard(record, False)
+        finally:
+            if writer is not None:
+                writer.shutdown(wait=False)
+    return run.timings, run.skipped
 
 
 HASH_THREADS = 4

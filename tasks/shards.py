@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from harvest.engines.base import Engine
 from harvest.errors import HarvestError
 from harvest.jobfiles import JobFiles
-from harvest.pipeline import CapturedShard, JobSummary, capture_shard, finalize, run_shards, write_shard
+from harvest.pipeline import Cancelled, CapturedShard, JobSummary, ShardPass, capture_shard, finalize, write_shard
 from harvest.request import ResolvedJob
 from harvest.shards import ShardRecord
 from harvest.storage import Storage
@@ -93,7 +93,7 @@ def forward_shard(work: ShardWork, k: int) -> Captured:
 )
 def write_shard_task(work: ShardWork, k: int, captured: Captured) -> tuple[ShardRecord, Timings]:
     """Hash and publish shard k's staged file and write its record, behind the next shard's
-    forward pass (`harvest.pipeline.ShardWriter`). Retried twice on a storage error: the file
+    forward pass (`harvest.pipeline.ShardPass`). Retried twice on a storage error: the file
     is created once and a retry redoes only what did not finish (one whose earlier upload
     landed unanswered finds its own file there and keeps it: `harvest.pipeline.write_shard`)."""
     return write_shard(work.job, work.storage, work.tokenized, k, captured.capture)
@@ -101,13 +101,29 @@ def write_shard_task(work: ShardWork, k: int, captured: Captured) -> tuple[Shard
 
 def run_shard_range(work: ShardWork, ids: range, *, should_stop, on_shard) -> Timings:
     """The shards `ids` of the job, one forward task and one write task each, each write
-    submitted to the flow's task runner so it overlaps the next forward pass."""
-    timings, _ = run_shards(
-        work.job, work.storage, work.engine, ids, tokenized=work.tokenized, should_stop=should_stop, on_shard=on_shard,
-        forward=lambda k: forward_shard(work, k).capture,
-        submit_write=lambda fn, job, storage, tokenized, k, capture: write_shard_task.submit(work, k, Captured(capture)),
-    )
-    return timings
+    submitted to the flow's task runner so it overlaps the next forward pass; the core keeps
+    the pass's state (`harvest.pipeline.ShardPass`) and is never called back.
+
+    `should_stop()` is asked before each shard (a cancel lands between shards);
+    `on_shard(record, skipped)` is told of each shard done (the run's progress)."""
+    run = ShardPass(work.job, work.storage)
+    ok = False
+    try:
+        for k in ids:
+            if should_stop():
+                raise Cancelled(f"cancelled before shard {k}")
+            if (record := run.done(k)) is not None:
+                on_shard(record, True)
+                continue
+            captured = forward_shard(work, k)
+            run.captured(captured.capture)
+            if (record := run.writing(write_shard_task.submit(work, k, captured))) is not None:
+                on_shard(record, False)
+        ok = True
+    finally:
+        if (record := run.close(failed=not ok)) is not None:
+            on_shard(record, False)
+    return run.timings
 
 
 @task(

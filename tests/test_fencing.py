@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
@@ -26,7 +27,7 @@ import pytest
 from safetensors.torch import load as load_tensors
 
 from harvest.jobfiles import MANIFEST, STATS, part_name, shard_name
-from harvest.pipeline import capture_shard, finalize, run_job, run_shards, tokenize_job, write_shard
+from harvest.pipeline import ShardPass, capture_shard, finalize, run_job, run_shards, tokenize_job, write_shard
 from harvest.request import HarvestRequest, resolve_job
 from harvest.shards import read_part, verified_part
 from harvest.storage import Storage, StorageOptions
@@ -113,16 +114,19 @@ class GatedStorage(Storage):
 
 
 def _writer(job, url: str, options: StorageOptions, engine, tokenized, gate: Gate, staged: dict) -> threading.Thread:
-    """A thread running the real `run_shards` for shard 0, noting its staged file."""
+    """A thread driving the real `ShardPass` over shard 0 as `run_shards` does (its write in a
+    thread of its own), noting its staged file."""
     storage = GatedStorage(url, gate, options)
-
-    def forward(k):
-        staged[k] = capture_shard(job, engine, tokenized, k, storage)
-        return staged[k]
 
     def run():
         try:
-            run_shards(job, storage, engine, [0], tokenized=tokenized, forward=forward)
+            shards = ShardPass(job, storage)
+            if shards.done(0) is None:
+                staged[0] = capture_shard(job, engine, tokenized, 0, storage)
+                shards.captured(staged[0])
+                with ThreadPoolExecutor(1) as pool:
+                    shards.writing(pool.submit(write_shard, job, storage, tokenized, 0, staged[0]))
+                    shards.close()
         except BaseException as exc:  # noqa: BLE001 (reported by the test)
             gate.error = exc
         finally:

@@ -429,6 +429,35 @@ def test_the_service_writes_its_environment_only_where_a_library_reads_nothing_e
     assert set(ENVIRONMENT_WRITERS) <= set(writers)  # each one listed still writes (else: drop it here)
 
 
+def callables_into_the_core(source: str) -> list[str]:
+    """`line: call` for each call of something imported from `harvest` that is handed a lambda
+    or a function of the calling module: the core calling back into its caller's layer."""
+    tree = ast.parse(source)
+    from_core = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                 and (node.module or "").split(".")[0] == "harvest" for alias in node.names}
+    own = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            handed = [*node.args, *(k.value for k in node.keywords)]
+            if callee in from_core and any(isinstance(a, ast.Lambda) or getattr(a, "id", None) in own for a in handed):
+                found.append(f"{node.lineno}: {callee}")
+    return found
+
+
+def test_the_tasks_hand_the_core_no_callables():
+    """Before: `run_shards(forward=…, submit_write=…)` ran the tasks' forward and write from
+    inside the core's loop. Now the tasks drive the loop and the core keeps its state
+    (`harvest.pipeline.ShardPass`)."""
+    found = {str(path.relative_to(REPO)): lines for path in sorted((REPO / "tasks").rglob("*.py"))
+             if (lines := callables_into_the_core(path.read_text()))}
+    assert found == {}
+    assert callables_into_the_core(
+        "from harvest.pipeline import run_shards\ndef f(k): pass\nrun_shards(1, forward=f)\nrun_shards(2, g=lambda: 0)\n"
+    ) == ["3: run_shards", "4: run_shards"]
+
+
 # The API's settings reach its routes from the app (`create_app(settings=…)`, read as
 # `api.deps.AppSettings` or `app.state.settings`). Only the factory's default, the job store's
 # default URL, the `harvest keys` command and the replica process's entry (`python -m

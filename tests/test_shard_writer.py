@@ -1,4 +1,4 @@
-"""Shard writes behind the forward passes (`harvest.pipeline.ShardWriter`), large shards as S3
+"""Shard writes behind the forward passes (`harvest.pipeline.ShardPass`), large shards as S3
 multipart uploads (`harvest.storage`), and two writers racing on one shard, on the real
 pipeline, local disk and moto's S3 server.
 
