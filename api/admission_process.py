@@ -64,7 +64,8 @@ def assess(request: HarvestRequest, registry: Registry) -> dict:
     Its `output_bytes` is the most its folder can hold (`harvest.cost.kept_bytes`), request.json
     counted as the route will write it: the request with the layers resolved here."""
     from harvest.cost import check_before_tokenizing, check_counts, kept_bytes
-    from harvest.jobfiles import JobFiles, shard_ranges
+    from harvest.jobfiles import JobFiles
+    from harvest.shard.layout import shard_ranges
     from harvest.request import MAX_TOKENS, resolve_job
     from harvest.tokenize import count_tokens, load_tokenizer, max_token_chars
 

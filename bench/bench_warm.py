@@ -67,6 +67,8 @@ def latency(jobs: int, engine: str) -> None:
     from flows.submit import read_harvest_run, start_harvest_run
     from harvest.jobfiles import JobFiles
     from harvest.request import HarvestRequest
+    from harvest.settings import get_settings
+    from harvest.storage import open_storage
     from harvest.warm.protocol import stop_engine_servers, unix_socket_path
 
     server, api_url = start_server(home / "prefect", free_port(), {"HARVEST_HOME": str(home)}, 120)
@@ -90,7 +92,7 @@ def latency(jobs: int, engine: str) -> None:
 
             def one(pool: str, n: int) -> tuple[float, float]:
                 job_id = str(uuid.uuid4())
-                files = JobFiles.for_job(job_id)
+                files = JobFiles.for_job(job_id, open_storage(get_settings()))
                 url = files.write_request(HarvestRequest(model="llama-tiny", prompts=[f"job {n} prompt a", f"job {n} prompt b"]))
                 started = time.perf_counter()
                 run_id = start_harvest_run(job_id, url, "llama-tiny", pool, "bench", workers=1)
@@ -186,11 +188,12 @@ def overlap(rounds: int) -> None:
 
     from fleet.processes import free_port
     from harvest.engines.hf import HFEngine
-    from harvest.pipeline import capture_shard, run_job, tokenize_job
+    from harvest.pipeline import run_job, tokenize_job
+    from harvest.shard.writing import capture_shard
     from harvest.registry import load_registry
     from harvest.request import HarvestRequest, resolve_job
     from harvest.settings import get_settings
-    from harvest.jobfiles import shard_ranges
+    from harvest.shard.layout import shard_ranges
     from harvest.storage import Storage
 
     port = free_port()

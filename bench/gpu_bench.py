@@ -47,7 +47,7 @@ from gpu_results import Results  # noqa: E402
 
 from harvest.capture_spec import CaptureSpec  # noqa: E402
 from harvest.layers import default_layers  # noqa: E402
-from harvest.shard_file import StagedShard  # noqa: E402
+from harvest.shard.file import StagedShard  # noqa: E402
 
 __all__ = ["main"]
 

@@ -55,13 +55,14 @@ from harvest.cpu_share import lower_priority, run_nice
 from harvest.errors import job_error
 from harvest.jobfiles import JobFiles
 from harvest.metrics import RUN_START_SECONDS
-from harvest.pipeline import Cancelled, tokenize_job
+from harvest.pipeline import tokenize_job
+from harvest.shard.writing import Cancelled
 from harvest.placement import place_run
 from harvest.registry import load_registry
 from harvest.request import resolve_job
 from harvest.settings import get_settings
 from harvest.storage import StorageOptions
-from harvest.jobfiles import shard_ranges
+from harvest.shard.layout import shard_ranges
 from harvest.warm.client import open_engine
 from tasks.shards import ShardWork, finalize_job, run_shard_range
 

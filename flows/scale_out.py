@@ -35,7 +35,7 @@ from prefect.states import Cancelled as CancelledState
 
 from flows.progress import RunProgress
 from harvest.jobfiles import JobFiles
-from harvest.pipeline import Cancelled
+from harvest.shard.writing import Cancelled
 from harvest.settings import Settings
 from harvest.timings import Timings
 

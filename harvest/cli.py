@@ -67,7 +67,8 @@ def _run(argv: list[str]) -> int:
 
     from harvest.corpus import read_prompts
     from harvest.errors import HarvestError, invalid_from_pydantic
-    from harvest.jobfiles import MANIFEST, STATS, shard_name
+    from harvest.jobfiles import MANIFEST, STATS
+    from harvest.shard.layout import shard_name
     from harvest.pipeline import run_job, tokenize_job
     from harvest.registry import load_registry
     from harvest.request import HarvestRequest, resolve_job

@@ -51,7 +51,7 @@ import numpy as np
 from pydantic_core import to_json
 
 from harvest.errors import InvalidRequest
-from harvest.jobfiles import shard_ranges
+from harvest.shard.layout import shard_ranges
 from harvest.lanes import Lane
 from harvest.request import MAX_TOKENS, ResolvedJob
 

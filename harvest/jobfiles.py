@@ -29,6 +29,7 @@ import re
 import time
 
 from harvest.request import HarvestRequest
+from harvest.shard.layout import PARTS, part_name, shard_name, shard_ranges
 from harvest.storage import Storage, StorageOptions
 
 __all__ = [
@@ -40,32 +41,18 @@ __all__ = [
     "MANIFEST",
     "RESULT_FILE",
     "TIMING_KEYS", "TOKEN_KEYS",
-    "shard_name",
-    "part_name",
-    "shard_ranges",
     "JobFiles",
 ]
 
 JOBS = "jobs"
 REQUEST = "request.json"
 PROGRESS = "_progress.json"
-PARTS = "_parts"
 STATS = "stats.safetensors"
 MANIFEST = "manifest.json"
 RESULT_FILE = re.compile(r"^(shard_\d{5}\.safetensors|stats\.safetensors|manifest\.json)$")
 """The names a result download link may point at (the shards, the statistics, the manifest)."""
 TIMING_KEYS = ("load_s", "forward_s", "save_s", "upload_s")
 TOKEN_KEYS = ("real_tokens", "padded_tokens")  # the forward passes' tokens, beside the seconds
-
-
-def shard_name(k: int) -> str:
-    """`shard_{k:05d}.safetensors`: prompts `k*shard_size .. (k+1)*shard_size-1`."""
-    return f"shard_{k:05d}.safetensors"
-
-
-def part_name(k: int) -> str:
-    """Shard k's record (statistics partial, size, sha256), beside the shards in `_parts/`."""
-    return f"{PARTS}/{shard_name(k)}"
 
 
 def _timings_name(start: int, stop: int) -> str:
@@ -75,12 +62,6 @@ def _timings_name(start: int, stop: int) -> str:
 def _writer_of(manifest: bytes) -> str | None:
     """The `writer` a manifest's bytes record (None when it records none)."""
     return json.loads(manifest).get("writer")
-
-
-def shard_ranges(n_prompts: int, shard_size: int) -> list[range]:
-    """The prompts each shard file of a job of `n_prompts` holds, in order: `shard_size` each,
-    the last one the rest. The one place a shard size becomes shards."""
-    return [range(start, min(start + shard_size, n_prompts)) for start in range(0, n_prompts, shard_size)]
 
 
 class JobFiles:

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from harvest.jobfiles import MANIFEST, STATS
-from harvest.shards import ShardRecord
+from harvest.shard.record import ShardRecord
 
 __all__ = ["MANIFEST", "STATS", "PromptEntry", "Manifest", "statistics_sentence"]
 

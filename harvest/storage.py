@@ -23,15 +23,15 @@ it), on S3 the PUT or the multipart upload's completion carries `If-None-Match: 
 `mode="create"`; AWS S3, MinIO and moto's server answer 412 when the key exists, s3fs raises
 `FileExistsError`, and aborts the upload; AWS may answer two creates at the same moment 409
 `ConditionalRequestConflict`, an `OSError` the write task retries into a 412). The loser
-hands the name to the winner's file (`harvest.pipeline.write_shard` lists the stored bytes,
+hands the name to the winner's file (`harvest.shard.writing.write_shard` lists the stored bytes,
 never its own), and a retry whose earlier try landed finds its own bytes there. Per-attempt
 names with the manifest naming the winner would fence as well, but change the shard names
 that the SPEC, the client's downloads, the links and the resume all read, and leave the
 losers' copies to sweep; here nothing is renamed and nothing is left over. A store that
 ignores the condition (an old S3-compatible server) replaces instead: the manifest's check of
-each shard is still there for it (`harvest.pipeline.stored_records`): a replaced object has
+each shard is still there for it (`harvest.shard.writing.stored_records`): a replaced object has
 another ETag than the one its record kept (`fingerprint`), and is then hashed again. A shard damaged in
-place is deleted before it is written again (`harvest.pipeline.run_shards`): that delete,
+place is deleted before it is written again (`harvest.shard.writing.run_shards`): that delete,
 then create, is the one replacement, and only a resume does it.
 
 Every read sees the store as it is now. s3fs answers `ls` (and `exists`, `info`) from a

@@ -5,7 +5,7 @@ call of a Prefect 3 task does), which is the point: a worker's cancel (SIGTERM) 
 shard instead of after Prefect's 30 s grace. `write-k` is submitted to the
 flow's task runner, so the shard's encode, hash and upload run while the next shard's forward
 pass does, with Prefect's retries on storage errors. Between the two, the shard is a file
-staged on local disk (`harvest.pipeline.CapturedShard`), never its values in memory.
+staged on local disk (`harvest.shard.writing.CapturedShard`), never its values in memory.
 
 Arguments travel in `ShardWork`, a plain object that Prefect does not look into: the engine,
 the tokenized prompts, the resolved job and its folder (`JobFiles`) are never hashed for cache
@@ -21,9 +21,10 @@ from prefect.cache_policies import NO_CACHE
 from harvest.engines.base import Engine
 from harvest.errors import HarvestError
 from harvest.jobfiles import JobFiles
-from harvest.pipeline import Cancelled, CapturedShard, JobSummary, ShardPass, capture_shard, finalize, write_shard
+from harvest.pipeline import JobSummary, finalize
+from harvest.shard.writing import Cancelled, CapturedShard, ShardPass, capture_shard, write_shard
 from harvest.request import ResolvedJob
-from harvest.shards import ShardRecord
+from harvest.shard.record import ShardRecord
 from harvest.storage import Storage
 from harvest.timings import Timings
 from harvest.tokenize import TokenizedPrompt
@@ -93,16 +94,16 @@ def forward_shard(work: ShardWork, k: int) -> Captured:
 )
 def write_shard_task(work: ShardWork, k: int, captured: Captured) -> tuple[ShardRecord, Timings]:
     """Hash and publish shard k's staged file and write its record, behind the next shard's
-    forward pass (`harvest.pipeline.ShardPass`). Retried twice on a storage error: the file
+    forward pass (`harvest.shard.writing.ShardPass`). Retried twice on a storage error: the file
     is created once and a retry redoes only what did not finish (one whose earlier upload
-    landed unanswered finds its own file there and keeps it: `harvest.pipeline.write_shard`)."""
+    landed unanswered finds its own file there and keeps it: `harvest.shard.writing.write_shard`)."""
     return write_shard(work.job, work.storage, work.tokenized, k, captured.capture)
 
 
 def run_shard_range(work: ShardWork, ids: range, *, should_stop, on_shard) -> Timings:
     """The shards `ids` of the job, one forward task and one write task each, each write
     submitted to the flow's task runner so it overlaps the next forward pass; the core keeps
-    the pass's state (`harvest.pipeline.ShardPass`) and is never called back.
+    the pass's state (`harvest.shard.writing.ShardPass`) and is never called back.
 
     `should_stop()` is asked before each shard (a cancel lands between shards);
     `on_shard(record, skipped)` is told of each shard done (the run's progress)."""

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import pytest
 from harvest.settings import get_settings
+from harvest.storage import open_storage
 
 __all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool", "server_env"]
 
@@ -247,7 +248,7 @@ class HarvestStack:
         lane = load_registry(get_settings()).get(request.model).lane
         for attempt in range(3):
             job = job_id or str(uuid.uuid4())
-            files = JobFiles.for_job(job)
+            files = JobFiles.for_job(job, open_storage(get_settings()))
             url = files.write_request(request)
             try:
                 run_id = start_harvest_run(job, url, request.model, lane, key_id, workers=workers, env=env)

@@ -491,7 +491,8 @@ def test_storage_users_are_one_per_role_and_scoped(tmp_path):
     only; the worker hosts write and delete job and corpus-refresh files, nothing else. Checked
     on the object names the service itself writes (`harvest.jobfiles`, the corpus refresh)."""
     from flows.corpus_refresh import refresh_prefix
-    from harvest.jobfiles import MANIFEST, PROGRESS, STATS, JobFiles, part_name, shard_name
+    from harvest.jobfiles import MANIFEST, PROGRESS, STATS, JobFiles
+    from harvest.shard.layout import part_name, shard_name
     from harvest.storage import Storage
 
     users = {role: {_env(s)["AWS_ACCESS_KEY_ID"] for s in _by_role(role).values()} for role in ("api", "worker")}

@@ -1,6 +1,6 @@
 """A shard's memory is bounded, not its size: shards stream from the engine to their file.
 
-- The streamed file (`harvest.shard_file`) against the whole-shard encoder the service used
+- The streamed file (`harvest.shard.file`) against the whole-shard encoder the service used
   before, `safetensors.torch.save` of the same tensors: the same bytes, whatever order the
   prompts arrive in, for the stream (bf16) and for projections (float32).
 - The HF engine's forward passes against the token budget, seen by a hook on the model itself,
@@ -35,7 +35,7 @@ from harvest.jobfiles import MANIFEST
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings
-from harvest.shard_file import HOLD_BYTES, StagedShard
+from harvest.shard.file import HOLD_BYTES, StagedShard
 from harvest.storage import Storage
 from testbed.reference import bf16_tolerance, hf_reference_layers
 

@@ -26,10 +26,12 @@ import numpy as np
 import pytest
 from safetensors.torch import load as load_tensors
 
-from harvest.jobfiles import MANIFEST, STATS, part_name, shard_name
-from harvest.pipeline import ShardPass, capture_shard, finalize, run_job, run_shards, tokenize_job, write_shard
+from harvest.jobfiles import MANIFEST, STATS
+from harvest.shard.layout import part_name, shard_name
+from harvest.pipeline import finalize, run_job, tokenize_job
+from harvest.shard.writing import ShardPass, capture_shard, run_shards, write_shard
 from harvest.request import HarvestRequest, resolve_job
-from harvest.shards import read_part, verified_part
+from harvest.shard.record import read_part, verified_part
 from harvest.storage import Storage, StorageOptions
 from tests.test_shard_writer import LastBitApart, Replay
 from testbed.topology import CREDENTIALS

@@ -18,7 +18,8 @@ import numpy as np
 from safetensors.numpy import load as load_numpy
 from safetensors.torch import load as load_torch
 
-from harvest.jobfiles import MANIFEST, STATS, shard_name
+from harvest.jobfiles import MANIFEST, STATS
+from harvest.shard.layout import shard_name
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage

@@ -11,8 +11,10 @@ import uuid
 import pytest
 from safetensors.torch import load as load_tensors
 
-from harvest.jobfiles import MANIFEST, STATS, JobFiles, shard_name
+from harvest.jobfiles import MANIFEST, STATS, JobFiles
+from harvest.shard.layout import shard_name
 from harvest.settings import get_settings
+from harvest.storage import open_storage
 
 REQUEST = {"model": "llama-tiny", "prompts": [f"Prompt number {i} says hello to the world." for i in range(10)], "shard_size": 4, "layers": [1, 3, 7]}
 
@@ -111,7 +113,7 @@ def test_a_helper_stuck_pending_is_taken_over_after_the_grace(single_job, harves
         deployment = client.read_deployment_by_name("harvest/harvest-small")
         stuck = client.create_flow_run_from_deployment(
             deployment.id,
-            parameters={"job_id": job_id, "request_url": JobFiles.for_job(job_id).request_url, "shard_range": [2, 3]},
+            parameters={"job_id": job_id, "request_url": JobFiles.for_job(job_id, open_storage(get_settings())).request_url, "shard_range": [2, 3]},
             state=Pending(),
             idempotency_key=f"{job_id}:shards-2-3",
             tags=[HELPER_TAG, f"job:{job_id}"],

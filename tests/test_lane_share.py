@@ -19,6 +19,7 @@ import pytest
 from tests.prefect_fixtures import WORKER_ENV, deploy_pool
 from tests.slow_engine import slow_shards
 from harvest.settings import get_settings
+from harvest.storage import open_storage
 
 POOL = "lane-share"
 
@@ -121,7 +122,7 @@ def _submit(key_id: str, n_shards: int = 1) -> str:
 
     job_id = str(uuid.uuid4())
     request = HarvestRequest(model="llama-tiny", prompts=[f"{key_id} prompt {k}" for k in range(n_shards)], shard_size=1)
-    url = JobFiles.for_job(job_id).write_request(request)
+    url = JobFiles.for_job(job_id, open_storage(get_settings())).write_request(request)
     return start_harvest_run(job_id, url, "llama-tiny", POOL, key_id, env=slow_shards(1))
 
 

@@ -449,7 +449,7 @@ def callables_into_the_core(source: str) -> list[str]:
 def test_the_tasks_hand_the_core_no_callables():
     """Before: `run_shards(forward=…, submit_write=…)` ran the tasks' forward and write from
     inside the core's loop. Now the tasks drive the loop and the core keeps its state
-    (`harvest.pipeline.ShardPass`)."""
+    (`harvest.shard.writing.ShardPass`)."""
     found = {str(path.relative_to(REPO)): lines for path in sorted((REPO / "tasks").rglob("*.py"))
              if (lines := callables_into_the_core(path.read_text()))}
     assert found == {}

@@ -46,6 +46,8 @@ from testbed import http_calls
 from tests.background import Background, start_if_awaited
 from tests.prefect_fixtures import deploy_pool
 from tests.slow_engine import slow_shards
+from harvest.storage import open_storage
+from harvest.settings import get_settings
 
 DEAD_1, DEAD_2, LIVE, UNWATCHED = "liveness-dead-1", "liveness-dead-2", "liveness-live", "liveness-unwatched"
 POOLS = (DEAD_1, DEAD_2, LIVE, UNWATCHED)
@@ -123,7 +125,7 @@ def _submit(pool: str, n_prompts: int, pause_s: float):
     from harvest.request import HarvestRequest
 
     job_id = str(uuid.uuid4())
-    files = JobFiles.for_job(job_id)
+    files = JobFiles.for_job(job_id, open_storage(get_settings()))
     request = HarvestRequest.model_validate(
         {"model": "llama-tiny", "prompts": [f"prompt {k} of job {job_id[:8]}" for k in range(n_prompts)], "shard_size": 2}
     )

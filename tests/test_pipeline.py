@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load as load_tensors
 
 from harvest.errors import CaptureFailed
-from harvest.jobfiles import MANIFEST, STATS, shard_name
+from harvest.jobfiles import MANIFEST, STATS
+from harvest.shard.layout import shard_name
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage

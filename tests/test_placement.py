@@ -32,6 +32,7 @@ from harvest.request import HarvestRequest
 from tests.prefect_fixtures import WORKER_ENV, deploy_pool
 from tests.slow_engine import slow_shards
 from harvest.settings import get_settings
+from harvest.storage import open_storage
 
 MODEL = "llama-tiny-placed"
 REPO = Path(__file__).resolve().parent.parent
@@ -164,7 +165,7 @@ def _submit(lanes: Lanes, kind: str, prompts: list[str], *, env: dict | None = N
     from flows.submit import start_harvest_run
 
     job_id = str(uuid.uuid4())
-    files = JobFiles.for_job(job_id)
+    files = JobFiles.for_job(job_id, open_storage(get_settings()))
     request = HarvestRequest(model=f"{MODEL}-{kind}", prompts=prompts, shard_size=1, layers=[1, 3, 7])
     url = files.write_request(request)
     pool = lanes.pools[kind]

@@ -20,6 +20,8 @@ import uuid
 import pytest
 
 from tests.prefect_fixtures import WORKER_ENV, deploy_pool
+from harvest.storage import open_storage
+from harvest.settings import get_settings
 
 POOL = "pool-wake"
 POLL_S = 60
@@ -60,7 +62,7 @@ def _submit(prompts: int = 1) -> str:
 
     job_id = str(uuid.uuid4())
     request = HarvestRequest(model="llama-tiny", prompts=[f"wake prompt {k}" for k in range(prompts)], shard_size=1)
-    url = JobFiles.for_job(job_id).write_request(request)
+    url = JobFiles.for_job(job_id, open_storage(get_settings())).write_request(request)
     return str(start_harvest_run(job_id, url, "llama-tiny", POOL, "key_wake"))
 
 

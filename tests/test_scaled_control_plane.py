@@ -35,6 +35,8 @@ import redis
 
 from fleet.prefect_endpoints import ApiForwarder, preference
 from testbed.topology import HARVEST, Role, _create_database, _drop_database, clean_env
+from harvest.settings import get_settings
+from harvest.storage import open_storage
 
 REDIS = "redis://127.0.0.1:6379"
 
@@ -177,7 +179,7 @@ def _submit(scaled: Scaled, url: str, prompt: str) -> str:
     from harvest.request import HarvestRequest
 
     job = str(uuid.uuid4())
-    request_url = JobFiles.for_job(job).write_request(HarvestRequest(model="llama-tiny", prompts=[prompt], layers=[1]))
+    request_url = JobFiles.for_job(job, open_storage(get_settings())).write_request(HarvestRequest(model="llama-tiny", prompts=[prompt], layers=[1]))
     with _at(scaled, url):
         return start_harvest_run(job, request_url, "llama-tiny", "small", "test")
 

@@ -1,4 +1,4 @@
-"""Shard writes behind the forward passes (`harvest.pipeline.ShardPass`), large shards as S3
+"""Shard writes behind the forward passes (`harvest.shard.writing.ShardPass`), large shards as S3
 multipart uploads (`harvest.storage`), and two writers racing on one shard, on the real
 pipeline, local disk and moto's S3 server.
 
@@ -22,7 +22,8 @@ from safetensors.torch import load as load_tensors
 
 from harvest.jobfiles import MANIFEST, PARTS, STATS
 from harvest.capture import ShardCapture
-from harvest.pipeline import capture_shard, finalize, run_job, run_shards, tokenize_job, write_shard
+from harvest.pipeline import finalize, run_job, tokenize_job
+from harvest.shard.writing import capture_shard, run_shards, write_shard
 from harvest.request import HarvestRequest, resolve_job
 from harvest.stats import RunningStats
 from harvest.storage import Storage, StorageOptions

@@ -22,7 +22,8 @@ from safetensors.torch import load as load_torch
 from harvest.registry import ensure_builtin
 from harvest.errors import ModelUnavailable
 from harvest.gguf_checkpoint import GGUFSource
-from harvest.jobfiles import MANIFEST, STATS, shard_name
+from harvest.jobfiles import MANIFEST, STATS
+from harvest.shard.layout import shard_name
 from harvest.pipeline import run_job
 from harvest.request import HarvestRequest, resolve_job
 from harvest.settings import get_settings

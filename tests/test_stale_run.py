@@ -27,7 +27,8 @@ from prefect import flow
 
 from flows.harvest import ending
 from harvest.jobfiles import MANIFEST, JobFiles
-from harvest.pipeline import finalize, run_shards, tokenize_job
+from harvest.pipeline import finalize, tokenize_job
+from harvest.shard.writing import run_shards
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage, StorageOptions
 from testbed.topology import CREDENTIALS

@@ -210,10 +210,11 @@ def test_cancelled_and_failed_jobs_hold_what_they_left(harvest_api, hf_engine):
     running its admitted bytes until its run has stopped, then what it left, a shard that
     landed after the cancel included."""
     from harvest.jobfiles import JobFiles
-    from harvest.pipeline import run_shards
+    from harvest.pipeline import tokenize_job
     from harvest.registry import load_registry
     from harvest.request import resolve_job
     from harvest.settings import Settings
+    from harvest.shard.writing import run_shards
 
     settings = Settings(models_file=harvest_api.env["HARVEST_MODELS_FILE"], lanes_file=harvest_api.env["HARVEST_LANES_FILE"])
     registry = load_registry(settings)
@@ -221,7 +222,8 @@ def test_cancelled_and_failed_jobs_hold_what_they_left(harvest_api, hf_engine):
     def write_shard(job_id: str, k: int) -> None:
         """Shard k of the job and its `_parts/` record, as the job's run writes them."""
         files = JobFiles.for_job(job_id, harvest_api.storage())
-        run_shards(resolve_job(files.read_request(), registry), files.storage, hf_engine, [k])
+        job = resolve_job(files.read_request(), registry)
+        run_shards(job, files.storage, hf_engine, [k], tokenized=tokenize_job(job))
 
     body = {"model": "llama-tiny", "prompts": ["The sky is", "Grass is", "Water is"], "layers": [1], "shard_size": 1}
     engine = harvest_api.engine()

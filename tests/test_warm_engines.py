@@ -43,6 +43,8 @@ from tests.api_fixtures import SECOND_SMALL_MODEL
 from tests.prefect_fixtures import REPO, WORKER_ENV, deploy_pool
 from testbed.reference import bf16_tolerance, hf_reference_layers
 from tests.slow_engine import recorded_calls, slow_shards
+from harvest.storage import open_storage
+from harvest.settings import get_settings
 
 POOL = "warm-host"
 
@@ -61,7 +63,7 @@ class Host:
         from flows.submit import start_harvest_run
 
         job_id = str(uuid.uuid4())
-        files = JobFiles.for_job(job_id)
+        files = JobFiles.for_job(job_id, open_storage(get_settings()))
         url = files.write_request(HarvestRequest.model_validate({"model": model, "prompts": prompts, **request}))
         return start_harvest_run(job_id, url, model, POOL, "test", workers=1, env=env), files
 

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from harvest.jobfiles import MANIFEST, PARTS, PROGRESS, REQUEST, STATS, JobFiles, part_name, shard_name
+from harvest.jobfiles import MANIFEST, PARTS, PROGRESS, REQUEST, STATS, JobFiles
+from harvest.shard.layout import part_name, shard_name
 from tests.write_log import DiskWrites
+from harvest.storage import open_storage
+from harvest.settings import get_settings
 
 N_SHARDS = 4
 REQUEST_BODY = {"model": "llama-tiny", "prompts": [f"order prompt {i}" for i in range(N_SHARDS)], "shard_size": 1, "layers": [1, 5]}
@@ -25,7 +28,7 @@ REQUEST_BODY = {"model": "llama-tiny", "prompts": [f"order prompt {i}" for i in 
 @pytest.mark.parametrize("workers", [1, 2], ids=["one-run", "scale-out"])
 def test_nothing_is_written_into_the_job_folder_after_the_manifest_on_local_disk(harvest_stack, workers):
     job_id = str(uuid.uuid4())
-    folder = Path(JobFiles.for_job(job_id).storage.root)
+    folder = Path(JobFiles.for_job(job_id, open_storage(get_settings())).storage.root)
     (folder / PARTS).mkdir(parents=True)  # watched from the start: its records' order is exact
     with DiskWrites(folder) as writes:
         # A key of its own: its queue's two slots are the parent's and the helper's, whatever

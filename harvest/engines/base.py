@@ -25,7 +25,7 @@ ValueSink = Callable[[int, torch.Tensor], None]
 """Takes one prompt's captured values as soon as the engine has them: the prompt's position in
 its shard (0-based) and its host tensor `[n_layers_kept, n_tokens, n_features]` in the stored
 dtype. A capture given a sink hands every prompt to it, batch by batch, and returns no values,
-so a shard never has to be held whole (`harvest.shard_file`)."""
+so a shard never has to be held whole (`harvest.shard.file`)."""
 
 
 def hand_over(capture: ShardCapture, sink: ValueSink | None) -> ShardCapture:

@@ -21,7 +21,7 @@ from harvest.heap import TrimEvery
 from harvest.private_files import open_private_log
 from harvest.registry import ModelInfo
 from harvest.settings import Settings
-from harvest.shard_file import FileDigest, StagedShard
+from harvest.shard.file import FileDigest, StagedShard
 from harvest.warm.protocol import GroupFiles, group_name, raise_error, receive, receive_value, send, send_fd
 
 __all__ = ["RemoteEngine", "EngineLost", "open_engine", "connect", "engine_status", "engine_server_env"]

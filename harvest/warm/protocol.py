@@ -9,7 +9,7 @@ any process that cannot read it. The log is `$HARVEST_HOME/logs/engine-<group>.l
 
 A shard's capture (`capture_into`) comes with the run's staged shard file itself: its
 descriptor follows the request over the socket (`send_fd`, SCM_RIGHTS). The server writes each
-prompt's values into it at their place and hashes them as it writes (`harvest.shard_file.
+prompt's values into it at their place and hashes them as it writes (`harvest.shard.file.
 ShardFill`), then answers one `("ok", ShardCapture)` with the statistics and the file's digest.
 So the values cross no socket: one host pass from the engine's buffer into the file (RESULTS,
 "Host passes"). A capture without a file (`capture`: an engine's caller that wants the values

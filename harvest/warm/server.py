@@ -32,7 +32,7 @@ from harvest.heap import TrimEvery, give_back_free_memory
 from harvest.registry import load_registry
 from harvest.engines.limits import EngineLimits
 from harvest.settings import Settings, get_settings
-from harvest.shard_file import ShardFill, token_bytes
+from harvest.shard.file import ShardFill, token_bytes
 from harvest.warm.cobatch import Abandoned, CobatchedEngine
 from harvest.warm.cache import EngineCache, Loaded
 from harvest.warm.protocol import GroupFiles, error_reply, receive, receive_fd, send, send_value
@@ -64,7 +64,7 @@ class _Stream:
 
 class _FileSink:
     """A capture's sink in the server: each prompt's values into the run's staged shard file,
-    handed over as a descriptor (`harvest.shard_file.ShardFill`), hashed as they are written.
+    handed over as a descriptor (`harvest.shard.file.ShardFill`), hashed as they are written.
     A run that went away leaves a file nobody reads; its shard's engine call, shared with
     others, goes on all the same."""
 

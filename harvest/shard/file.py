@@ -72,7 +72,7 @@ class ShardLayout:
 
 def shard_layout(indices: range, token_counts: list[int], n_layers: int, n_features: int, dtype: torch.dtype) -> ShardLayout:
     """The layout of the shard holding prompts `indices`: `prompt_{i}` `[n_layers, n_tokens,
-    n_features]` in `dtype` and `tokens_{i}` int32 `[n_tokens]` (`harvest.shards`)."""
+    n_features]` in `dtype` and `tokens_{i}` int32 `[n_tokens]` (`harvest.shard.record`)."""
     shapes: dict[str, tuple[torch.dtype, list[int]]] = {}
     for i, n in zip(indices, token_counts, strict=True):
         shapes[f"prompt_{i}"] = (dtype, [n_layers, n, n_features])

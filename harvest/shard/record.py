@@ -1,17 +1,15 @@
 """Shard files and the small record kept beside each one.
 
-Shard k (`harvest.jobfiles.shard_name`) holds prompts `k*shard_size .. (k+1)*shard_size-1`: for
+Shard k (`harvest.shard.layout.shard_name`) holds prompts `k*shard_size .. (k+1)*shard_size-1`: for
 the prompt at global index i, `prompt_{i}` (`[n_layers_kept, n_tokens, n_features]`) and
-`tokens_{i}` (int32 `[n_tokens]`, the ids that ran). Its record (`harvest.jobfiles.part_name`)
+`tokens_{i}` (int32 `[n_tokens]`, the ids that ran). Its record (`harvest.shard.layout.part_name`)
 keeps the shard's exact float64 statistics partial and, in its metadata, the shard's size and
 sha256, and the stored file's fingerprint (`Storage.fingerprint`: size, inode and time on
 disk, ETag on S3) as it was once published. That record is written after the shard, so a
 shard whose record exists and matches is complete: a retry or resume skips it, and the final
 merge takes the statistics from the records, and reads a shard again only where its
-fingerprint changed (`harvest.pipeline.stored_records`).
-The shard file itself is written as its values arrive (`harvest.shard_file`).
-The file names are the job folder's layout, owned by `harvest.jobfiles` (`shard_name` is
-re-exported here for the pipeline).
+fingerprint changed (`harvest.shard.writing.stored_records`).
+The shard file itself is written as its values arrive (`harvest.shard.file`).
 """
 
 from __future__ import annotations
@@ -25,12 +23,12 @@ from pydantic import BaseModel
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from harvest.jobfiles import part_name, shard_name
-from harvest.shard_file import shard_layout
+from harvest.shard.layout import part_name, shard_name
+from harvest.shard.file import shard_layout
 from harvest.stats import RunningStats
 from harvest.storage import Storage
 
-__all__ = ["ShardRecord", "Part", "shard_name", "write_part", "read_part", "verified_part", "stored_stats"]
+__all__ = ["ShardRecord", "Part", "write_part", "read_part", "verified_part", "stored_stats"]
 
 
 class ShardRecord(BaseModel):
@@ -77,7 +75,7 @@ def verified_part(storage: Storage, k: int, *, check_hash: bool = True) -> Part 
     """The record of shard k if the shard on storage is complete and matches it, else None.
 
     `check_hash=False` checks only the size, for a caller that checks the files itself
-    (`harvest.pipeline.stored_records`, many at once).
+    (`harvest.shard.writing.stored_records`, many at once).
     """
     try:
         part = read_part(storage, k)
