@@ -42,7 +42,7 @@ from fleet.processes import Managed, start_server
 from harvest.addresses import local_address
 
 __all__ = ["REDIS_MODULES", "redis_env", "check_scaled", "check_redis", "start_api_servers", "start_services",
-           "database_url"]
+           "prefect_database_url"]
 
 REDIS_MODULES = {
     "PREFECT_MESSAGING_BROKER": "prefect_redis.messaging",
@@ -60,7 +60,7 @@ def redis_env(url: str) -> dict[str, str]:
     return {**REDIS_MODULES, "PREFECT_REDIS_MESSAGING_URL": url, "PREFECT_SERVER_DOCKET_URL": url}
 
 
-def database_url(environ: dict[str, str]) -> str:
+def prefect_database_url(environ: dict[str, str]) -> str:
     """Prefect's database URL as its server reads it ('' when unset: SQLite under PREFECT_HOME)."""
     return environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL") or ""
 

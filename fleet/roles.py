@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from fleet.control_plane import check_redis, check_scaled, database_url, redis_env, start_api_servers, start_services
+from fleet.control_plane import check_redis, check_scaled, prefect_database_url, redis_env, start_api_servers, start_services
 from fleet.placeholders import refuse_placeholder_secrets
 from fleet.prefect_endpoints import ApiForwarder, parse_api_urls, preference
 from fleet.processes import API_NEEDS, RUN_COMMAND, Managed, free_port, say, serve, start_server, start_worker, wait_http
@@ -301,7 +301,7 @@ def server_main(argv: list[str]) -> int:
     api_servers = settings.prefect_api_servers if args.api_servers is None else args.api_servers
     redis_url = args.redis_url or settings.redis_url
     services = not args.no_services
-    check_scaled("harvest server", database_url(dict(os.environ)), redis_url, api_servers, services)
+    check_scaled("harvest server", prefect_database_url(dict(os.environ)), redis_url, api_servers, services)
     if api_servers == 0 and services and not (settings.prefect_api_urls or os.environ.get("PREFECT_API_URL")):
         raise SystemExit("harvest server: --api-servers 0 runs the services alone and applies the control plane through "
                          "its API servers: set HARVEST_PREFECT_API_URLS (or PREFECT_API_URL) to them")

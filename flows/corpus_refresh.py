@@ -32,13 +32,14 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run as current_run
 
 from flows.harvest import harvest
-from flows.scale_out import COLLECT, POLL_S, WAIT, HelperWatch
+from flows.scale_out import POLL_S, HelperWatch
 from flows.placement import lane_free_slots
 from flows.submit import cancel_harvest_run
 from harvest.corpus import read_prompts
 from harvest.errors import InvalidRequest
 from harvest.jobfiles import JobFiles
 from harvest.lanes import deployment_name
+from harvest.placement import COLLECT, WAIT
 from harvest.registry import load_registry
 from harvest.request import MAX_PROMPTS, HarvestRequest
 from harvest.settings import Settings, get_settings

@@ -49,7 +49,7 @@ from prefect.states import Failed, State
 
 from flows.placement import WORKERS_LABEL, choose_workers
 from flows.progress import RunProgress, summary_artifact
-from flows.scale_out import collect_helpers, split_ranges, start_helpers
+from flows.scale_out import collect_helpers, start_helpers
 from harvest.cost import bytes_per_token
 from harvest.cpu_share import lower_priority, run_nice
 from harvest.errors import job_error
@@ -57,7 +57,7 @@ from harvest.jobfiles import JobFiles
 from harvest.metrics import RUN_START_SECONDS
 from harvest.pipeline import tokenize_job
 from harvest.shard.writing import Cancelled
-from harvest.placement import place_run
+from harvest.placement import place_run, split_ranges
 from harvest.registry import load_registry
 from harvest.request import resolve_job
 from harvest.settings import get_settings

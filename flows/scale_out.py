@@ -1,9 +1,9 @@
 """Scale-out: one job's shards over several flow runs of its lane, and the parent's watch.
 
-The shards are cut into N contiguous ranges (`split_ranges`). The parent keeps the first; the
+The shards are cut into N contiguous ranges (`harvest.placement.split_ranges`). The parent keeps the first; the
 others become flow runs of its own deployment, the lane's (`shard_range=[a, b]`), started by
 `start_helpers`. When its own range is done, the parent waits for the helpers, but never for
-ever (`helper_action`, `HelperWatch`): a helper not running yet after `HARVEST_HELPER_GRACE_S`
+ever (`harvest.placement.helper_action`, `HelperWatch`): a helper not running yet after `HARVEST_HELPER_GRACE_S`
 (the lane is full, e.g. `large` with limit 1, or it is stuck Pending or Paused) is cancelled
 and its range done here; one that ended without finishing has its range resumed here; one left
 Crashed, Cancelling or unreadable for `HARVEST_HELPER_STALL_S` is taken over too. A Running
@@ -35,73 +35,15 @@ from prefect.states import Cancelled as CancelledState
 
 from flows.progress import RunProgress
 from harvest.jobfiles import JobFiles
+from harvest.placement import COLLECT, TAKE_OVER, WAIT, helper_action
 from harvest.shard.writing import Cancelled
 from harvest.settings import Settings
 from harvest.timings import Timings
 
-__all__ = [
-    "split_ranges",
-    "helper_action",
-    "HelperWatch",
-    "start_helpers",
-    "collect_helpers",
-    "HELPER_TAG",
-    "POLL_S",
-    "WAIT",
-    "COLLECT",
-    "RECOMPUTE",
-    "TAKE_OVER",
-]
+__all__ = ["HelperWatch", "start_helpers", "collect_helpers", "HELPER_TAG", "POLL_S"]
 
 HELPER_TAG = "scale-out-helper"
 POLL_S = 1.0
-
-# What the parent does about one helper on one look (`helper_action`).
-WAIT = "wait"  # leave the range to the helper for now
-COLLECT = "collect"  # it completed: add its timings
-RECOMPUTE = "recompute"  # it ended without finishing: do (the rest of) its range here
-TAKE_OVER = "take_over"  # cancel it (forcing where refused), then do its range here
-
-_NOT_STARTED = (StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED)
-
-
-def split_ranges(n_shards: int, workers: int) -> list[list[int]]:
-    """`[start, stop)` shard ranges, contiguous, sizes differing by at most one."""
-    workers = max(1, min(workers, n_shards))
-    base, extra = divmod(n_shards, workers)
-    ranges, start = [], 0
-    for i in range(workers):
-        stop = start + base + (1 if i < extra else 0)
-        ranges.append([start, stop])
-        start = stop
-    return ranges
-
-
-def helper_action(kind: StateType | None, since_grace_s: float, unchanged_s: float, *, stall_s: float) -> str:
-    """What the parent does about a helper in state `kind` (None: unknown or unreadable).
-
-    since_grace_s: seconds since the grace ended (negative while it lasts); the grace starts
-    when the parent's own range is done. unchanged_s: seconds since the parent last saw this
-    helper's state change. Every state but Running leads to an end within a bounded time.
-    """
-    if kind == StateType.COMPLETED:
-        return COLLECT
-    if kind in (StateType.FAILED, StateType.CANCELLED):
-        return RECOMPUTE
-    if kind == StateType.RUNNING:
-        # Waited for as long as it runs: a helper whose host died stops sending heartbeats and
-        # Prefect's heartbeat automation (`flows.liveness`) marks it Crashed, the branch below.
-        return WAIT
-    if kind in _NOT_STARTED:
-        # Not started (lane full, stuck Pending on a worker that never started it, Paused):
-        # after the grace this run, its model loaded, is faster than any helper still to load.
-        return TAKE_OVER if since_grace_s >= 0 else WAIT
-    # Crashed (a reschedule may still show as Scheduled), Cancelling (whose worker may be
-    # gone), or unknown: take over once nothing has changed for `stall_s`.
-    return TAKE_OVER if unchanged_s >= stall_s else WAIT
-
-
-
 
 def start_helpers(run: RunProgress, ranges: list[list[int]]) -> list[tuple[list[int], UUID]]:
     """One flow run of this run's deployment per range; idempotent, so a resumed parent

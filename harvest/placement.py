@@ -20,8 +20,11 @@ Which slot first (`warm_first`): a slot whose GPU group's engine server already 
 model (`harvest.warm`), so the job starts warm; `place_run` is a run's whole placement.
 
 How far a job spreads (`auto_workers`): one run more per free slot of the lane, but never so
-many that a run gets fewer than `min_shards` shards (each run loads the model once). This module
-is core (no Prefect); the flows read a lane's free slots from Prefect and hand them here.
+many that a run gets fewer than `min_shards` shards (each run loads the model once); its shards
+cut into that many contiguous ranges (`split_ranges`), and what the run that keeps the first
+does about each helper run on each look (`helper_action`). This module is core (no Prefect):
+the flows read a lane's free slots and the helpers' states from Prefect and hand them here
+(`flows.placement`, `flows.scale_out`: the Prefect side of placement, nothing decided there).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ __all__ = [
     "place_run",
     "free_slots",
     "auto_workers",
+    "split_ranges",
+    "helper_action", "WAIT", "COLLECT", "RECOMPUTE", "TAKE_OVER",
 ]
 
 # A claim is held until the process exits (see the module docstring); this is it.
@@ -293,3 +298,49 @@ def auto_workers(n_shards: int, free: int, min_shards: int) -> int:
     """How many runs share a job: this one plus one per free slot, while each keeps at least
     `min_shards` shards (a job of 16 shards, 2 free slots, min 8 → 2 runs)."""
     return max(1, min(1 + max(0, free), n_shards // max(1, min_shards)))
+
+
+# What the parent does about one helper on one look (`helper_action`).
+WAIT = "wait"  # leave the range to the helper for now
+COLLECT = "collect"  # it completed: add its timings
+RECOMPUTE = "recompute"  # it ended without finishing: do (the rest of) its range here
+TAKE_OVER = "take_over"  # cancel it (forcing where refused), then do its range here
+
+_NOT_STARTED = ("SCHEDULED", "PENDING", "PAUSED")
+
+
+def split_ranges(n_shards: int, workers: int) -> list[list[int]]:
+    """`[start, stop)` shard ranges, contiguous, sizes differing by at most one."""
+    workers = max(1, min(workers, n_shards))
+    base, extra = divmod(n_shards, workers)
+    ranges, start = [], 0
+    for i in range(workers):
+        stop = start + base + (1 if i < extra else 0)
+        ranges.append([start, stop])
+        start = stop
+    return ranges
+
+
+def helper_action(kind: str | None, since_grace_s: float, unchanged_s: float, *, stall_s: float) -> str:
+    """What the parent does about a helper in state `kind` (Prefect's state type, `COMPLETED`
+    and so on; None: unknown or unreadable).
+
+    since_grace_s: seconds since the grace ended (negative while it lasts); the grace starts
+    when the parent's own range is done. unchanged_s: seconds since the parent last saw this
+    helper's state change. Every state but Running leads to an end within a bounded time.
+    """
+    if kind == "COMPLETED":
+        return COLLECT
+    if kind in ("FAILED", "CANCELLED"):
+        return RECOMPUTE
+    if kind == "RUNNING":
+        # Waited for as long as it runs: a helper whose host died stops sending heartbeats and
+        # Prefect's heartbeat automation (`flows.liveness`) marks it Crashed, the branch below.
+        return WAIT
+    if kind in _NOT_STARTED:
+        # Not started (lane full, stuck Pending on a worker that never started it, Paused):
+        # after the grace this run, its model loaded, is faster than any helper still to load.
+        return TAKE_OVER if since_grace_s >= 0 else WAIT
+    # Crashed (a reschedule may still show as Scheduled), Cancelling (whose worker may be
+    # gone), or unknown: take over once nothing has changed for `stall_s`.
+    return TAKE_OVER if unchanged_s >= stall_s else WAIT

@@ -10,7 +10,7 @@ from uuid import uuid4
 
 import pytest
 
-from flows.scale_out import COLLECT, RECOMPUTE, TAKE_OVER, WAIT, helper_action, split_ranges
+from harvest.placement import COLLECT, RECOMPUTE, TAKE_OVER, WAIT, helper_action, split_ranges
 from flows.retention import expired_jobs, sweep
 from harvest.jobfiles import JobFiles
 from harvest.request import HarvestRequest

@@ -172,17 +172,39 @@ def test_every_layer_is_scanned():
     assert set(FORBIDDEN) == set(LAYERS) | {"bench", "testbed"}
 
 
-def test_each_class_has_one_home():
-    """No two modules of the service define a class of one name: a concept (a job's `Timings`,
-    once in the API's schemas and again in the pipeline) lives in one place, and every layer
-    imports it from there."""
+CONVENTIONS = {"main", "upgrade", "downgrade"}
+"""Names every entry point or migration defines, by convention."""
+
+
+def test_each_class_and_function_has_one_home():
+    """No two modules of the service define a class or a public function of one name: a concept
+    (a job's `Timings`, once in the API's schemas and again in the pipeline) lives in one
+    place, and every layer imports it from there."""
     homes: dict[str, list[str]] = {}
     for package in LAYERS:
         for path in sorted((REPO / package).rglob("*.py")):
             for node in ast.parse(path.read_text()).body:
-                if isinstance(node, ast.ClassDef):
+                public_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
+                if isinstance(node, ast.ClassDef) or (public_function and node.name not in CONVENTIONS):
                     homes.setdefault(node.name, []).append(str(path.relative_to(REPO)))
     assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+
+
+def test_a_shard_and_placement_each_have_one_home():
+    """A shard's layout, file, record and writing are the package `harvest.shard` (before: five
+    modules of harvest/ and tasks/), and the flow's tasks over it one thin module
+    (`tasks.shards`). Placement decides in `harvest.placement` alone (before: how a job's
+    shards split, and what a parent does about a helper, were decided in flows/), and flows/
+    holds its Prefect side: modules that import Prefect."""
+    harvest_modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "harvest").rglob("*.py"))
+    shard_modules = [m for m in harvest_modules if "shard" in m]
+    assert shard_modules and all(m.startswith("harvest/shard/") for m in shard_modules), shard_modules
+    assert sorted(str(p.relative_to(REPO)) for p in (REPO / "tasks").rglob("*.py")) == ["tasks/__init__.py", "tasks/shards.py"]
+    assert [m for m in harvest_modules if "placement" in m or "slot" in m] == ["harvest/placement.py"]
+    for module in ("flows/placement.py", "flows/scale_out.py"):
+        imported = [name for _, name in names((REPO / module).read_text())]
+        assert any(name.startswith("prefect") for name in imported) and "harvest.placement" in {
+            ".".join(n.split(".")[:2]) for n in imported}, module
 
 
 def _module_of(root: Path, name: str) -> str | None:
