@@ -74,5 +74,4 @@ lane = "small"
 max_model_len = 2048
 max_activation_prompt_tokens = 512
 """)
-    os.environ["HARVEST_MODELS_FILE"] = str(models)
-    get_settings.cache_clear()
+    os.environ["HARVEST_MODELS_FILE"] = str(models)  # this process's later reads, and its children's

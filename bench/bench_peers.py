@@ -197,6 +197,7 @@ def steady(ids_path: Path, layers: list[int], rounds: int, rows: list[int]) -> d
 
     from harvest.capture_spec import CaptureSpec
     from harvest.engines.hf import HFEngine
+    from harvest.engines.limits import EngineLimits
     from harvest.engines.vllm import VLLMEngine
     from harvest.registry import load_registry
 
@@ -214,8 +215,7 @@ def steady(ids_path: Path, layers: list[int], rounds: int, rows: list[int]) -> d
             _shards(engine, ids, spec)
             times[name].append(time.perf_counter() - started)
         for r in rows:
-            os.environ["HARVEST_ENGINE_ROW_TOKENS"] = str(r)
-            get_settings.cache_clear()
+            engines["hf"].limits = EngineLimits(row_tokens=r)  # as `HARVEST_ENGINE_ROW_TOKENS=r` makes it
             started = time.perf_counter()
             _shards(engines["hf"], ids, spec)
             row_times[r].append(time.perf_counter() - started)

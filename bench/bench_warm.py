@@ -194,14 +194,13 @@ def overlap(rounds: int) -> None:
     from harvest.request import HarvestRequest, resolve_job
     from harvest.settings import get_settings
     from harvest.shard.layout import shard_ranges
-    from harvest.storage import Storage
+    from harvest.storage import Storage, StorageOptions
 
     port = free_port()
     moto = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update({"HARVEST_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "HARVEST_S3_PART_BYTES": str(8 << 20)})
-    get_settings.cache_clear()
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    on_moto = StorageOptions(s3_endpoint_url=endpoint, s3_part_bytes=8 << 20)
     s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
     deadline = time.monotonic() + 60
     while True:
@@ -229,7 +228,7 @@ def overlap(rounds: int) -> None:
 
         def harvest(r: int, with_overlap: bool) -> float:
             started = time.perf_counter()
-            run_job(job, Storage(f"s3://bench/round-{r}-{with_overlap}"), engine, "bench", tokenized=tokenized, overlap=with_overlap)
+            run_job(job, Storage(f"s3://bench/round-{r}-{with_overlap}", options=on_moto), engine, "bench", tokenized=tokenized, overlap=with_overlap)
             return time.perf_counter() - started
 
         arms = {
@@ -245,7 +244,6 @@ def overlap(rounds: int) -> None:
         size = s3.head_object(Bucket="bench", Key="round-0-True/shard_00000.safetensors")["ContentLength"]
     finally:
         moto.terminate()
-        get_settings.cache_clear()
     tokens = sum(len(t.ids) for t in tokenized)
     base = _median(times["forward only (no files)"])
     _table(f"Every layer of {len(prompts)} prompts ({tokens:,} tokens, {n_shards} shards of ~{size / 2**20:.1f} MiB) to moto S3, "

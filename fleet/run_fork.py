@@ -219,12 +219,9 @@ def _settings_from_environment(prefect_changed: bool) -> None:
     import prefect.context
     from prefect.logging.configuration import setup_logging
 
-    from harvest.settings import get_settings
-
     if prefect_changed:
         prefect.context.refresh_global_settings_context()
         setup_logging(incremental=False)
-    get_settings.cache_clear()
     fsspec.config.conf.clear()
     fsspec.config.set_conf_files(os.environ.get("FSSPEC_CONFIG_DIR", fsspec.config.default_conf_dir), fsspec.config.conf)
     fsspec.config.set_conf_env(fsspec.config.conf)

@@ -11,7 +11,6 @@ variables; nothing here shadows them.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import TypeVar
 
@@ -175,8 +174,8 @@ class Settings(BaseSettings):
         return {f"HARVEST_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
                 for name, value in values.items()}
 
-@lru_cache(maxsize=None)
 def get_settings(section: type[Section] = Settings) -> Section:
-    """The process's settings of one layer's `section` (the core's by default), read from the
-    environment once; `get_settings.cache_clear()` reads them again."""
+    """The process's settings of one layer's `section` (the core's by default), read from its
+    environment now: an entry point reads them once and hands them on (nothing caches them,
+    so nothing has to be told the environment changed)."""
     return section()

@@ -316,6 +316,14 @@ ENTRY_POINTS = {
 }
 
 
+def test_nothing_caches_the_settings():
+    """A cached configuration (before: `get_settings` kept the first read) is one that a test
+    had to clear and a second configuration in the process could not differ from."""
+    from harvest.settings import get_settings
+
+    assert not hasattr(get_settings, "cache_clear")
+
+
 def _settings_readers(root: Path, packages: tuple[str, ...]) -> set[tuple[str, str]]:
     """(module, top-level function or "<module>") of every `get_settings(...)` call."""
     readers = set()
