@@ -37,8 +37,8 @@ from harvest.engines.base import SamplingSpec  # noqa: E402
 from harvest.engines.hf import HFEngine  # noqa: E402
 from harvest.registry import load_registry  # noqa: E402
 from harvest.residual_codec import ZSTD_LEVEL, _le_int16_bytes  # noqa: E402
+from harvest.settings import get_settings  # noqa: E402
 from testbed.api_server import serve_in_thread  # noqa: E402
-from harvest.settings import get_settings
 
 
 def zstd_sweep(engine: HFEngine, levels: list[int]) -> list[dict]:

@@ -66,8 +66,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_models import BENCH_MODELS, use  # noqa: E402
 from corpora import CORPORA, corpus  # noqa: E402
 from peer_arms import compare, load_values  # noqa: E402
+from harvest.settings import get_settings  # noqa: E402
 from stack import harvest_up  # noqa: E402
-from harvest.settings import get_settings
 
 __all__ = ["main"]
 

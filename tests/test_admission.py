@@ -37,10 +37,10 @@ import pytest
 from api.errors import ReplicaBusy
 from harvest.errors import InvalidRequest
 from harvest.lanes import Lane
+from harvest.settings import get_settings
 from testbed import http_calls
 from tests.api_fixtures import ApiServer
 from tests.proc_threads import autogroup_nice, slices_supported, thread_slices, thread_stats
-from harvest.settings import get_settings
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,9 +12,9 @@ import uuid
 
 
 from harvest.jobfiles import MANIFEST, PROGRESS
+from harvest.settings import get_settings
 from tests.proc_threads import thread_stats
 from tests.slow_engine import gate_file, gated_shards, slow_load, slow_shards
-from harvest.settings import get_settings
 
 
 def _progress(job) -> dict:

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from harvest.settings import get_settings
 from testbed import http_calls
 from tests.api_fixtures import serve_in_thread
 from tests.test_inline_engine import assert_within_one_bf16_rounding, hf_reference
 from tests.test_residual_codec import decode_residual_stream
-from harvest.settings import get_settings
 
 
 def _session_engines(engine, **options):

@@ -16,10 +16,10 @@ import uuid
 
 import pytest
 
-from tests.prefect_fixtures import WORKER_ENV, deploy_pool
-from tests.slow_engine import slow_shards
 from harvest.settings import get_settings
 from harvest.storage import open_storage
+from tests.prefect_fixtures import WORKER_ENV, deploy_pool
+from tests.slow_engine import slow_shards
 
 POOL = "lane-share"
 

@@ -42,12 +42,12 @@ from flows.liveness import (
     PENDING_AUTOMATION,
     apply_automations_sync,
 )
+from harvest.storage import open_storage
+from harvest.settings import get_settings
 from testbed import http_calls
 from tests.background import Background, start_if_awaited
 from tests.prefect_fixtures import deploy_pool
 from tests.slow_engine import slow_shards
-from harvest.storage import open_storage
-from harvest.settings import get_settings
 
 DEAD_1, DEAD_2, LIVE, UNWATCHED = "liveness-dead-1", "liveness-dead-2", "liveness-live", "liveness-unwatched"
 POOLS = (DEAD_1, DEAD_2, LIVE, UNWATCHED)

@@ -29,10 +29,10 @@ from harvest.errors import ModelUnavailable
 from harvest.jobfiles import MANIFEST, STATS, JobFiles
 from harvest.placement import auto_workers, check_fits, free_slots, host_slots, parse_gpus, visible_gpus
 from harvest.request import HarvestRequest
-from tests.prefect_fixtures import WORKER_ENV, deploy_pool
-from tests.slow_engine import slow_shards
 from harvest.settings import get_settings
 from harvest.storage import open_storage
+from tests.prefect_fixtures import WORKER_ENV, deploy_pool
+from tests.slow_engine import slow_shards
 
 MODEL = "llama-tiny-placed"
 REPO = Path(__file__).resolve().parent.parent

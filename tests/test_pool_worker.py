@@ -19,9 +19,9 @@ import uuid
 
 import pytest
 
-from tests.prefect_fixtures import WORKER_ENV, deploy_pool
 from harvest.storage import open_storage
 from harvest.settings import get_settings
+from tests.prefect_fixtures import WORKER_ENV, deploy_pool
 
 POOL = "pool-wake"
 POLL_S = 60

@@ -34,9 +34,9 @@ import pytest
 import redis
 
 from fleet.prefect_endpoints import ApiForwarder, preference
-from testbed.topology import HARVEST, Role, _create_database, _drop_database, clean_env
 from harvest.settings import get_settings
 from harvest.storage import open_storage
+from testbed.topology import HARVEST, Role, _create_database, _drop_database, clean_env
 
 REDIS = "redis://127.0.0.1:6379"
 

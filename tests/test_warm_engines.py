@@ -39,12 +39,12 @@ from harvest.request import HarvestRequest
 from harvest.tokenize import load_tokenizer
 from harvest.warm.client import engine_status
 from harvest.warm.protocol import GroupFiles, unix_socket_path
+from harvest.storage import open_storage
+from harvest.settings import get_settings
 from tests.api_fixtures import SECOND_SMALL_MODEL
 from tests.prefect_fixtures import REPO, WORKER_ENV, deploy_pool
 from testbed.reference import bf16_tolerance, hf_reference_layers
 from tests.slow_engine import recorded_calls, slow_shards
-from harvest.storage import open_storage
-from harvest.settings import get_settings
 
 POOL = "warm-host"
 

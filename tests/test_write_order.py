@@ -17,9 +17,9 @@ import pytest
 
 from harvest.jobfiles import MANIFEST, PARTS, PROGRESS, REQUEST, STATS, JobFiles
 from harvest.shard.layout import part_name, shard_name
-from tests.write_log import DiskWrites
 from harvest.storage import open_storage
 from harvest.settings import get_settings
+from tests.write_log import DiskWrites
 
 N_SHARDS = 4
 REQUEST_BODY = {"model": "llama-tiny", "prompts": [f"order prompt {i}" for i in range(N_SHARDS)], "shard_size": 1, "layers": [1, 5]}
