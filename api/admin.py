@@ -168,7 +168,7 @@ def _spend_cap(argv: list[str]) -> int:
     sub.add_parser("off", help="resume new harvests")
     sub.add_parser("status")
     args = parser.parse_args(argv)
-    engine = _store(get_settings(ApiSettings)).engine
+    engine = _store(get_settings(ApiSettings)).db
     if args.action == "on":
         if args.retry_after < 1:
             parser.error("--retry-after must be at least 1")

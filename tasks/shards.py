@@ -117,9 +117,9 @@ def run_shard_range(work: ShardWork, ids: range, *, should_stop, on_shard) -> Ti
                 on_shard(record, True)
                 continue
             captured = forward_shard(work, k)
-            run.captured(captured.capture)
-            if (record := run.writing(write_shard_task.submit(work, k, captured))) is not None:
+            if (record := run.captured(captured.capture)) is not None:
                 on_shard(record, False)
+            run.writing(write_shard_task.submit(work, k, captured))
         ok = True
     finally:
         if (record := run.close(failed=not ok)) is not None:

@@ -19,9 +19,13 @@ __all__ = ["file_runs_app", "flow_env_app"]
 
 
 def file_runs_app() -> FastAPI:
+    from api.settings import ApiSettings
+    from harvest.settings import get_settings
+    from harvest.storage import StorageOptions
     from testbed.api_server import FileRuns
 
-    return create_app(runs=FileRuns(os.environ["HARVEST_TEST_RUNS_DIR"]))
+    settings = get_settings(ApiSettings)  # the replica's process: its own environment
+    return create_app(settings=settings, runs=FileRuns(os.environ["HARVEST_TEST_RUNS_DIR"], StorageOptions.of(settings)))
 
 
 def flow_env_app() -> FastAPI:

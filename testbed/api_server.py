@@ -71,7 +71,7 @@ from pathlib import Path
 
 import httpx
 
-
+from harvest.storage import StorageOptions
 from testbed import http_calls
 
 __all__ = [
@@ -145,9 +145,11 @@ def free_port() -> int:
 class FileRuns:
     """Runs as JSON files (directory `HARVEST_TEST_RUNS_DIR`); see the module docstring."""
 
-    def __init__(self, runs_dir: str | Path | None = None):
+    def __init__(self, runs_dir: str | Path | None = None, storage_options: StorageOptions | None = None):
+        """`storage_options`: how the jobs' store is reached (the replica's own, as its app's)."""
         self.dir = Path(runs_dir or os.environ["HARVEST_TEST_RUNS_DIR"])
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.storage_options = storage_options or StorageOptions()
 
     def _path(self, run_id: str) -> Path:
         return self.dir / f"{run_id}.json"
@@ -218,8 +220,7 @@ class FileRuns:
                 )
         return states
 
-    @staticmethod
-    def _reported(data: dict) -> int | None:
+    def _reported(self, data: dict) -> int | None:
         """The job's shards as its run reports them (`flows.progress`): what the test set
         (`report`), else, for a running run, the records in its job's folder, which is what a
         real run counts and reports."""
@@ -228,9 +229,8 @@ class FileRuns:
         if data["status"] != "running" or not data.get("request_url"):
             return None
         from harvest.jobfiles import JobFiles
-        from harvest.storage import StorageOptions
 
-        return JobFiles.from_request_url(data["request_url"], StorageOptions()).shards_done()  # a local folder
+        return JobFiles.from_request_url(data["request_url"], self.storage_options).shards_done()
 
     def report(self, run_id: str, shards_done: int) -> None:
         """The run reports `shards_done` of its job's shards written (its label, in Prefect)."""

@@ -16,9 +16,8 @@ from api.auth import create_key
 from api.db import idempotency_keys, jobs, utcnow
 from api.errors import ConcurrencyExceeded, IdempotencyConflict
 from api.idempotency import prune_expired, submit_once
-from api.store import admit
 from harvest.request import HarvestRequest
-from tests.test_api_store import _job, engine, store  # noqa: F401 (fixtures)
+from tests.test_api_store import _job, admit_on, engine, store  # noqa: F401 (fixtures)
 
 
 def _count(engine, key_id: str) -> int:  # noqa: F811
@@ -32,7 +31,7 @@ def test_one_key_one_job_under_concurrent_submits_and_409_for_another_request(en
     idem = f"k-{uuid.uuid4()}"
 
     def submit() -> dict:
-        return admit(key, _job(), capacity=100, engine=engine)
+        return admit_on(key, _job(), 100, engine)
 
     with ThreadPoolExecutor(4) as pool:
         rows = list(pool.map(lambda _: submit_once(key.id, idem, request, submit, engine=engine), range(4)))
@@ -47,7 +46,7 @@ def test_a_refused_submit_frees_its_key(engine):  # noqa: F811
     request = HarvestRequest.model_validate({"model": "llama-tiny", "prompts": ["a"]})
     for _ in range(2):  # the second is refused by the cap again, not by a claim left behind
         with pytest.raises(ConcurrencyExceeded):
-            submit_once(key.id, "same", request, lambda: admit(key, _job(), capacity=100, engine=engine), engine=engine)
+            submit_once(key.id, "same", request, lambda: admit_on(key, _job(), 100, engine), engine=engine)
     assert _count(engine, key.id) == 0
 
 
@@ -71,7 +70,7 @@ def test_a_key_past_its_window_is_new_again_and_its_records_are_deleted(engine):
     request = HarvestRequest.model_validate({"model": "llama-tiny", "prompts": ["a"]})
 
     def submit() -> dict:
-        return admit(key, _job(), capacity=100, engine=engine)
+        return admit_on(key, _job(), 100, engine)
 
     first = submit_once(key.id, "nightly", request, submit, engine=engine, window_s=60)
     assert submit_once(key.id, "nightly", request, submit, engine=engine, window_s=60)["id"] == first["id"]

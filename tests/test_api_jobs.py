@@ -411,8 +411,11 @@ def test_a_run_that_cannot_start_is_503_with_the_job_id_and_charged_nothing(harv
 def test_a_job_admitted_by_a_process_that_died_before_starting_it_is_started_by_the_watcher(harvest_api):
     from api.auth import create_key
     from api.store import admit
+    from harvest.lanes import load_lanes
+    from harvest.settings import Settings
 
     engine = harvest_api.engine()
+    small = load_lanes(Settings(lanes_file=harvest_api.env["HARVEST_LANES_FILE"]))["small"]
     try:
         key, record = create_key("orphan", engine=engine)
         job_id = str(uuid.uuid4())
@@ -420,7 +423,7 @@ def test_a_job_admitted_by_a_process_that_died_before_starting_it_is_started_by_
             "id": job_id, "model": "llama-tiny", "lane": "small", "n_prompts": 1, "layers": [2], "shard_size": 32,
             "n_shards": 1, "add_special_tokens": True, "contents": "activations", "reserved_tokens": 3,
             "request_url": f"{harvest_api.env['HARVEST_STORAGE_URL']}/jobs/{job_id}/request.json",
-        }, capacity=100, engine=engine)  # and no run started: its replica died here
+        }, declared=small, engine=engine)  # and no run started: its replica died here
     finally:
         engine.dispose()
     deadline = time.monotonic() + 10

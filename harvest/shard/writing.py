@@ -116,11 +116,12 @@ class PendingWrite(Protocol):
 class ShardPass:
     """One run's pass over some of a job's shards, driven step by step by its caller: `run_shards`
     below, or the flow's tasks (`tasks.shards`), which run each step as a task. The caller
-    asks `done(k)` whether shard k is written already, else captures it (`capture_shard`), hands
-    it to `captured`, starts its write (`write_shard`) where it likes and gives the pending
-    write to `writing`, which first waits for the write before it: shard k is published while
-    shard k+1 runs, at most two shards are staged on local disk (one being published, one
-    being filled), and a write's error surfaces at the next shard, never later than `close`.
+    asks `done(k)` whether shard k is written already, else captures it (`capture_shard`) and
+    hands it to `captured`, which waits for the write of the shard before it; then it starts
+    the shard's write (`write_shard`) where it likes and gives the pending write to `writing`.
+    So shard k is published while shard k+1 runs, at most two shards are staged on local disk
+    (one being published, one being filled), a write starts only once the one before it
+    succeeded, and a write's error surfaces at the next shard, never later than `close`.
     Nothing here calls the caller back: each step returns what the caller reports.
 
     forward_s, save_s and upload_s are each the time spent in that step, so with overlap their
@@ -146,19 +147,20 @@ class ShardPass:
         _remove_disowned(self.storage, k)
         return None
 
-    def captured(self, capture: CapturedShard) -> None:
-        """Shard k's forward passes are done: count them, and keep its staged file to remove
-        should it never be published."""
+    def captured(self, capture: CapturedShard) -> ShardRecord | None:
+        """Shard k's forward passes are done: count them, keep its staged file to remove should
+        it never be published, and wait for the write of the shard before it (its error raised
+        here); returns that shard's record (None when none was being written)."""
         self._staged.append(capture.staged)
         self.timings.count_forward(capture.forward_s, capture.staged.n_tokens, capture.padded_tokens)
         count_forward(self.job.model.lane, capture.staged.n_tokens, capture.forward_s)
+        return self._finish()
 
-    def writing(self, write: PendingWrite) -> ShardRecord | None:
-        """The write of the shard captured last has started: wait for the one before it (its
-        error raised here) and return its record (None for the first)."""
-        record = self._finish()
+    def writing(self, write: PendingWrite) -> None:
+        """The write of the shard captured last has started (`close` or the next `captured`
+        waits for it)."""
+        assert self._pending is None, "the write before it is not finished"
         self._pending = write
-        return record
 
     def close(self, *, failed: bool = False) -> ShardRecord | None:
         """Wait for the write in flight and return its record; remove the staged files never
@@ -225,10 +227,10 @@ def run_shards(
                 on_shard(record, True)
                 continue
             capture = capture_shard(job, engine, tokenized, k, storage)
-            run.captured(capture)
-            args = (job, storage, tokenized, k, capture)
-            if (record := run.writing(writer.submit(write_shard, *args) if writer else _Here(write_shard(*args)))) is not None:
+            if (record := run.captured(capture)) is not None:
                 on_shard(record, False)
+            args = (job, storage, tokenized, k, capture)
+            run.writing(writer.submit(write_shard, *args) if writer else _Here(write_shard(*args)))
         ok = True
     finally:
         try:
