@@ -171,8 +171,8 @@ def _trickle(sock: socket.socket, started: float, limit_s: float) -> tuple[bytes
 
 
 def test_a_head_sent_too_slowly_is_408_and_the_connection_closed(slow_head_server):
+    started = time.monotonic()  # before the connection: the server's clock starts when it accepts it
     with socket.create_connection(("127.0.0.1", slow_head_server), timeout=10) as sock:
-        started = time.monotonic()
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         answer, closed = _trickle(sock, started, limit_s=5)
         elapsed = time.monotonic() - started
