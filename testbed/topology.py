@@ -185,6 +185,12 @@ class MotoS3:
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
+    def __enter__(self) -> "MotoS3":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
 
 def _create_database(name: str) -> None:
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:

@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 from harvest.settings import get_settings
 
-pytest_plugins = ["tests.prefect_fixtures", "tests.api_fixtures"]
+pytest_plugins = ["tests.prefect_fixtures", "tests.api_fixtures", "tests.s3_fixtures"]
 
 
 @pytest.fixture(scope="session")

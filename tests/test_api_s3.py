@@ -5,8 +5,6 @@ checked instead (the HMAC file route's expiry is tested in test_api_jobs.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from urllib.parse import parse_qs, urlparse
 
@@ -14,68 +12,24 @@ import pytest
 from safetensors.torch import load as load_tensors
 
 from testbed import http_calls
-from tests.api_fixtures import ApiServer, finish_run, free_port, harvest_api_env
-
-BUCKET = "harvest-test"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+from tests.api_fixtures import ApiServer, finish_run, harvest_api_env
+from tests.s3_fixtures import BUCKET, CREDENTIALS
 
 
 @pytest.fixture(scope="module")
-def moto_endpoint():
-    """moto's S3 server in its own process, as a real S3-compatible server would be.
-
-    Not the in-process ThreadedMotoServer: it imports Flask into the test process, and vLLM's
-    start-up scan of every loaded module trips over Flask's context proxies, so a vLLM engine
-    started later in the same session would fail.
-    """
-    import boto3
-
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, **_boto_credentials())
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except Exception:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise
-            time.sleep(0.3)
-    yield endpoint
-    server.terminate()
-    server.wait(timeout=10)
-
-
-def _boto_credentials() -> dict:
-    return {
-        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
-    }
-
-
-@pytest.fixture(scope="module")
-def s3_api(harvest_home, tiny, moto_endpoint):
+def s3_api(harvest_home, tiny, moto_s3):
     env = {
         **harvest_api_env(harvest_home),
         **CREDENTIALS,
         "HARVEST_STORAGE_URL": f"s3://{BUCKET}/service",
-        "HARVEST_S3_ENDPOINT_URL": moto_endpoint,
+        "HARVEST_S3_ENDPOINT_URL": moto_s3.endpoint,
     }
     server = ApiServer(harvest_home, "s3", env).start()
     yield server
     server.stop()
 
 
-def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
-    import boto3
+def test_s3_storage_with_presigned_links(s3_api, moto_s3, hf_engine):
     import s3fs
 
     from harvest.storage import Storage
@@ -86,10 +40,10 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
                                 json={"model": "llama-tiny", "prompts": ["The sky is", "Grass is"], "layers": [1, 3, 5]})
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["job_id"]
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())
+    s3 = moto_s3.client
     s3.head_object(Bucket=BUCKET, Key=f"service/jobs/{job_id}/request.json")  # written by the API with s3fs
 
-    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_endpoint})
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_s3.endpoint})
     finish_run(s3_api, job_id, hf_engine, storage=Storage(f"s3://{BUCKET}/service", fs, f"{BUCKET}/service"))
 
     deadline = time.monotonic() + 15
@@ -99,7 +53,7 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
     result = job["result"]
     url = urlparse(result["shard_urls"][0])
     query = parse_qs(url.query)
-    assert f"{url.scheme}://{url.netloc}" == moto_endpoint
+    assert f"{url.scheme}://{url.netloc}" == moto_s3.endpoint
     assert url.path == f"/{BUCKET}/service/jobs/{job_id}/shard_00000.safetensors"
     assert query["X-Amz-Algorithm"] == ["AWS4-HMAC-SHA256"]
     assert 7 * 24 * 3600 - 120 <= int(query["X-Amz-Expires"][0]) <= 7 * 24 * 3600
@@ -120,10 +74,9 @@ def test_s3_storage_with_presigned_links(s3_api, moto_endpoint, hf_engine):
     assert http_calls.get(again["result"]["shard_urls"][0], timeout=30).content == http_calls.get(result["shard_urls"][0], timeout=30).content
 
 
-def test_s3_done_job_holds_what_the_bucket_lists(s3_api, moto_endpoint, hf_engine):
+def test_s3_done_job_holds_what_the_bucket_lists(s3_api, moto_s3, hf_engine):
     """On S3 a done job's bytes held (its key's storage quota) are its objects' sizes as the
     bucket lists them: shards, statistics, manifest, request and `_parts/` records alike."""
-    import boto3
     import s3fs
     from sqlalchemy import select
 
@@ -138,14 +91,14 @@ def test_s3_done_job_holds_what_the_bucket_lists(s3_api, moto_endpoint, hf_engin
     })
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["job_id"]
-    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_endpoint})
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_s3.endpoint})
     finish_run(s3_api, job_id, hf_engine, storage=Storage(f"s3://{BUCKET}/service", fs, f"{BUCKET}/service"))
     deadline = time.monotonic() + 15
     while http_calls.get(f"{s3_api.base_url}/harvest/{job_id}", headers=auth).json()["status"] != "done":
         assert time.monotonic() < deadline
         time.sleep(0.2)
 
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())
+    s3 = moto_s3.client
     objects = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"service/jobs/{job_id}/")
                for o in page.get("Contents", [])]
     listed = sum(o["Size"] for o in objects)

@@ -14,33 +14,19 @@ from harvest.engines.limits import EngineLimits
 from harvest.registry import load_registry
 from harvest.settings import get_settings
 from harvest.storage import open_storage
-from testbed.topology import CREDENTIALS
-
-BUCKET = "configurations"
-
-
-@pytest.fixture(scope="module")
-def moto_s3():
-    from testbed.topology import MotoS3
-
-    s3 = MotoS3("127.0.0.1", BUCKET)
-    try:
-        yield s3
-    finally:
-        s3.stop()
+from tests.s3_fixtures import BUCKET
 
 
 @pytest.fixture
-def two_configurations(moto_s3, tmp_path, monkeypatch):
+def two_configurations(on_s3, tmp_path):
     """One on local disk with small forward passes, one on S3 (an endpoint the environment
     does not name) with larger ones: both made from the session's own settings."""
-    for name, value in CREDENTIALS.items():  # boto's own variables
-        monkeypatch.setenv(name, value)
     base = get_settings()
-    on_disk = base.model_copy(update={"storage_url": f"file://{tmp_path / 'disk'}", "engine_batch_tokens": 96})
-    on_s3 = base.model_copy(update={"storage_url": f"s3://{BUCKET}/service", "s3_endpoint_url": moto_s3.endpoint,
-                                    "s3_part_bytes": 5 << 20, "staging_dir": tmp_path / "staging", "engine_batch_tokens": 512})
-    return on_disk, on_s3
+    return (
+        base.model_copy(update={"storage_url": f"file://{tmp_path / 'disk'}", "engine_batch_tokens": 96}),
+        base.model_copy(update={"storage_url": f"s3://{BUCKET}/service", "s3_endpoint_url": on_s3.endpoint,
+                                "s3_part_bytes": 5 << 20, "staging_dir": tmp_path / "staging", "engine_batch_tokens": 512}),
+    )
 
 
 def test_each_configuration_writes_to_its_own_store(two_configurations, moto_s3, tmp_path):

@@ -16,7 +16,6 @@ import json
 import pytest
 
 from tests.fault_proxy import INJECTED_MESSAGE
-from tests.test_api_s3 import moto_endpoint  # noqa: F401 (a fixture)
 from tests.test_faults_storage import CLIENT_ATTEMPTS, _objects, _submit_s3, s3, s3_proxy  # noqa: F401 (fixtures)
 
 REQUEST = {"model": "llama-tiny", "prompts": ["finalize fault one", "finalize fault two"], "shard_size": 2, "layers": [1, 5]}

@@ -17,11 +17,10 @@ import json
 import subprocess
 import uuid
 
-import boto3
 import pytest
 
 from tests.fault_proxy import INJECTED_MESSAGE, FaultProxy
-from tests.test_api_s3 import BUCKET, CREDENTIALS, _boto_credentials, moto_endpoint  # noqa: F401 (a fixture)
+from tests.s3_fixtures import BUCKET, CREDENTIALS
 
 PREFIX = "faults"
 CLIENT_ATTEMPTS = 2  # botocore's own attempts per write (total), set for the flow runs below
@@ -32,15 +31,15 @@ REQUEST = {"model": "llama-tiny", "prompts": [f"fault prompt {i}" for i in range
 
 
 @pytest.fixture(scope="module")
-def s3_proxy(moto_endpoint):  # noqa: F811
-    proxy = FaultProxy(moto_endpoint).start()
+def s3_proxy(moto_s3):
+    proxy = FaultProxy(moto_s3.endpoint).start()
     yield proxy
     proxy.stop()
 
 
 @pytest.fixture
-def s3(moto_endpoint):  # noqa: F811
-    return boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())
+def s3(moto_s3):
+    return moto_s3.client
 
 
 def _submit_s3(harvest_stack, proxy: FaultProxy, request: dict = REQUEST) -> tuple[str, str]:

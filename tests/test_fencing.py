@@ -33,10 +33,9 @@ from harvest.shard.writing import ShardPass, capture_shard, run_shards, write_sh
 from harvest.request import HarvestRequest, resolve_job
 from harvest.shard.record import read_part, verified_part
 from harvest.storage import Storage, StorageOptions
+from tests.s3_fixtures import BUCKET
 from tests.test_shard_writer import LastBitApart, Replay
-from testbed.topology import CREDENTIALS
 
-BUCKET = "fencing"
 SHARD = shard_name(0)
 TIMEOUT_S = 60
 
@@ -223,24 +222,6 @@ def engines(hf_engine):
 @pytest.fixture(scope="module")
 def two_prompts(registry):
     return resolve_job(HarvestRequest(model="llama-tiny", prompts=["The sky is", "Grass is green."], shard_size=1), registry)
-
-
-@pytest.fixture(scope="module")
-def moto_s3():
-    from testbed.topology import MotoS3
-
-    s3 = MotoS3("127.0.0.1", BUCKET)
-    try:
-        yield s3
-    finally:
-        s3.stop()
-
-
-@pytest.fixture
-def on_s3(moto_s3, monkeypatch):
-    for name, value in CREDENTIALS.items():  # boto's own variables
-        monkeypatch.setenv(name, value)
-    return moto_s3
 
 
 def s3_options(s3) -> StorageOptions:

@@ -27,7 +27,7 @@ from harvest.shard.writing import capture_shard, run_shards, write_shard
 from harvest.request import HarvestRequest, resolve_job
 from harvest.stats import RunningStats
 from harvest.storage import Storage, StorageOptions
-from testbed.topology import CREDENTIALS
+from tests.s3_fixtures import BUCKET
 
 
 class Timeline:
@@ -118,36 +118,23 @@ def test_a_write_that_fails_fails_the_job_after_the_shard_in_flight_and_leaves_n
     assert storage.exists("shard_00001.safetensors") and not storage.exists("shard_00003.safetensors")
 
 
-@pytest.fixture(scope="module")
-def moto_s3():
-    from testbed.topology import MotoS3
-
-    s3 = MotoS3("127.0.0.1", "shards")
-    try:
-        yield s3.endpoint, s3.client
-    finally:
-        s3.stop()
-
-
-def test_a_large_shard_goes_up_as_one_multipart_upload(registry, hf_engine, moto_s3, monkeypatch):
-    endpoint, client = moto_s3
-    for name, value in CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
+def test_a_large_shard_goes_up_as_one_multipart_upload(registry, hf_engine, on_s3):
+    endpoint, client = on_s3.endpoint, on_s3.client
     # Every layer of 16 long prompts: 8 x 256 x 2 bytes a token, over 20 MiB in one shard,
     # so several parts of 5 MiB; the small shard beside it is one PUT.
     prompts = ["word " * 180] * 16 + ["short"]
     job = resolve_job(HarvestRequest(model="llama-tiny", prompts=prompts, shard_size=16, layers="all"), registry)
-    storage = Storage("s3://shards/job-multipart", options=StorageOptions(s3_endpoint_url=endpoint, s3_part_bytes=5 << 20))
+    storage = Storage(f"s3://{BUCKET}/job-multipart", options=StorageOptions(s3_endpoint_url=endpoint, s3_part_bytes=5 << 20))
     run_job(job, storage, hf_engine, "multipart")
-    big = client.head_object(Bucket="shards", Key="job-multipart/shard_00000.safetensors")
-    small = client.head_object(Bucket="shards", Key="job-multipart/shard_00001.safetensors")
+    big = client.head_object(Bucket=BUCKET, Key="job-multipart/shard_00000.safetensors")
+    small = client.head_object(Bucket=BUCKET, Key="job-multipart/shard_00001.safetensors")
     parts = -(-big["ContentLength"] // (5 << 20))
     assert parts >= 2 and big["ETag"].strip('"').endswith(f"-{parts}"), (big["ContentLength"], big["ETag"])
     assert "-" not in small["ETag"]
-    body = client.get_object(Bucket="shards", Key="job-multipart/shard_00000.safetensors")["Body"].read()
+    body = client.get_object(Bucket=BUCKET, Key="job-multipart/shard_00000.safetensors")["Body"].read()
     import json
 
-    manifest = json.loads(client.get_object(Bucket="shards", Key="job-multipart/manifest.json")["Body"].read())
+    manifest = json.loads(client.get_object(Bucket=BUCKET, Key="job-multipart/manifest.json")["Body"].read())
     assert hashlib.sha256(body).hexdigest() == manifest["shards"][0]["sha256"]
     assert load_tensors(body)["prompt_15"].shape[0] == 8
 
@@ -290,12 +277,10 @@ def test_two_writers_of_one_shard_in_any_order_leave_a_manifest_that_lists_the_s
         assert not list(folder.glob("*.partial")), order  # neither write's staging copy is left
 
 
-def test_two_writers_of_one_shard_in_any_order_leave_a_manifest_that_lists_the_stored_bytes_on_s3(registry, replayed, moto_s3, monkeypatch):
-    endpoint, client = moto_s3
-    for name, value in CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
+def test_two_writers_of_one_shard_in_any_order_leave_a_manifest_that_lists_the_stored_bytes_on_s3(registry, replayed, on_s3):
+    endpoint, client = on_s3.endpoint, on_s3.client
     job = _two_prompts(registry)
     for n, order in enumerate(RACES):
-        writes = _race(job, f"s3://shards/race-{n}", order, replayed, StorageOptions(s3_endpoint_url=endpoint))
-        read = lambda name, n=n: client.get_object(Bucket="shards", Key=f"race-{n}/{name}")["Body"].read()  # noqa: E731
+        writes = _race(job, f"s3://{BUCKET}/race-{n}", order, replayed, StorageOptions(s3_endpoint_url=endpoint))
+        read = lambda name, n=n: client.get_object(Bucket=BUCKET, Key=f"race-{n}/{name}")["Body"].read()  # noqa: E731
         _check_manifest_against_stored_bytes(read, writes, order)

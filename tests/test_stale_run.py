@@ -31,27 +31,7 @@ from harvest.pipeline import finalize, tokenize_job
 from harvest.shard.writing import run_shards
 from harvest.request import HarvestRequest, resolve_job
 from harvest.storage import Storage, StorageOptions
-from testbed.topology import CREDENTIALS
-
-BUCKET = "stale-run"
-
-
-@pytest.fixture(scope="module")
-def moto_s3():
-    from testbed.topology import MotoS3
-
-    s3 = MotoS3("127.0.0.1", BUCKET)
-    try:
-        yield s3
-    finally:
-        s3.stop()
-
-
-@pytest.fixture
-def on_s3(moto_s3, monkeypatch):
-    for name, value in CREDENTIALS.items():  # boto's own variables
-        monkeypatch.setenv(name, value)
-    return moto_s3
+from tests.s3_fixtures import BUCKET
 
 
 @pytest.fixture(params=["disk", "s3"])

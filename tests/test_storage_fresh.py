@@ -25,8 +25,8 @@ import pytest
 from testbed import http_calls
 from tests.api_fixtures import ApiServer, harvest_api_env
 from tests.fault_proxy import FaultProxy
+from tests.s3_fixtures import BUCKET, CREDENTIALS
 from tests.slow_engine import slow_shards
-from tests.test_api_s3 import BUCKET, CREDENTIALS, moto_endpoint  # noqa: F401 (a fixture)
 from tests.write_log import s3_writes
 
 PREFIX = "fresh"
@@ -34,20 +34,20 @@ N_SHARDS = 6
 
 
 @pytest.fixture(scope="module")
-def recording_proxy(moto_endpoint):  # noqa: F811
-    proxy = FaultProxy(moto_endpoint).start()
+def recording_proxy(moto_s3):
+    proxy = FaultProxy(moto_s3.endpoint).start()
     yield proxy
     proxy.stop()
 
 
 @pytest.fixture(scope="module")
-def s3_reader_api(harvest_home, tiny, moto_endpoint):  # noqa: F811
+def s3_reader_api(harvest_home, tiny, moto_s3):
     """An API replica on s3://BUCKET/PREFIX whose runs the test starts itself (FileRuns)."""
     env = {
         **harvest_api_env(harvest_home),
         **CREDENTIALS,
         "HARVEST_STORAGE_URL": f"s3://{BUCKET}/{PREFIX}",
-        "HARVEST_S3_ENDPOINT_URL": moto_endpoint,
+        "HARVEST_S3_ENDPOINT_URL": moto_s3.endpoint,
     }
     server = ApiServer(harvest_home, "s3-fresh", env).start()
     yield server
@@ -117,19 +117,17 @@ def test_progress_on_s3_rises_shard_by_shard_for_a_long_lived_reader_and_the_man
     assert "_progress.json" in names[:-1]
 
 
-def test_a_long_lived_s3_reader_sees_objects_another_writer_added_after_it_listed(moto_endpoint):  # noqa: F811
+def test_a_long_lived_s3_reader_sees_objects_another_writer_added_after_it_listed(moto_s3):
     """The storage layer itself, on one s3fs filesystem object kept across reads (as a replica
     keeps it, listings cache on), while another writer (boto3, as another process would) adds
     objects: listing, exists() and size() answer what the store holds now."""
-    import boto3
     import s3fs
 
     from harvest.jobfiles import JobFiles
     from harvest.storage import Storage
-    from tests.test_api_s3 import _boto_credentials
 
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint, **_boto_credentials())
-    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_endpoint})
+    s3 = moto_s3.client
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": moto_s3.endpoint})
     name = f"unit-{uuid.uuid4().hex[:8]}"
     root = Storage(f"s3://{BUCKET}/{PREFIX}", fs, f"{BUCKET}/{PREFIX}")
     files = JobFiles(root.child(name))

@@ -18,27 +18,25 @@ import pytest
 
 from testbed import http_calls
 from tests.api_fixtures import harvest_up
+from tests.s3_fixtures import BUCKET, CREDENTIALS
 from tests.slow_engine import slow_shards
-from tests.test_api_s3 import BUCKET, CREDENTIALS, _boto_credentials, moto_endpoint  # noqa: F401
 
 N_SHARDS = 4
 
 
 @pytest.fixture(scope="module")
-def s3_stack(tmp_path_factory, harvest_home, tiny, moto_endpoint):  # noqa: F811
+def s3_stack(tmp_path_factory, harvest_home, tiny, moto_s3):
     prefix = f"up-{uuid.uuid4().hex[:6]}"
     env = {
         **CREDENTIALS, **slow_shards(3),
         "HARVEST_STORAGE_URL": f"s3://{BUCKET}/{prefix}",
-        "HARVEST_S3_ENDPOINT_URL": moto_endpoint,
+        "HARVEST_S3_ENDPOINT_URL": moto_s3.endpoint,
     }
     with harvest_up(tmp_path_factory.mktemp("up-s3"), harvest_home / "models", env) as info:
-        yield {**info, "prefix": prefix, "endpoint": moto_endpoint}
+        yield {**info, "prefix": prefix, "s3": moto_s3}
 
 
 def test_progress_on_harvest_up_with_s3_rises_shard_by_shard(s3_stack):
-    import boto3
-
     base, auth = s3_stack["ACS_API_BASE"], {"Authorization": f"Bearer {s3_stack['ACS_API_KEY']}"}
     body = {"model": "llama-tiny", "prompts": [f"up on s3 {i}" for i in range(N_SHARDS)], "shard_size": 1, "layers": [1, 5]}
     submitted = http_calls.post(f"{base}/harvest", headers=auth, json=body, timeout=60)
@@ -58,7 +56,7 @@ def test_progress_on_harvest_up_with_s3_rises_shard_by_shard(s3_stack):
     # The count before the last lasts only until the run's end (tests/test_watcher_events.py).
     assert set(range(1, N_SHARDS - 1)) <= set(seen), f"progress read mid-run: {seen}"
 
-    s3 = boto3.client("s3", endpoint_url=s3_stack["endpoint"], **_boto_credentials())
+    s3 = s3_stack["s3"].client
     listing = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{s3_stack['prefix']}/jobs/{job_id}/")
     names = {o["Key"].rsplit("/", 1)[-1] for o in listing.get("Contents", [])}
     assert {f"shard_{k:05d}.safetensors" for k in range(N_SHARDS)} | {"manifest.json"} <= names, names
