@@ -13,6 +13,7 @@ each run is given and sees (CUDA_VISIBLE_DEVICES), not the devices themselves.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -200,7 +201,9 @@ def _read_runs(**filters):
 
 def _shard_tasks(run_id, expected: int, timeout: float = 30) -> list[str]:
     """The run's `write-k` task runs, once `expected` of them are recorded (or the timeout):
-    Prefect records task runs from their events, which may land after the flow run's end."""
+    Prefect records task runs from their events, which may land after the flow run's end, and a
+    task run is made under Prefect's default name (`write-shard-<random>`) until its rename,
+    made when it starts, is recorded."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -208,7 +211,7 @@ def _shard_tasks(run_id, expected: int, timeout: float = 30) -> list[str]:
     while True:
         with get_client(sync_client=True) as client:
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-        names = sorted((t.name for t in tasks if t.name.startswith("write-")), key=lambda n: int(n.split("-")[1]))
+        names = sorted((t.name for t in tasks if re.fullmatch(r"write-\d+", t.name)), key=lambda n: int(n.split("-")[1]))
         if len(names) >= expected or time.monotonic() > deadline:
             return names
         time.sleep(0.5)
