@@ -53,7 +53,7 @@ import pytest
 from harvest.settings import get_settings
 from harvest.storage import open_storage
 
-__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool", "server_env"]
+__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool", "recorded_task_runs", "server_env"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -155,6 +155,24 @@ def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str 
         )
     return f"{flow.name}/{name}"
 
+
+
+def recorded_task_runs(flow_run_id, until, timeout: float = 30) -> list:
+    """A flow run's task runs, read until `until(task_runs)` holds or `timeout` seconds passed.
+
+    Prefect records task runs from their events, which under load may land after the flow run's
+    end; and a task run is made under Prefect's default name (`<task>-<random>`, such as
+    `write-shard-5cf`) and renamed as it starts, a rename that is recorded later still."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(str(flow_run_id))])))
+            if until(tasks) or time.monotonic() > deadline:
+                return tasks
+            time.sleep(0.2)
 
 @dataclass
 class LaneWorkers:

@@ -15,6 +15,7 @@ from harvest.jobfiles import MANIFEST, STATS, JobFiles
 from harvest.shard.layout import shard_name
 from harvest.settings import get_settings
 from harvest.storage import open_storage
+from tests.prefect_fixtures import recorded_task_runs
 
 REQUEST = {"model": "llama-tiny", "prompts": [f"Prompt number {i} says hello to the world." for i in range(10)], "shard_size": 4, "layers": [1, 3, 7]}
 
@@ -32,7 +33,6 @@ def single_job(harvest_stack):
 
 def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     job, status = single_job
     assert status.status == "done", status
@@ -57,19 +57,16 @@ def test_job_end_to_end_on_the_small_pool(single_job, harvest_stack):
         # Prefect's database holds the job id and a URL, never the prompts.
         # (and how many runs to use: this test asks for one; the API leaves it to the run)
         assert run.parameters == {"job_id": job.job_id, "request_url": job.request_url, "workers": 1}
-        # Task runs reach Prefect's database through its events (the task-run recorder): a task
-        # run is made under Prefect's default name (`write-shard-<random>`) and renamed once it
-        # starts, and under load the last rename and state may be recorded after the run's end.
-        # So read them until the last is recorded (bounded), then check.
         forwards, writes = ["forward-0", "forward-1", "forward-2"], ["write-0", "write-1", "write-2"]
-        deadline = time.monotonic() + 30
-        while True:
-            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-            names = sorted(t.name for t in tasks)
-            recorded = [n for n in names if n.startswith(("forward-", "write-"))] == forwards + writes
-            if recorded and all(t.state.is_completed() for t in tasks) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+
+        def shard_tasks(tasks) -> list[str]:
+            return sorted(t.name for t in tasks if t.name.startswith(("forward-", "write-")))
+
+        # Read until every task run's name and end are recorded (Prefect records them late under
+        # load; a task run may be recorded before its first state is).
+        tasks = recorded_task_runs(run.id, lambda found: shard_tasks(found) == forwards + writes
+                                   and all(t.state is not None and t.state.is_completed() for t in found))
+        names = shard_tasks(tasks)
         # Each shard: its forward pass, then its write (behind the next forward pass).
         assert [n for n in names if n.startswith("forward-")] == forwards
         assert [n for n in names if n.startswith("write-")] == writes

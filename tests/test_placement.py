@@ -32,7 +32,7 @@ from harvest.placement import auto_workers, check_fits, free_slots, host_slots, 
 from harvest.request import HarvestRequest
 from harvest.settings import get_settings
 from harvest.storage import open_storage
-from tests.prefect_fixtures import WORKER_ENV, deploy_pool
+from tests.prefect_fixtures import WORKER_ENV, deploy_pool, recorded_task_runs
 from tests.slow_engine import slow_shards
 
 MODEL = "llama-tiny-placed"
@@ -199,22 +199,12 @@ def _read_runs(**filters):
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(**filters))
 
 
-def _shard_tasks(run_id, expected: int, timeout: float = 30) -> list[str]:
-    """The run's `write-k` task runs, once `expected` of them are recorded (or the timeout):
-    Prefect records task runs from their events, which may land after the flow run's end, and a
-    task run is made under Prefect's default name (`write-shard-<random>`) until its rename,
-    made when it starts, is recorded."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+def _shard_tasks(run_id, expected: int) -> list[str]:
+    """The run's `write-k` task runs, in shard order, once `expected` of them are recorded."""
+    def writes(tasks) -> list[str]:
+        return sorted((t.name for t in tasks if re.fullmatch(r"write-\d+", t.name)), key=lambda n: int(n.split("-")[1]))
 
-    deadline = time.monotonic() + timeout
-    while True:
-        with get_client(sync_client=True) as client:
-            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-        names = sorted((t.name for t in tasks if re.fullmatch(r"write-\d+", t.name)), key=lambda n: int(n.split("-")[1]))
-        if len(names) >= expected or time.monotonic() > deadline:
-            return names
-        time.sleep(0.5)
+    return writes(recorded_task_runs(run_id, lambda found: len(writes(found)) >= expected))
 
 
 def test_a_host_with_two_slots_never_runs_a_third_job_and_each_run_sees_only_its_gpus(lanes):
