@@ -75,10 +75,40 @@ which forks the run from its host's starter, or becomes `python -m prefect.engin
 is none."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(consecutive: int = 1) -> int:
+    """A port free now on 127.0.0.1 (with the `consecutive - 1` after it), for a server about to
+    bind it.
+
+    Drawn from below the kernel's ephemeral range: a port found by binding port 0 comes from
+    that range, and before the server binds it any outgoing connection on the machine, or
+    another `bind(0)`, can take it (the server then dies with "address already in use"). Ports
+    below the range are handed out by no one but their binders.
+    """
+    import random
+
+    floor = _ephemeral_floor()
+    for _ in range(200):
+        port = random.randrange(max(1024, floor - 12000), floor - consecutive)
+        held: list[socket.socket] = []
+        try:
+            for offset in range(consecutive):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {consecutive} consecutive free ports below {floor}")
 
 
 def descendants(pid: int) -> list[psutil.Process]:

@@ -71,6 +71,7 @@ from pathlib import Path
 
 import httpx
 
+from fleet.processes import free_port
 from harvest.storage import StorageOptions
 from testbed import http_calls
 
@@ -134,12 +135,6 @@ harvest = false
 max_model_len = 2048
 max_activation_prompt_tokens = 512
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FileRuns:
@@ -316,9 +311,9 @@ class ApiServer:
     def start(self, timeout: float = 180, attempts: int = 5) -> "ApiServer":  # a loaded CI box is slow to import torch
         """Start uvicorn on `self.port` and wait for /health.
 
-        A restart on the same port (tests that kill the API) can find the port briefly held by
-        another process's outgoing connection (ephemeral ports come from the same range as
-        `free_port`'s): a bind refused that way is tried again, a few times, a second apart.
+        A restart on the same port (tests that kill the API) can find the port briefly held
+        (a connection of the killed replica's, closing): a bind refused that way is tried
+        again, a few times, a second apart.
         """
         for attempt in range(attempts):
             try:

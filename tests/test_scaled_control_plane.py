@@ -34,6 +34,7 @@ import pytest
 import redis
 
 from fleet.prefect_endpoints import ApiForwarder, preference
+from fleet.processes import free_port
 from harvest.settings import get_settings
 from harvest.storage import open_storage
 from testbed.topology import HARVEST, Role, _create_database, _drop_database, clean_env
@@ -54,23 +55,6 @@ def _fresh_redis_db() -> int:
     raise RuntimeError("no empty Redis database (1-15) at 127.0.0.1:6379")
 
 
-def _two_free_ports() -> int:
-    """A port P with P and P+1 free (the role's servers take consecutive ports)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 class Scaled:
     """What the module's fixture started: the server role, its URLs and password, the worker."""
 
@@ -80,7 +64,7 @@ class Scaled:
         self.roles: list[Role] = []
         _create_database(self.db)
         try:
-            port = _two_free_ports()
+            port = free_port(consecutive=2)  # the role's servers take consecutive ports
             started = time.monotonic()
             self.server = self._role(root, "control-plane", [
                 *HARVEST, "server", "--port", str(port), "--api-servers", "2", "--redis-url", f"{REDIS}/{self.redis_db}"],
