@@ -29,9 +29,9 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from api.errors import ReplicaBusy
-from harvest.capture import ShardCapture
 from harvest.capture_spec import CaptureSpec
 from harvest.cpu_share import lower_priority, with_passive_waits
 from harvest.engines.base import Engine, Generation, SamplingSpec, ValueSink
@@ -42,6 +42,9 @@ from harvest.settings import Settings
 from harvest.warm.protocol import (
     child_main, error_reply, raise_error, receive, receive_value, send, send_value, start_child, stop_child,
 )
+
+if TYPE_CHECKING:  # the replica's side holds no tensors of its own: torch is its child's
+    from harvest.capture import ShardCapture
 
 __all__ = ["ProcessEngine", "SESSION_NICE", "main"]
 

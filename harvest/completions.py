@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from harvest.engines.base import Generation, SamplingSpec
@@ -51,6 +50,9 @@ from harvest.registry import ModelInfo, Registry
 from harvest.request import WholeInt
 from harvest.residual_codec import encode_residual_chunks
 from harvest.tokenize import load_tokenizer, max_token_chars
+
+if TYPE_CHECKING:  # the residual streams come as tensors from the engines; the API imports this module without torch
+    import torch
 
 __all__ = [
     "StreamOptions",
@@ -435,7 +437,7 @@ def body_with_residual(body: dict, prepared: PreparedCompletion, generation: Gen
     if residual is None or list(residual.shape) != expected:
         got = None if residual is None else list(residual.shape)
         raise CaptureFailed(f"The engine returned a residual stream of shape {got}, expected {expected}.")
-    if residual.dtype != torch.bfloat16:
+    if str(residual.dtype) != "torch.bfloat16":
         raise CaptureFailed(f"The engine returned a residual stream of {residual.dtype}, not bfloat16.")
     body["activations"] = {"residual_stream": {
         "data": _DATA_MARK,

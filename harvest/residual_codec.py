@@ -25,9 +25,13 @@ import base64
 import sys
 from collections.abc import Iterator
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 import zstandard
+
+if TYPE_CHECKING:  # a tensor handed in means torch is loaded; the API imports this module without it
+    import torch
 
 __all__ = ["ZSTD_LEVEL", "encode_residual", "encode_residual_chunks", "decode_residual"]
 
@@ -39,6 +43,8 @@ _ORIGINAL_DTYPE = "torch.bfloat16"
 
 def _le_int16_bytes(residual: torch.Tensor) -> bytes:
     """The tensor's bf16 bits as little-endian int16 bytes, in C order."""
+    import torch
+
     if residual.dtype != torch.bfloat16:
         raise TypeError(f"the residual stream must be bfloat16, not {residual.dtype}")
     bits = residual.detach().contiguous().cpu().view(torch.int16).numpy()
@@ -50,6 +56,8 @@ def _le_int16_bytes(residual: torch.Tensor) -> bytes:
 def _le_int16_view(residual: torch.Tensor) -> memoryview:
     """The tensor's bf16 bits as little-endian int16 bytes, in C order, without a copy where
     the tensor is already contiguous on the host of a little-endian machine."""
+    import torch
+
     if residual.dtype != torch.bfloat16:
         raise TypeError(f"the residual stream must be bfloat16, not {residual.dtype}")
     bits = residual.detach().contiguous().cpu().view(torch.int16).numpy()
@@ -120,4 +128,6 @@ def decode_residual(payload: dict) -> torch.Tensor:
     shape = tuple(payload["shape"])
     if bits.size != int(np.prod(shape)):
         raise ValueError(f"the payload holds {bits.size} values, not the {int(np.prod(shape))} of shape {list(shape)}")
+    import torch
+
     return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)

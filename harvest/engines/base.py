@@ -9,19 +9,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from harvest.capture import ShardCapture
 from harvest.capture_spec import CaptureSpec
 from harvest.registry import ModelInfo
 from harvest.engines.limits import EngineLimits
+
+if TYPE_CHECKING:  # torch only for the engines themselves: the API imports this module, not torch
+    import torch
+
+    from harvest.capture import ShardCapture
 
 __all__ = [
     "Engine", "EngineLoad", "SamplingSpec", "Generation", "ValueSink", "hand_over",
 ]
 
-ValueSink = Callable[[int, torch.Tensor], None]
+ValueSink = Callable[[int, "torch.Tensor"], None]
 """Takes one prompt's captured values as soon as the engine has them: the prompt's position in
 its shard (0-based) and its host tensor `[n_layers_kept, n_tokens, n_features]` in the stored
 dtype. A capture given a sink hands every prompt to it, batch by batch, and returns no values,

@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
 from harvest.engines.base import Engine
 from harvest.errors import ModelUnavailable
 from harvest.metrics import observe_engine_load
@@ -58,6 +56,8 @@ def choose_engine(setting: str, *, warm: bool = False) -> EngineChoice:
     its engine for many jobs (`warm`) or loads it for one."""
     setting = setting.strip()
     if setting == "auto":
+        import torch  # here, not at the top: the API imports the engines' names, and torch only where an engine runs
+
         if not torch.cuda.is_available():
             return EngineChoice("hf", CPU_WARM if warm else CPU_ONE_OFF)
         if not vllm_available():
