@@ -120,15 +120,17 @@ async def _point(hosts: int, interval: float, seconds: float, server_pid: int) -
 
 
 class SimulatedHosts:
-    """`n` worker hosts polling `pool` at the shipped interval, in a thread of their own, until
-    `stop()`; `.latencies` holds every poll's seconds, as they come."""
+    """`n` worker hosts polling `pool` every `interval` seconds (default: the shipped
+    interval), in a thread of their own, until `stop()`; `.latencies` holds every poll's
+    seconds, as they come."""
 
-    def __init__(self, n: int, pool: str, api_url: str, auth: str):
+    def __init__(self, n: int, pool: str, api_url: str, auth: str, interval: float | None = None):
         import threading
 
         from fleet.processes import WORKER_QUERY_S
 
-        self.n, self.pool, self.api_url, self.auth, self.interval = n, pool, api_url, auth, WORKER_QUERY_S
+        self.n, self.pool, self.api_url, self.auth = n, pool, api_url, auth
+        self.interval = WORKER_QUERY_S if interval is None else interval
         self.latencies: list[float] = []
         self.errors: list[str] = []
         self.ready = threading.Event()

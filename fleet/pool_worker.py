@@ -1,12 +1,12 @@
 """A host's Prefect process worker that takes a run as soon as Prefect says there is one.
 
 `prefect worker start --type process` asks its pool for scheduled runs every
-`PREFECT_WORKER_QUERY_SECONDS` (the roles ship `fleet.processes.WORKER_QUERY_S`, 1 s): a new
-run waited for the next poll, 0.63 s (median) of a warm small job's 3.8 s through `make run`
-(bench/RESULTS.md, "Through make run as shipped", 2026-12-07).
-Polling faster costs the Prefect server per host per second, so this worker keeps the poll
-(it still finds every run, whatever happens to events) and is also woken by Prefect's own
-event stream (`/events/out`, authenticated as every client is):
+`PREFECT_WORKER_QUERY_SECONDS`: a new run waited for the next poll, 0.63 s (median) of a warm
+small job's 3.8 s through `make run` at a 1 s poll (bench/RESULTS.md, "Through make run as
+shipped", 2026-12-07). Polling faster costs the Prefect server per host per second, so this
+worker keeps a slow poll (`fleet.processes.WORKER_QUERY_S`, 5 s: it still finds every run,
+whatever happens to events) and is woken by Prefect's own event stream (`/events/out`,
+authenticated as every client is):
 
 - a run of its pool was scheduled (`prefect.flow-run.Scheduled`, a new run;
   `AwaitingRetry`, one rescheduled after its host died): it may take it;

@@ -58,12 +58,15 @@ runs), the bucket (request.json, reads, presigning), the job store, the links' k
 token of its own /metrics. Never Prefect's database or the server's side of the password."""
 
 
-WORKER_QUERY_S = 1.0
+WORKER_QUERY_S = 5.0
 """How often a worker asks its pool for scheduled runs (PREFECT_WORKER_QUERY_SECONDS), as
-shipped to every worker the roles start. Prefect's own default, 10 s, left a warm 2-prompt job
-waiting 2.7-10.2 s to start for 0.2-0.8 s of work; at 1 s a job starts within a second, and
-the cost on the Prefect server, measured by bench/bench_polling.py for 1, 10 and 50 hosts, is
-in bench/RESULTS.md ("Worker polling"). An operator's PREFECT_WORKER_QUERY_SECONDS wins."""
+shipped to every worker the roles start. A host's worker (`fleet.pool_worker`) takes a run when
+Prefect's event stream says one was scheduled or a slot came free, so the poll only catches
+what an event missed (a run that came due, a stream that broke). Each poll is a write on the
+Prefect server (bench/RESULTS.md, "Worker polling"): at 5 s a host costs the server a fifth of
+what the 1 s shipped before did, and a warm job through `make run` took no longer
+(bench/RESULTS.md, "Through make run", 2026-12-07 18:50). Prefect's own default is 10 s. An
+operator's PREFECT_WORKER_QUERY_SECONDS wins."""
 
 STARTER_MODULE = "fleet.run_starter"
 """The run starter (a worker host's fork server) and its launcher, run as `python -m`."""

@@ -297,7 +297,7 @@ class Fleet:
             name, [*HARVEST, "worker", "--lane", self.lane, "--name", name], host,
             **{
                 "PREFECT_API_URL": self.prefect_api_url, "PREFECT_API_AUTH_STRING": self.prefect_auth,
-                "HARVEST_ENGINE": "hf", "PREFECT_WORKER_QUERY_SECONDS": "1",
+                "HARVEST_ENGINE": "hf",
                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent),  # for tests.slow_engine
                 **self._storage_env(), **self.host_env,
             },

@@ -23,7 +23,6 @@ os.environ.setdefault("PREFECT_HOME", str(_SESSION_HOME / "prefect"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
-os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402

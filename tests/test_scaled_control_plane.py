@@ -83,7 +83,7 @@ class Scaled:
             self.worker = self._role(root, "worker", [
                 *HARVEST, "worker", "--lane", "small", "--name", self.worker_name, "--metrics-port", "0"],
                 HARVEST_PREFECT_API_URLS=",".join(urls), PREFECT_API_AUTH_STRING=self.auth, HARVEST_ENGINE="hf",
-                PREFECT_WORKER_QUERY_SECONDS="1", HARVEST_STORAGE_URL=storage_url)
+                HARVEST_STORAGE_URL=storage_url)
             self.urls = self.server.wait_ready("HARVEST_PREFECT_API_URLS=", timeout=150).split(",")
             assert self.urls == urls, self.urls
             self.control_plane_s = time.monotonic() - started

@@ -69,7 +69,6 @@ def stack(tmp_path_factory):
         HARVEST_PORT=str(free_port()),
         HARVEST_PREFECT_PORT=str(free_port()),
         HARVEST_ENGINE="hf",
-        PREFECT_WORKER_QUERY_SECONDS="1",
     )
     home.mkdir()
     started = time.monotonic()
