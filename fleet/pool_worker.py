@@ -18,6 +18,14 @@ authenticated as every client is):
   interpreter exits), so without this wake the next job on a one-slot host waited for the
   poll after that too.
 
+A run cancelled while its process starts could stay Cancelling until `flows.liveness` gave up
+on it (60 s): Prefect's engine, finding its run Cancelling before it ran, exits, and neither the
+worker's cancellation observer (it leaves runs that have started to the run's own) nor the
+run's (its process not yet registered when the event came) finishes the cancel. 6 of 22
+cancels sent within 0.2 s of a start took 63-65 s so. So when a run's process ends on this
+host and its run is still Cancelling, this worker finishes the cancel: nothing of the run is
+left to stop (`finish_cancel`).
+
 A wake is one more `get_and_submit_flow_runs`, Prefect's own poll-and-submit. Wakes that come
 while one runs are folded into one more after it. Two polls that see the same run submit it
 once: the worker skips a run it is already submitting, and Prefect's `Pending` proposal lets
@@ -35,7 +43,7 @@ import asyncio
 import logging
 import os
 
-__all__ = ["WAKE_STATES", "wakes_pool", "run_worker", "main"]
+__all__ = ["WAKE_STATES", "wakes_pool", "finish_cancel", "run_worker", "main"]
 
 log = logging.getLogger("harvest.pool_worker")
 
@@ -88,6 +96,21 @@ async def _take_on_wake(worker, wake: asyncio.Event) -> None:
             log.warning("a woken poll failed: %s", exc)
 
 
+async def finish_cancel(client, flow_run_id) -> bool:
+    """Mark the run Cancelled if it is still Cancelling, now that its process on this host has
+    ended; returns whether it did. A proposal, not forced: a run that moved on meanwhile (say
+    Cancelled by Prefect's own cancellation) keeps its state."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.states import Cancelled
+
+    run = await client.read_flow_run(flow_run_id)
+    if run.state is None or run.state.type != StateType.CANCELLING:
+        return False
+    result = await client.set_flow_run_state(flow_run_id, Cancelled(message="Cancelled: its process ended before it ran."))
+    return result.status == SetStateStatus.ACCEPT
+
+
 async def run_worker(pool: str, name: str | None, limit: int | None, with_healthcheck: bool) -> None:
     from prefect.settings import PREFECT_WORKER_HEARTBEAT_SECONDS, PREFECT_WORKER_PREFETCH_SECONDS
     from prefect.utilities.processutils import setup_signal_handlers_worker
@@ -106,6 +129,19 @@ async def run_worker(pool: str, name: str | None, limit: int | None, with_health
         wake.set()
 
     worker._release_limit_slot = release_and_wake
+    run_process = worker.run  # ProcessWorker.run: returns once the run's process has ended
+
+    async def run_then_finish_cancel(flow_run, configuration, task_status=None):
+        try:
+            return await run_process(flow_run, configuration, task_status)
+        finally:
+            try:
+                if await finish_cancel(worker.client, flow_run.id):
+                    log.info("flow run %s: its process ended while it was Cancelling; marked Cancelled", flow_run.id)
+            except Exception as exc:  # Prefect away: flows.liveness still finishes it
+                log.warning("flow run %s: could not finish its cancel: %s", flow_run.id, exc)
+
+    worker.run = run_then_finish_cancel
     woken = [asyncio.create_task(_listen(pool, wake)), asyncio.create_task(_take_on_wake(worker, wake))]
     try:
         await worker.start(with_healthcheck=with_healthcheck)

@@ -90,7 +90,9 @@ SLOWEST_MODULES = [
 # verdict and what must follow it) run after them.
 RUN_TOGETHER = [
     ["test_fleet.py", "test_client.py", "test_inline_e2e.py"],
-    ["test_liveness.py", "test_smollm2.py", "test_openapi_fuzz.py"],
+    # The real model's modules together: its checkpoint build and its GGUF reference (~70 s)
+    # are session fixtures, paid once by one process instead of once by each.
+    ["test_liveness.py", "test_smollm2.py", "test_smollm2_client.py", "test_openai_client.py", "test_openapi_fuzz.py"],
 ]
 
 

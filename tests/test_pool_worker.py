@@ -55,7 +55,7 @@ def slow_polling_host(prefect_deployments, lane_workers):
         worker.stop()
 
 
-def _submit(prompts: int = 1) -> str:
+def _submit_to(pool: str, prompts: int = 1) -> str:
     from flows.submit import start_harvest_run
     from harvest.jobfiles import JobFiles
     from harvest.request import HarvestRequest
@@ -63,7 +63,11 @@ def _submit(prompts: int = 1) -> str:
     job_id = str(uuid.uuid4())
     request = HarvestRequest(model="llama-tiny", prompts=[f"wake prompt {k}" for k in range(prompts)], shard_size=1)
     url = JobFiles.for_job(job_id, open_storage(get_settings())).write_request(request)
-    return str(start_harvest_run(job_id, url, "llama-tiny", POOL, "key_wake"))
+    return str(start_harvest_run(job_id, url, "llama-tiny", pool, "key_wake"))
+
+
+def _submit(prompts: int = 1) -> str:
+    return _submit_to(POOL, prompts)
 
 
 def _history(client, run_id: str) -> dict[str, float]:
@@ -96,3 +100,35 @@ def test_a_new_run_is_taken_at_once_and_a_freed_slot_takes_the_next(slow_polling
     assert two["PENDING"] >= one["COMPLETED"] - 1.0, (one, two)
     assert two["PENDING"] - one["COMPLETED"] < TAKEN_WITHIN_S, (one, two)
     assert slow_polling_host.alive()
+
+
+def test_finish_cancel_ends_only_a_run_still_cancelling(prefect_deployments):
+    """When a run's process ends on a host, its worker finishes a cancel nobody finished
+    (`fleet.pool_worker.finish_cancel`), and leaves every other state alone. Runs on a pool no
+    worker polls, their states set as Prefect records them; read back from Prefect."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling, Completed, Pending, Running
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    from fleet.pool_worker import finish_cancel
+
+    pool = "pool-finish-cancel"
+    deploy_pool(pool)
+    runs = {}
+    # Each taken by a host first (Pending): Prefect cancels a Scheduled run outright.
+    for name, state in (("cancelling", Cancelling()), ("running", Running()), ("completed", Completed())):
+        runs[name] = _submit_to(pool)
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(runs[name], Pending(), force=True)
+            client.set_flow_run_state(runs[name], state, force=True)
+
+    async def finish(run_id: str) -> bool:
+        async with get_client() as client:
+            return await finish_cancel(client, uuid.UUID(run_id))
+
+    assert [run_coro_as_sync(finish(runs[n])) for n in ("cancelling", "running", "completed")] == [True, False, False]
+    assert run_coro_as_sync(finish(runs["cancelling"])) is False  # once: it is Cancelled now
+    with get_client(sync_client=True) as client:
+        states = {n: client.read_flow_run(r).state for n, r in runs.items()}
+    assert {n: s.type.value for n, s in states.items()} == {"cancelling": "CANCELLED", "running": "RUNNING", "completed": "COMPLETED"}
+    assert states["cancelling"].message == "Cancelled: its process ended before it ran."
