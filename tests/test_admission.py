@@ -156,6 +156,33 @@ def test_an_assessing_child_counts_tokens_without_torch(tiny):
     assert answer["tokens"] > 0
 
 
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped (the kernel's record, not the process's)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_replica_serves_submits_without_torch_until_its_first_inline_answer(harvest_home, tiny):
+    """A replica runs no engine: its start, its model list and a submit load no torch (the
+    engines' names it imports name torch for typing only); its first inline answer does, the
+    residual stream's tensors coming from its engine's child."""
+    from tests.api_fixtures import ApiServer
+
+    server = ApiServer(harvest_home, "no-torch", {"HARVEST_ENGINE": "hf"}).start()
+    try:
+        headers = {"Authorization": f"Bearer {server.make_key()}"}
+        assert http_calls.get(f"{server.base_url}/models", headers=headers, timeout=60).status_code == 200
+        submitted = http_calls.post(f"{server.base_url}/harvest", headers=headers, timeout=60,
+                                    json={"model": "llama-tiny", "prompts": ["one prompt", "and another"]})
+        assert submitted.status_code == 202, submitted.text
+        assert not _maps_torch(server.process.pid)
+        inline = http_calls.post(f"{server.base_url}/completions", headers=headers, timeout=120, json={
+            "model": "llama-tiny", "prompt": "one prompt", "max_tokens": 1, "output_residual_stream": True})
+        assert inline.status_code == 200, inline.text
+        assert _maps_torch(server.process.pid)  # the check above can tell: torch shows once loaded
+    finally:
+        server.stop()
+
+
 def test_the_largest_fitting_shard_size_is_the_largest_whose_shards_all_fit():
     from harvest.cost import largest_fitting_shard_size
 
