@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import sys
 from collections.abc import Iterator
-
 from typing import TYPE_CHECKING
 
 import numpy as np
