@@ -155,7 +155,6 @@ def deploy_pool(pool: str, entrypoint: str = "flows.harvest.harvest", name: str 
     return f"{flow.name}/{name}"
 
 
-
 def recorded_task_runs(flow_run_id, until, timeout: float = 30) -> list:
     """A flow run's task runs, read until `until(task_runs)` holds or `timeout` seconds passed.
 
@@ -172,6 +171,7 @@ def recorded_task_runs(flow_run_id, until, timeout: float = 30) -> list:
             if until(tasks) or time.monotonic() > deadline:
                 return tasks
             time.sleep(0.2)
+
 
 @dataclass
 class LaneWorkers:
