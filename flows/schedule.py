@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
     create.add_argument("--model", required=True)
     create.add_argument("--layers", help="comma-separated blocks or 'all' (default: quartiles)")
     create.add_argument("--shard-size", type=int, default=32)
-    create.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *"')
+    create.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *"; an optional sixth field is the second '
+                             '("0 3 * * * 30": 03:00:30)')
     create.add_argument("--timezone", default="UTC")
     create.add_argument("--name", type=_refresh_name, help="schedule name: letters, digits, '-', '_' (default: the corpus file's stem)")
     sub.add_parser("list", help="list scheduled refreshes")

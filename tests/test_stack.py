@@ -152,8 +152,14 @@ def test_a_schedule_fires_by_itself_and_its_dated_part_appears(stack):
     corpus = stack.home.parent / "every-minute.jsonl"
     lines = [f"scheduled line {i} of the corpus" for i in range(5)]
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    # Every minute, at the second that comes 15 s from now (cron's optional sixth field): the
+    # first run is due then, not at the next minute's boundary (up to 60 s of waiting), and the
+    # second a minute later, after this test has deleted the schedule. 15 s leaves Prefect's
+    # scheduler (a 5 s loop for new deployments) time to make the run before it is due; a run
+    # it made late is due a minute later, within the deadline below.
+    second = (int(time.time()) + 15) % 60
     made = _harvest(stack, "schedule", "create", "--corpus", str(corpus), "--model", "llama-tiny", "--layers", "1,3",
-                    "--shard-size", "2", "--cron", "* * * * *", "--name", "every-minute")
+                    "--shard-size", "2", "--cron", f"* * * * * {second}", "--name", "every-minute")
     assert made.returncode == 0, made.stderr[-3000:]
     api = stack.lines["PREFECT_UI"] + "/api"
     auth = basic_header((stack.home / "prefect-auth").read_text().strip())
@@ -167,7 +173,7 @@ def test_a_schedule_fires_by_itself_and_its_dated_part_appears(stack):
         return answer.json()
 
     try:
-        deadline = time.monotonic() + 150  # the next minute's boundary, then the run itself
+        deadline = time.monotonic() + 150  # its second, a minute later at worst, then the run itself
         while not (done := runs("COMPLETED", "FAILED", "CRASHED")):
             assert time.monotonic() < deadline, f"no scheduled run ended: {runs('SCHEDULED', 'PENDING', 'RUNNING')}"
             time.sleep(2)
