@@ -12,7 +12,7 @@ the host leaves, and all of it when the host is quiet. The replica's thread only
 body over and waits.
 
 The exchange (a socket pair, `harvest.warm.protocol`'s messages and children): `("assess",
-registry)`, then the body's bytes as they are. The child parses the body (`api.deps.parse`,
+registry)`, then the body's bytes as they are. The child parses the body (`harvest.errors.validate_body`,
 strict), checks the request against its model and counts its tokens, cheapest facts first
 (`assess`), and answers `("assessed", request, job fields)` or the error, pickled with its class (`harvest.warm.protocol.error_reply`): a 400
 names the limit and the number as before. A refused body never comes back to the replica. A
@@ -210,8 +210,8 @@ class Assessors:
 # -- the child ---------------------------------------------------------------------------------
 
 def _serve(conn: Connection) -> int:
-    from api.deps import parse
     from harvest.cpu_share import lower_priority
+    from harvest.errors import validate_body
 
     lower_priority(WORK_NICE, session=True)
     # Imported before the first submit, not while it waits: the tokenizer class of the
@@ -226,7 +226,7 @@ def _serve(conn: Connection) -> int:
             registry = message[1]
             body = conn.recv_bytes()
             try:
-                request = parse(HarvestRequest, body, strict=True)  # strict: a JSON string is not a number here
+                request = validate_body(HarvestRequest, body, strict=True)  # strict: a JSON string is not a number here
                 del body  # the parsed prompts are all that is kept
                 reply = ("assessed", request, assess(request, registry))
             except Exception as exc:  # noqa: BLE001 - this submit's error, handed to the replica

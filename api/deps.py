@@ -1,7 +1,7 @@
 """What the routes share, as typed dependencies: the app's settings, the job store, the
 registry, the storage, the run store, the watcher, the links a read hands out, and the body
-reader with its cap (`api.guard`) and parser (pydantic's errors become the 400 of
-`harvest.errors.invalid_from_pydantic`, the one translation the CLI and inline route use).
+reader with its cap (`api.guard`). A body is validated where it is assessed, in a child
+process that imports none of this module's web and SQL stack (`harvest.errors.validate_body`).
 
 The app's parts live on `app.state`, put there by its factory (`api.app.create_app`) and by
 nothing else; a route names what it needs as a parameter (`runs: Runs`, `storage: Files`)
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
-from pydantic import ValidationError
 
 from api.db import JobStore
 from api.guard import INLINE_MAX_BODY_BYTES, MAX_HARVEST_BODY_BYTES, too_large
@@ -21,7 +20,6 @@ from api.links import JobLinks, LinkSigner
 from api.runs import RunStore
 from api.settings import ApiSettings
 from api.watcher import Watcher
-from harvest.errors import invalid_from_pydantic
 from harvest.registry import Registry
 from harvest.storage import Storage
 
@@ -45,7 +43,6 @@ __all__ = [
     "base_url",
     "job_links",
     "read_body",
-    "parse",
 ]
 
 MAX_BODY_BYTES = MAX_HARVEST_BODY_BYTES
@@ -138,9 +135,3 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, advice: str =
     return b"".join(chunks)
 
 
-def parse(model, body: bytes, *, strict: bool | None = None):
-    """Validate a JSON body into `model`, or raise the 400."""
-    try:
-        return model.model_validate_json(body or b"null", strict=strict)
-    except ValidationError as exc:
-        raise invalid_from_pydantic(exc.errors()) from None

@@ -52,6 +52,7 @@ __all__ = [
     "ModelUnavailable",
     "CaptureFailed",
     "invalid_from_pydantic",
+    "validate_body",
     "echo",
     "ECHO_CHARS",
     "EngineFailed",
@@ -174,6 +175,18 @@ def echo(value: object, *, quote: bool = True, limit: int = ECHO_CHARS) -> str:
 
 
 _LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
+def validate_body(model, body: bytes, *, strict: bool | None = None):
+    """`body` (JSON) validated into the pydantic `model`, or the 400 (`invalid_from_pydantic`).
+    Here, not among the API's dependencies, so that what validates a submit (an assessing child,
+    `api.admission_process`) imports no web framework and no SQL to do it."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate_json(body or b"null", strict=strict)
+    except ValidationError as exc:
+        raise invalid_from_pydantic(exc.errors()) from None
 
 
 def invalid_from_pydantic(errors: list[dict], *, hints: Mapping[str, str] | None = None) -> InvalidRequest:

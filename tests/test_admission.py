@@ -137,17 +137,18 @@ def _brute_largest_fitting(counts: list[int], per_token: int, limit: int, below:
 
 def test_an_assessing_child_counts_tokens_without_torch(tiny):
     """What a child imports is its start's cost, paid by every replica: the request, its
-    checks and the tokenizer need no torch (nor transformers' model classes)."""
+    checks and the tokenizer need no torch (nor transformers' model classes), and validating
+    the body needs none of the replica's web framework or SQL."""
     script = (
         "import json, sys\n"
         "from api.admission_process import assess\n"
-        "from api.deps import parse\n"
+        "from harvest.errors import validate_body\n"
         "from harvest.registry import load_registry\n"
         "from harvest.settings import get_settings\n"
         "from harvest.request import HarvestRequest\n"
         "body = json.dumps({'model': 'llama-tiny', 'prompts': ['one prompt', 'and another'], 'layers': 'all'}).encode()\n"
-        "fields = assess(parse(HarvestRequest, body, strict=True), load_registry(get_settings()))\n"
-        "print(json.dumps({'tokens': fields['reserved_tokens'], 'loaded': sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules)}))\n"
+        "fields = assess(validate_body(HarvestRequest, body, strict=True), load_registry(get_settings()))\n"
+        "print(json.dumps({'tokens': fields['reserved_tokens'], 'loaded': sorted(m for m in ('torch', 'transformers.modeling_utils', 'fastapi', 'sqlalchemy') if m in sys.modules)}))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -21,12 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import json, resource, sys
 from api.admission_process import assess
-from api.deps import parse
+from harvest.errors import validate_body
 from harvest.registry import load_registry
 from harvest.request import HarvestRequest
 from harvest.settings import get_settings
 body = json.dumps({'model': 'gpt2-tiny', 'prompts': ['one prompt', 'and another']}).encode()
-fields = assess(parse(HarvestRequest, body, strict=True), load_registry(get_settings()))
+fields = assess(validate_body(HarvestRequest, body, strict=True), load_registry(get_settings()))
 print(json.dumps({
     'tokens': fields['reserved_tokens'],
     'torch': 'torch' in sys.modules,
