@@ -70,9 +70,10 @@ def main() -> None:
                         get_client(sync_client=True) as client:
                     results = []
                     for i in range(args.runs):
-                        took, message = cancel_once(client, DELAYS[i % len(DELAYS)])
-                        results.append((DELAYS[i % len(DELAYS)], took, message))
-                        print(f"  cancel {i + 1}: delay {results[-1][0]:.1f} s, {took:.1f} s, {message!r}", flush=True)
+                        delay = DELAYS[i % len(DELAYS)]
+                        took, message = cancel_once(client, delay)
+                        results.append((delay, took, message))
+                        print(f"  cancel {i + 1}: delay {delay:.1f} s, {took:.1f} s, {message!r}", flush=True)
         finally:
             for spinner in spinners:
                 spinner.kill()

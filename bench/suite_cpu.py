@@ -110,8 +110,9 @@ def main() -> int:
     for key, (command, cpu) in seen.items():
         spent = cpu - before.get(key, 0.0)
         if spent > 0:
-            by_role[role_of(command or "(no command line: a kernel thread)")] += spent
-            count[role_of(command or "(no command line: a kernel thread)")] += 1
+            role = role_of(command or "(no command line: a kernel thread or a process ending)")
+            by_role[role] += spent
+            count[role] += 1
     print(f"\n{' '.join(args.command)}: exit {code}, {wall:,.0f} s, the machine {100 * (busy1 - busy0) / (all1 - all0):.0f} % busy "
           f"({os.cpu_count()} cores); {sum(by_role.values()):,.0f} CPU-s seen in {sum(count.values())} processes")
     print(f"{'CPU-s':>8} {'procs':>6}  role")
