@@ -20,8 +20,8 @@ for it, and is killed at session end):
     parallelism as the app sets it (not the test session's). Its ``.make_key(**limits)`` works
     like ``make_key``.
 For real Prefect runs, give an ``ApiServer`` ``app=PRODUCTION_APP`` (the production factory,
-nothing swapped) and ``PREFECT_API_URL`` (as tests/test_api_stack.py does against a live
-``harvest up``); ``app=FLOW_ENV_APP`` hands those runs an environment (``testbed.flow_env_runs``).
+nothing swapped) and ``PREFECT_API_URL`` (as tests/test_stack.py does against a live
+``make run``); ``app=FLOW_ENV_APP`` hands those runs an environment (``testbed.flow_env_runs``).
 
 ``ApiServer(env).start()`` starts more servers (e.g. to kill and restart one mid-job):
 ``.kill()`` (SIGKILL), ``.start()`` again on the same port, database and storage, ``.stop()``.

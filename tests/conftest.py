@@ -75,8 +75,8 @@ def stop_engine_servers_at_the_end(tmp_path_factory):
 # the short ones fill the ends: no process is left running one long module while the others
 # idle. A stale order only costs balance, never a result.
 SLOWEST_MODULES = [
-    "test_fleet.py", "test_liveness.py", "test_warm_engines.py", "test_api_stack.py", "test_placement.py",
-    "test_stack.py", "test_client_manners.py", "test_storage_fresh.py", "test_up_s3.py", "test_scaled_control_plane.py",
+    "test_fleet.py", "test_liveness.py", "test_warm_engines.py", "test_stack.py", "test_placement.py",
+    "test_client_manners.py", "test_storage_fresh.py", "test_up_s3.py", "test_scaled_control_plane.py",
     "test_api_hardening.py",
     "test_keyless_limits.py", "test_notebooks.py", "test_architectures.py", "test_faults_stack.py", "test_openai_client.py",
     "test_submit_overload.py", "test_fidelity.py", "test_flows_ops.py", "test_storage_quota.py",
