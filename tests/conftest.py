@@ -15,8 +15,12 @@ os.environ["HARVEST_HOME"] = str(_SESSION_HOME)
 # (`harvest.built_checkpoints`: a lock beside it, renamed into place whole). The controlling
 # process, which starts them, names the folder.
 _SHARED_MODELS = "HARVEST_TEST_MODELS"
+# Likewise the empty, migrated Prefect database the session servers start from
+# (`tests.prefect_fixtures.with_migrated_database`).
+_SHARED_PREFECT_DATABASE = "HARVEST_TEST_PREFECT_DATABASE"
 if not os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault(_SHARED_MODELS, tempfile.mkdtemp(prefix="harvest-test-models-"))
+    os.environ.setdefault(_SHARED_PREFECT_DATABASE, tempfile.mkdtemp(prefix="harvest-test-prefect-db-"))
 elif not (_SESSION_HOME / "models").exists():
     (_SESSION_HOME / "models").symlink_to(os.environ[_SHARED_MODELS], target_is_directory=True)
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_HOME / "prefect"))

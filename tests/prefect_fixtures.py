@@ -5,7 +5,7 @@ Fixtures (all session-scoped; the server and workers start only when a test asks
 
 ``prefect_server`` → ``PrefectServer(api_url, ui_url, process, auth)``
     `prefect server start` on a free loopback port, SQLite under the session's HARVEST_HOME
-    (~10 s, once), with basic auth on as every role runs it (`flows.prefect_auth`; ``auth`` is
+    (`with_migrated_database`; ~8 s, once), with basic auth on as every role runs it (`flows.prefect_auth`; ``auth`` is
     its ``user:password``). Sets ``PREFECT_API_URL`` and ``PREFECT_API_AUTH_STRING`` in
     ``os.environ`` (so subprocesses such as a uvicorn API inherit them) and in this process's
     Prefect settings. Stopped at session end. A test restarting the server passes
@@ -41,9 +41,13 @@ server for that engine instead of the plain one.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
+import shutil
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,7 +57,8 @@ import pytest
 from harvest.settings import get_settings
 from harvest.storage import open_storage
 
-__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool", "recorded_task_runs", "server_env"]
+__all__ = ["PrefectServer", "LaneWorkers", "HarvestStack", "SubmittedJob", "deploy_pool", "recorded_task_runs", "server_env",
+           "with_migrated_database"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,6 +84,39 @@ class PrefectServer:
     """The server's basic-auth ``user:password``."""
 
 
+# Prefect's own schema set-up (what a server runs on start: its migrations), on the database
+# that PREFECT_API_DATABASE_CONNECTION_URL names.
+_MIGRATE = """
+import asyncio
+from prefect.server.database import provide_database_interface
+asyncio.run(provide_database_interface().create_db())
+"""
+
+
+def with_migrated_database(prefect_home: Path) -> Path:
+    """`prefect_home`, holding an empty Prefect database at Prefect's current schema where a
+    server finds it by default (SQLite, `prefect.db`): a copy of one that the test run migrated
+    once, the first of its processes to need it building it under a lock (conftest names the
+    folder). A server on a fresh database runs all of Prefect's migrations as it starts (18
+    CPU-s to ready on this 2-core box, 7.5 on a migrated one), and the suite starts several;
+    the server still checks the schema as it starts. `make run` in tests/test_stack.py meets a
+    fresh database, as a new user's does."""
+    folder = Path(os.environ["HARVEST_TEST_PREFECT_DATABASE"])
+    template = folder / "prefect.db"
+    with open(folder / "prefect.db.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and find it
+        if not template.exists():
+            staging = folder / "staging.db"
+            staging.unlink(missing_ok=True)
+            env = {**os.environ, "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{staging}"}
+            done = subprocess.run([sys.executable, "-c", _MIGRATE], env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+            os.replace(staging, template)
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, prefect_home / "prefect.db")
+    return prefect_home
+
+
 def server_env(auth: str) -> dict[str, str]:
     """The environment of a Prefect server that requires `auth`."""
     from flows.prefect_auth import SERVER_ENV
@@ -99,7 +137,7 @@ def prefect_server(harvest_home: Path):
     share_tls_context()
     port = free_port()
     auth = f"harvest-test:{secrets.token_urlsafe(24)}"
-    server, api_url = start_server(harvest_home / "prefect-server", port, server_env(auth), timeout=90)
+    server, api_url = start_server(with_migrated_database(harvest_home / "prefect-server"), port, server_env(auth), timeout=90)
     previous = {name: os.environ.get(name) for name in ("PREFECT_API_URL", CLIENT_ENV)}
     os.environ.update({"PREFECT_API_URL": api_url, CLIENT_ENV: auth})
     current = PrefectServer(api_url=api_url, ui_url=f"http://127.0.0.1:{port}", process=server, auth=auth)

@@ -18,6 +18,7 @@ import pytest
 
 from testbed import http_calls
 from tests.api_fixtures import harvest_up
+from tests.prefect_fixtures import with_migrated_database
 from tests.s3_fixtures import BUCKET, CREDENTIALS
 from tests.slow_engine import slow_shards
 
@@ -32,7 +33,9 @@ def s3_stack(tmp_path_factory, harvest_home, tiny, moto_s3):
         "HARVEST_STORAGE_URL": f"s3://{BUCKET}/{prefix}",
         "HARVEST_S3_ENDPOINT_URL": moto_s3.endpoint,
     }
-    with harvest_up(tmp_path_factory.mktemp("up-s3"), harvest_home / "models", env) as info:
+    home = tmp_path_factory.mktemp("up-s3")
+    with_migrated_database(home / "prefect")  # where `harvest up` keeps Prefect's database (`fleet.roles`)
+    with harvest_up(home, harvest_home / "models", env) as info:
         yield {**info, "prefix": prefix, "s3": moto_s3}
 
 
