@@ -4,9 +4,9 @@ and one process worker per lane. Loaded for every test by `tests/conftest.py`.
 Fixtures (all session-scoped; the server and workers start only when a test asks for them):
 
 ``prefect_server`` → ``PrefectServer(api_url, ui_url, process, auth)``
-    `prefect server start` on a free loopback port, SQLite under the session's HARVEST_HOME
-    (`with_migrated_database`; ~8 s, once), with basic auth on as every role runs it (`flows.prefect_auth`; ``auth`` is
-    its ``user:password``). Sets ``PREFECT_API_URL`` and ``PREFECT_API_AUTH_STRING`` in
+    `prefect server start` on a free loopback port, SQLite under the session's HARVEST_HOME,
+    migrated already (`with_migrated_database`; ~8 s, once), with basic auth on as every role
+    runs it (`flows.prefect_auth`; ``auth`` is its ``user:password``). Sets ``PREFECT_API_URL`` and ``PREFECT_API_AUTH_STRING`` in
     ``os.environ`` (so subprocesses such as a uvicorn API inherit them) and in this process's
     Prefect settings. Stopped at session end. A test restarting the server passes
     ``server_env(auth)`` to ``start_server``.
