@@ -137,8 +137,9 @@ def _brute_largest_fitting(counts: list[int], per_token: int, limit: int, below:
 
 def test_an_assessing_child_counts_tokens_without_torch(tiny):
     """What a child imports is its start's cost, paid by every replica: the request, its
-    checks and the tokenizer need no torch (nor transformers' model classes), and validating
-    the body needs none of the replica's web framework or SQL."""
+    checks and the built checkpoint's tokenizer need no torch and no transformers (the Rust
+    tokenizers library counts: `harvest.tokenize.load_counter`), and validating the body needs
+    none of the replica's web framework or SQL."""
     script = (
         "import json, sys\n"
         "from api.admission_process import assess\n"
@@ -148,13 +149,36 @@ def test_an_assessing_child_counts_tokens_without_torch(tiny):
         "from harvest.request import HarvestRequest\n"
         "body = json.dumps({'model': 'llama-tiny', 'prompts': ['one prompt', 'and another'], 'layers': 'all'}).encode()\n"
         "fields = assess(validate_body(HarvestRequest, body, strict=True), load_registry(get_settings()))\n"
-        "print(json.dumps({'tokens': fields['reserved_tokens'], 'loaded': sorted(m for m in ('torch', 'transformers.modeling_utils', 'fastapi', 'sqlalchemy') if m in sys.modules)}))\n"
+        "print(json.dumps({'tokens': fields['reserved_tokens'], 'loaded': sorted(m for m in ('torch', 'transformers', 'fastapi', 'sqlalchemy') if m in sys.modules)}))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["loaded"] == []
     assert answer["tokens"] > 0
+
+
+# Real text, and what tokenizers treat specially: empty and blank prompts, accents, emoji,
+# tabs and runs of spaces, CJK, and special tokens' own spellings typed as text.
+_COUNTED_TEXTS = [p for p in Path("/usr/share/common-licenses/GPL-3").read_text().split("\n\n") if p.strip()] + [
+    "", " ", "héllo wörld 🤖", "\t\ttabs  and  spaces ", "日本語のテキスト", "<s> </s> <|endoftext|> <|im_start|>"]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "smollm2-135m"])
+def test_the_counting_tokenizer_gives_the_ids_the_run_tokenizes_with(name, registry, tiny):
+    """Admission counts with the Rust tokenizers library (`load_counter`); the run tokenizes with
+    transformers' class (`load_tokenizer`). A key is charged what was counted, so on every
+    checkpoint the project builds the two must give the same ids, with and without special
+    tokens, and the same vocabulary (`max_token_chars` reads it)."""
+    from harvest.tokenize import _RustTokenizer, load_counter, load_tokenizer
+
+    path = registry.get(name).require_path()
+    counter, tokenizer = load_counter(path), load_tokenizer(path)
+    assert isinstance(counter, _RustTokenizer)  # a built checkpoint: not transformers' class again
+    for special in (True, False):
+        expected = tokenizer(_COUNTED_TEXTS, add_special_tokens=special)["input_ids"]
+        assert counter(_COUNTED_TEXTS, add_special_tokens=special)["input_ids"] == expected, special
+    assert counter.get_vocab() == tokenizer.get_vocab()
 
 
 def _maps_torch(pid: int) -> bool:
