@@ -96,14 +96,15 @@ def load_counter(path: Path):
     read once per process: for a checkpoint this project built, its `tokenizer.json` through
     the Rust library (`_RustTokenizer`: the same ids as `load_tokenizer`'s, which
     tests/test_admission.py checks on real text); for any other, `load_tokenizer`'s own."""
-    path = Path(path)
     with _LOADING:
-        if _built_with_generic_tokenizer(path):
-            return _read_rust_once(path)
-        return _read_once(path)
+        return _counter_once(Path(path))
 
 
-_read_rust_once = lru_cache(maxsize=8)(_RustTokenizer)
+@lru_cache(maxsize=8)
+def _counter_once(path: Path):
+    """`load_counter`'s choice and tokenizer, made once per checkpoint: a submit reads no file
+    to find it again."""
+    return _RustTokenizer(path) if _built_with_generic_tokenizer(path) else _read_once(path)
 
 
 def _built_with_generic_tokenizer(path: Path) -> bool:

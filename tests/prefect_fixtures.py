@@ -8,8 +8,8 @@ Fixtures (all session-scoped; the server and workers start only when a test asks
     migrated already (`with_migrated_database`; ~8 s, once), with basic auth on as every role
     runs it (`flows.prefect_auth`; ``auth`` is its ``user:password``). Sets ``PREFECT_API_URL``
     and ``PREFECT_API_AUTH_STRING`` in ``os.environ`` (so subprocesses such as a uvicorn API
-    inherit them) and in this process's Prefect settings. Stopped at session end. A test restarting the server passes
-    ``server_env(auth)`` to ``start_server``.
+    inherit them) and in this process's Prefect settings. Stopped at session end. A test
+    restarting the server passes ``server_env(auth)`` to ``start_server``.
 
 ``prefect_deployments`` → list of deployment names
     infra/prefect.yaml applied: pools ``small`` (limit 3) and ``large`` (limit 1),
