@@ -164,7 +164,15 @@ _COUNTED_TEXTS = [p for p in Path("/usr/share/common-licenses/GPL-3").read_text(
     "", " ", "héllo wörld 🤖", "\t\ttabs  and  spaces ", "日本語のテキスト", "<s> </s> <|endoftext|> <|im_start|>"]
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "smollm2-135m"])
+# Every checkpoint the project builds: the embedded model, the real one, and one per family
+# (each family's tokenizer has its own BOS, EOS and whether it adds one).
+BUILT_CHECKPOINTS = [
+    "llama-tiny", "smollm2-135m", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "qwen3-moe-tiny", "gemma2-tiny",
+    "gemma3-tiny", "gpt2-tiny", "pythia-tiny", "olmo2-tiny", "phi3-tiny", "trinity-tiny",
+]
+
+
+@pytest.mark.parametrize("name", BUILT_CHECKPOINTS)
 def test_the_counting_tokenizer_gives_the_ids_the_run_tokenizes_with(name, registry, tiny):
     """Admission counts with the Rust tokenizers library (`load_counter`); the run tokenizes with
     transformers' class (`load_tokenizer`). A key is charged what was counted, so on every
@@ -172,6 +180,8 @@ def test_the_counting_tokenizer_gives_the_ids_the_run_tokenizes_with(name, regis
     tokens, and the same vocabulary (`max_token_chars` reads it)."""
     from harvest.tokenize import _RustTokenizer, load_counter, load_tokenizer
 
+    # No built entry of the registry is left out of the list above.
+    assert {m.name for m in registry.all() if m.build_target is not None} <= set(BUILT_CHECKPOINTS)
     path = registry.get(name).require_path()
     counter, tokenizer = load_counter(path), load_tokenizer(path)
     assert isinstance(counter, _RustTokenizer)  # a built checkpoint: not transformers' class again
